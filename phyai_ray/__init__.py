@@ -1,0 +1,54 @@
+"""phyai-ray: serve PyTorch models on Ray behind one `Engine` interface.
+
+    from phyai_ray import Engine, EngineArgs
+    with Engine(EngineArgs(plugin="reference_dit")) as engine:
+        out = engine.step({"tokens": ...})
+
+`import phyai_ray` starts nothing and imports neither Ray nor torch; names load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "phyai_ray.engine",
+    "EngineArgs": "phyai_ray.config.engine",
+    "EngineConfig": "phyai_ray.config.engine",
+    "DeviceConfig": "phyai_ray.config.engine",
+    "ParallelConfig": "phyai_ray.config.parallel",
+    "OuterParallelConfig": "phyai_ray.config.parallel",
+    "DenseParallelConfig": "phyai_ray.config.parallel",
+    "AttentionParallelConfig": "phyai_ray.config.parallel",
+    "MoeParallelConfig": "phyai_ray.config.parallel",
+    "DeploymentConfig": "phyai_ray.config.deployment",
+    "WorkerSupervisorConfig": "phyai_ray.config.deployment",
+    "Entry": "phyai_ray.plugins.entry",
+    "register_plugin": "phyai_ray.plugins.registry",
+    "P": "phyai_ray.collectives",
+    "RankContext": "phyai_ray.plugins.context",
+    "PhyAIError": "phyai_ray.errors",
+    "ParallelConfigError": "phyai_ray.errors",
+    "DeploymentConfigError": "phyai_ray.errors",
+    "PluginError": "phyai_ray.errors",
+    "StartupError": "phyai_ray.errors",
+    "EngineUnavailableError": "phyai_ray.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phyai_ray' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,125 @@
+"""Where replicas run: inline, local Ray actors, an existing Ray cluster, or torchrun ranks.
+
+| condition                                         | mode     |
+|---------------------------------------------------|----------|
+| one rank, one replica, no explicit `devices`      | inline   |
+| ranks > 1 or replicas > 1, or explicit `devices`  | local    |
+| `DeploymentConfig.cluster(address=...)`           | cluster  |
+| `DeploymentConfig.external()`                     | external |
+
+`worker_count = replica_count * ranks_per_replica`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from phyai_ray.errors import DeploymentConfigError
+
+Mode = Literal["auto", "inline", "local", "cluster", "external"]
+Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+class WorkerSupervisorConfig(BaseModel):
+    """Ports and deadlines of managed (Ray) rank workers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_port: int | None = Field(
+        None, ge=1024, le=65535 - 1024,
+        description="First torch.distributed rendezvous port; replica i uses base_port + i. None picks a free port.")
+    execution_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one request, counted from submission (queueing included); "
+        "past it the replica group is failed and killed.")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline for a replica to be placed, form its process groups and load the plugin.")
+    rpc_timeout_s: float = Field(
+        120.0, gt=0, description="Default deadline of collective_rpc calls.")
+    liveness_interval_s: float = Field(
+        0.25, gt=0, le=5, description="How often rank liveness is checked; a dead rank is noticed within ~4x this.")
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline for stopping workers and removing placement groups on close.")
+
+
+class DeploymentConfig(BaseModel):
+    """How many replicas, and where their ranks run. Topology of one replica is in ParallelConfig."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = Field("auto", description="auto, inline, local, cluster or external (see the module table).")
+    replica_count: int = Field(1, ge=1, le=1024, description="Independent model replicas; they share no process group.")
+    devices: tuple[int, ...] | None = Field(
+        None, description="Logical device index per rank, replica after replica (CUDA_VISIBLE_DEVICES order). "
+        "Explicit devices select local mode.")
+    process_config: WorkerSupervisorConfig = Field(
+        default_factory=WorkerSupervisorConfig, description="Ports and deadlines of the rank workers.")
+    address: str | None = Field(
+        None, description="Ray address for cluster mode ('auto', 'ray://host:10001', 'host:6379').")
+    placement_strategy: Strategy = Field(
+        "STRICT_PACK", description="Placement-group strategy of each replica's bundles (STRICT_PACK keeps a "
+        "replica on one node).")
+    spread_replicas: bool = Field(
+        True, description="Prefer different nodes for different replicas where the cluster allows.")
+    cpus_per_rank: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per rank bundle.")
+    runtime_env: dict[str, Any] | None = Field(
+        None, description="Ray runtime_env for the rank actors (e.g. working_dir, pip, env_vars).")
+    ray_init_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra ray.init() arguments used when the engine starts or joins Ray (local mode).")
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, devices: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if devices is not None:
+            if not devices:
+                raise DeploymentConfigError("devices=() lists no device; pass None to let Ray assign devices")
+            if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+                raise DeploymentConfigError(f"devices={devices} must be distinct non-negative indices, e.g. (0, 1)")
+        return devices
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> "DeploymentConfig":
+        if self.address is not None and self.mode not in ("cluster", "auto"):
+            raise DeploymentConfigError(f"address={self.address!r} only applies to mode='cluster', not {self.mode!r}")
+        if self.mode in ("inline", "external") and self.devices is not None:
+            raise DeploymentConfigError(
+                f"devices={self.devices} needs managed workers; mode={self.mode!r} runs in the caller's process(es)")
+        if self.mode in ("inline", "external") and self.replica_count != 1:
+            raise DeploymentConfigError(
+                f"mode={self.mode!r} runs exactly one replica, got replica_count={self.replica_count}; use "
+                "DeploymentConfig.local(replica_count=...) or start one launcher job per replica")
+        return self
+
+    @classmethod
+    def local(cls, devices: tuple[int, ...] | None = None, replica_count: int = 1,
+              process_config: WorkerSupervisorConfig | None = None, **kwargs: Any) -> "DeploymentConfig":
+        """Ray actors on this machine; starts a local Ray instance when none is running."""
+        return cls(mode="local", devices=devices, replica_count=replica_count,
+                   process_config=process_config or WorkerSupervisorConfig(), **kwargs)
+
+    @classmethod
+    def cluster(cls, address: str = "auto", replica_count: int = 1,
+                process_config: WorkerSupervisorConfig | None = None, **kwargs: Any) -> "DeploymentConfig":
+        """Attach to an existing Ray cluster; replicas may land on any node."""
+        return cls(mode="cluster", address=address, replica_count=replica_count,
+                   process_config=process_config or WorkerSupervisorConfig(), **kwargs)
+
+    @classmethod
+    def external(cls, **kwargs: Any) -> "DeploymentConfig":
+        """Ranks started by an external launcher (torchrun): each process is one rank of one replica."""
+        return cls(mode="external", **kwargs)
+
+    def resolve_mode(self, ranks_per_replica: int) -> str:
+        """The mode `auto` stands for, by the module table."""
+        if self.mode == "inline" and ranks_per_replica != 1:
+            raise DeploymentConfigError(
+                f"mode='inline' runs one rank, but the parallel config needs {ranks_per_replica} ranks per replica; "
+                "use DeploymentConfig.local() or DeploymentConfig.external() under torchrun")
+        if self.mode != "auto":
+            return self.mode
+        if self.address is not None:
+            return "cluster"
+        if ranks_per_replica > 1 or self.replica_count > 1 or self.devices is not None:
+            return "local"
+        return "inline"

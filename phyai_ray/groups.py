@@ -1,0 +1,111 @@
+"""The named process groups of one rank, and which set is active in this process.
+
+`GroupSet` maps every group name of the topology (`world`, `pp`, `dense_tp`, ...) to its members
+and, for groups larger than one rank, a torch.distributed process group. All ranks build the
+process groups in the same order (every distinct member tuple of every name, deduplicated), which
+`torch.distributed.new_group` requires.
+
+The active set is looked up per context first (an inline engine runs its plugin with a world of
+one), then per process (a rank actor or torchrun process installs its set once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from typing import Any, Iterator
+
+from placement.topology import GROUP_NAMES, Topology
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE: contextvars.ContextVar["GroupSet | None"] = contextvars.ContextVar("phyai_ray_groups", default=None)
+_PROCESS: list["GroupSet | None"] = [None]
+
+
+class GroupSet:
+    """Members and process groups of every named group of one rank."""
+
+    def __init__(self, topology: Topology, rank: int, handles: dict[str, Any] | None = None,
+                 backend: str | None = None) -> None:
+        self.topology, self.rank, self.backend = topology, rank, backend
+        self.members = topology.rank_groups(rank)
+        self.handles = handles or {}
+
+    @classmethod
+    def single(cls, topology: Topology | None = None) -> "GroupSet":
+        """A world of one rank: every group is the identity, no torch.distributed needed."""
+        if topology is None:
+            topology = Topology(1, 1, (("dense", (("dp", 1), ("tp", 1))),
+                                       ("attention", (("dp", 1), ("cp", 1), ("tp", 1))),
+                                       ("moe", (("dp", 1), ("ep", 1), ("tp", 1)))))
+        if topology.world_size != 1:
+            raise ValueError(f"GroupSet.single needs a 1-rank topology, got {topology.world_size} ranks")
+        return cls(topology, 0)
+
+    @classmethod
+    def build(cls, topology: Topology, rank: int, backend: str) -> "GroupSet":
+        """Create the process groups (collective: every rank of the replica must call this)."""
+        import torch.distributed as dist
+
+        made: dict[tuple[int, ...], Any] = {}
+        for name in GROUP_NAMES[1:]:
+            for ranks in topology.groups(name):
+                if len(ranks) > 1 and ranks != tuple(range(topology.world_size)) and ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks))
+        members = topology.rank_groups(rank)
+        handles = {n: (dist.group.WORLD if m == tuple(range(topology.world_size)) else made.get(m))
+                   for n, m in members.items() if len(m) > 1}
+        return cls(topology, rank, handles, backend)
+
+    def size(self, name: str) -> int:
+        return len(self._members(name))
+
+    def group_rank(self, name: str) -> int:
+        return self._members(name).index(self.rank)
+
+    def global_rank(self, name: str, group_rank: int) -> int:
+        members = self._members(name)
+        if not 0 <= group_rank < len(members):
+            raise ValueError(f"group rank {group_rank} is outside group {name!r} of size {len(members)}")
+        return members[group_rank]
+
+    def handle(self, name: str) -> Any:
+        self._members(name)
+        if name not in self.handles:
+            raise RuntimeError(f"group {name!r} has {self.size(name)} ranks but no process group was built; "
+                               "torch.distributed is not initialised in this process")
+        return self.handles[name]
+
+    def _members(self, name: str) -> tuple[int, ...]:
+        try:
+            return self.members[name]
+        except KeyError:
+            raise KeyError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}") from None
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator["GroupSet"]:
+        """Make this set the one `P` uses in the current context."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def install(self) -> None:
+        """Make this set the process-wide default (one rank per process)."""
+        _PROCESS[0] = self
+
+
+def active() -> GroupSet:
+    """The group set of the running plugin; a world of one when none is installed."""
+    current = _ACTIVE.get() or _PROCESS[0]
+    return current if current is not None else _SINGLE
+
+
+def uninstall() -> None:
+    _PROCESS[0] = None
+
+
+_SINGLE = GroupSet.single()

@@ -1,0 +1,63 @@
+"""`Entry`: what a plugin declares, and how the engine checks a topology against it.
+
+    @register_plugin
+    class TinyTPEntry(Entry):
+        name = "tiny_tp"
+        parallel_domains = frozenset({"dense"})
+        def create(self, plugin_args, ctx):
+            return TinyTP(plugin_args, ctx)
+
+By default a plugin declares no domain, so it runs on one rank only: a topology it cannot run
+fails before any worker starts instead of silently running unrelated copies of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from phyai_ray.errors import ParallelConfigError
+
+KNOWN_DOMAINS = frozenset({"dense", "attention", "moe", "pipeline", "cfg"})
+
+
+def axis_domain(axis: str) -> str:
+    """The domain an axis of `ParallelConfig.split_axes()` belongs to: dense_tp -> dense, pp -> pipeline."""
+    return {"pp": "pipeline", "cfg": "cfg"}.get(axis, axis.split("_")[0])
+
+
+class Entry:
+    """Base class of a plugin. Subclass it, set `name`, implement `create`."""
+
+    name: ClassVar[str] = ""
+    parallel_domains: ClassVar[frozenset[str]] = frozenset()
+    request_model: ClassVar[Any] = None  # optional pydantic model describing one request (HTTP body)
+
+    def validate_parallel(self, parallel: Any) -> None:
+        """Tighten the topology rules; raise `ParallelConfigError` with the numbers to reject one."""
+
+    def validate_request(self, request: Any) -> None:
+        """Reject a bad request in the dispatcher, before any rank sees it (raise any exception)."""
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
+        """Build the per-rank model; it needs a `step(request)` method."""
+        raise NotImplementedError(f"plugin {self.display_name()} must implement create(plugin_args, ctx)")
+
+    def display_name(self) -> str:
+        return self.name or type(self).__qualname__
+
+    def check_parallel(self, parallel: Any) -> None:
+        """Reject axes in undeclared domains, then run the plugin's own `validate_parallel`."""
+        unknown = set(self.parallel_domains) - KNOWN_DOMAINS
+        if unknown:
+            raise ParallelConfigError(
+                f"plugin {self.display_name()} declares unknown parallel_domains {sorted(unknown)}; "
+                f"known domains: {sorted(KNOWN_DOMAINS)}")
+        undeclared = {a: s for a, s in parallel.split_axes().items()
+                      if axis_domain(a) not in self.parallel_domains}
+        if undeclared:
+            shown = ", ".join(f"{a}={s}" for a, s in undeclared.items())
+            declared = sorted(self.parallel_domains) or "none (single rank only)"
+            raise ParallelConfigError(
+                f"plugin {self.display_name()} implements parallel domains {declared}, but the config "
+                f"splits {shown}; use a topology within those domains, or a plugin that declares them")
+        self.validate_parallel(parallel)
