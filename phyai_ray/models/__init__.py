@@ -1,0 +1,1 @@
+"""Built-in plugins: the reference parallel transformer and the MiniLM sentence encoder."""
