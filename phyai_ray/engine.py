@@ -1,0 +1,145 @@
+"""`Engine`: the one interface, whatever the deployment.
+
+    engine = Engine(EngineArgs(plugin="reference_dit"), DeploymentConfig.local(replica_count=2))
+    future = engine.submit(request)          # concurrent.futures.Future
+    result = engine.step(request)            # submit + wait
+    engine.close()                           # idempotent; also `with Engine(...) as engine:`
+
+The engine validates the topology against the plugin before anything starts, picks the backend
+(`engine.mode`), and routes each whole request to one replica through the dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, wait
+from typing import Any
+
+from phyai_ray.config.deployment import DeploymentConfig
+from phyai_ray.config.engine import EngineArgs
+from phyai_ray.dispatcher import RequestDispatcher
+from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.executors import ReplicaStatus, create_executors
+from phyai_ray.plugins.registry import resolve_plugin
+from placement.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+_WAIT_GRACE_S = 30.0  # step() waits this long past execution_timeout_s before giving up itself
+
+
+class Engine:
+    """Serve one plugin: `step`, `submit`, `collective_rpc`, `replica_status`, `close`. Thread-safe."""
+
+    def __init__(self, args: EngineArgs, deployment: DeploymentConfig | None = None) -> None:
+        self.args = args
+        self.deployment = deployment or DeploymentConfig()
+        self.entry = resolve_plugin(args.plugin)
+        parallel = args.config.parallel
+        self.entry.check_parallel(parallel)
+        self.topology = Topology.from_parallel(parallel)
+        self.mode: str = self.deployment.resolve_mode(self.topology.world_size)
+        logger.info("phyai-ray engine: plugin=%s mode=%s replicas=%d topology: %s", self.entry.display_name(),
+                    self.mode, self.deployment.replica_count, parallel.describe())
+        self._executors = create_executors(self.mode, self.entry, args, self.deployment)
+        self._dispatcher = RequestDispatcher(self._executors)
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, request: Any) -> Future:
+        """Validate `request` (the plugin's validator raises here), route it, return its future."""
+        self._check_open()
+        self.entry.validate_request(request)
+        return self._dispatcher.submit(request)
+
+    def step(self, request: Any, timeout: float | None = None) -> Any:
+        """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace)."""
+        future = self.submit(request)
+        limit = timeout if timeout is not None else self._default_wait_s()
+        try:
+            return future.result(timeout=limit)
+        except TimeoutError:
+            if future.done():
+                raise
+            raise TimeoutError(f"step() waited {limit:.1f}s for a result; the request keeps its place and "
+                               "its future still resolves (use submit() to keep it)") from None
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, replica: int | None = None,
+                       all_ranks: bool = False, **kwargs: Any) -> Any:
+        """Call `method` of the per-rank model on every rank of one replica (`replica=i`) or of all.
+
+        Returns the output rank's reply (every rank's, in rank order, with `all_ranks=True`);
+        for `replica=None`, a list with one entry per replica.
+        """
+        self._check_open()
+        timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
+        targets = self._rpc_targets(replica)
+        futures = [e.collective_rpc(method, args, kwargs, timeout_s, all_ranks) for e in targets]
+        done, _ = wait(futures, timeout=timeout_s + _WAIT_GRACE_S)
+        replies = [self._rpc_reply(e, f, done, method) for e, f in zip(targets, futures)]
+        return replies[0] if replica is not None else replies
+
+    def _rpc_targets(self, replica: int | None) -> list:
+        if replica is not None and not 0 <= replica < len(self._executors):
+            raise ValueError(f"replica={replica} is out of range; this engine has {len(self._executors)} replica(s)")
+        targets = self._executors if replica is None else [self._executors[replica]]
+        failed = [e for e in targets if not e.healthy]
+        if failed:
+            raise failed[0]._unavailable()
+        return targets
+
+    @staticmethod
+    def _rpc_reply(executor: Any, future: Future, done: set, method: str) -> Any:
+        if future not in done:
+            raise TimeoutError(f"collective_rpc({method!r}) on replica {executor.index} got no reply in time")
+        return future.result()
+
+    # -- status -----------------------------------------------------------------------------
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Per-replica health, in-flight, served and failure cause; never waits on a step."""
+        out = []
+        for e in self._executors:
+            in_flight, served, errored = self._dispatcher.counts(e.index)
+            f = e.failure
+            out.append(ReplicaStatus(
+                index=e.index, healthy=e.healthy, world_size=e.world_size, in_flight=in_flight, served=served,
+                errored=errored, failure=str(f) if f else None, failure_reason=f.reason if f else None,
+                failed_rank=f.rank if f else None, nodes=e.nodes()))
+        return out
+
+    @property
+    def healthy(self) -> bool:
+        """Whether at least one replica can serve."""
+        return not self._closed and any(e.healthy for e in self._executors)
+
+    @property
+    def replica_count(self) -> int:
+        return len(self._executors)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Fail or cancel unfinished work, stop every worker, release placement groups. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for executor in self._executors:
+            try:
+                executor.close()
+            except Exception:  # keep closing the others; the cause is logged
+                logger.exception("closing replica %d failed", executor.index)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineUnavailableError("the engine is closed; create a new Engine", reason="closed")
+
+    def _default_wait_s(self) -> float:
+        return self.deployment.process_config.execution_timeout_s + _WAIT_GRACE_S

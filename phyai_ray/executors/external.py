@@ -1,0 +1,84 @@
+"""External executor: ranks started by a launcher such as torchrun.
+
+Run one process per rank, e.g. `torchrun --nproc_per_node=2 examples/reference_torchrun.py`. Each
+process is one rank of ONE replica; the engine does not broadcast, so every rank must call
+`step()` with the same requests in the same order. The output rank returns the result, the others
+`None`. The process groups come from the same topology as every other mode; RANK / WORLD_SIZE only
+say which process this is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from phyai_ray.errors import DeploymentConfigError
+from phyai_ray.executors.inline import InlineExecutor
+from phyai_ray.plugins.entry import Entry
+from phyai_ray.worker import RankRunner, destroy_distributed, init_distributed, make_context
+from placement.topology import Topology
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's variables; a clear error when the process was not started by one."""
+    environ = os.environ if environ is None else environ
+    missing = [v for v in _LAUNCHER_VARS if v not in environ]
+    if missing:
+        raise DeploymentConfigError(
+            f"DeploymentConfig.external() needs the launcher's {', '.join(missing)} in the environment; "
+            "start the script with e.g. `torchrun --nproc_per_node=2 script.py`")
+    return {v: environ[v] for v in _LAUNCHER_VARS}
+
+
+def check_world(topology: Topology, env: dict[str, str]) -> int:
+    """This process's rank; the launcher's world must be exactly one replica."""
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    if world != topology.world_size:
+        raise DeploymentConfigError(
+            f"the launcher started WORLD_SIZE={world} processes but the parallel config needs "
+            f"{topology.world_size} ranks per replica; use --nproc_per_node/--nnodes that multiply to "
+            f"{topology.world_size}, or change ParallelConfig")
+    return rank
+
+
+class ExternalExecutor(InlineExecutor):
+    """One rank of a launcher-started replica, run on the engine's thread in this process."""
+
+    mode = "external"
+
+    def __init__(self, entry: Entry, plugin_args: dict[str, Any], parallel: Any, device_config: Any, *,
+                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0) -> None:
+        topology = Topology.from_parallel(parallel)
+        env = launcher_env()
+        rank = check_world(topology, env)
+        self.rank, self.output_rank = rank, topology.output_rank
+
+        def build() -> RankRunner:
+            device = _device(device_config.resolve_target(), int(env["LOCAL_RANK"]))
+            groups = init_distributed(topology, rank, device.type, "env://", startup_timeout_s)
+            groups.install()
+            ctx = make_context(topology=topology, groups=groups, rank=rank, replica_index=0, device=device,
+                               dtype=device_config.torch_dtype(), parallel=parallel, local_rank=int(env["LOCAL_RANK"]))
+            return RankRunner(entry, plugin_args, ctx)
+
+        super().__init__(build, index=0, world_size=topology.world_size, execution_timeout_s=execution_timeout_s,
+                         startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
+
+    def close(self) -> None:
+        super().close()
+        if not getattr(self, "_destroyed", False):
+            self._destroyed = True
+            from phyai_ray.groups import uninstall
+            uninstall()
+            destroy_distributed()
+
+
+def _device(target: str, local_rank: int) -> Any:
+    import torch
+
+    if target == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,71 @@
+"""Deterministic full weights of the reference transformer.
+
+Every rank generates the FULL tensors of the parts it needs with a seeded `torch.Generator`
+and slices its shard; nothing is loaded or communicated. Each part (embeddings, block i, head)
+has its own generator seeded from `(seed, part)`, so a pipeline stage only generates its own
+blocks and the values never depend on the topology:
+
+    part id  0           embeddings (tokens, positions, condition labels incl. the null label)
+    part id  1 + i       block i (attention, then a dense or MoE MLP)
+    part id  1 + layers  final head
+
+Weights are N(0, 1/fan_in), biases N(0, 0.02^2): activations stay O(1) through the blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+class _Draw:
+    """Draws tensors in a fixed order from one seeded generator."""
+
+    def __init__(self, seed: int, part: int) -> None:
+        self.gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + part)
+
+    def weight(self, *shape: int) -> torch.Tensor:
+        fan_in = shape[-1]
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float32) / fan_in ** 0.5
+
+    def bias(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float32) * 0.02
+
+
+def embedding_weights(cfg: ReferenceDiTConfig) -> Weights:
+    """Token [vocab, dim], position [max_seq, dim], label [classes + 1, dim] (row `classes` is null)."""
+    draw = _Draw(cfg.seed, 0)
+    return {"tokens": draw.weight(cfg.vocab, cfg.dim) * cfg.dim ** 0.5,
+            "positions": draw.bias(cfg.max_seq, cfg.dim) * 10,
+            "labels": draw.weight(cfg.classes + 1, cfg.dim) * cfg.dim ** 0.5}
+
+
+def block_weights(cfg: ReferenceDiTConfig, index: int) -> Weights:
+    """Attention (q, k, v, o as [out, in]) plus a dense MLP or a MoE MLP for block `index`."""
+    draw = _Draw(cfg.seed, 1 + index)
+    d = cfg.dim
+    out = {"wq": draw.weight(d, d), "wk": draw.weight(d, d), "wv": draw.weight(d, d),
+           "wo": draw.weight(d, d), "bo": draw.bias(d)}
+    if cfg.is_moe_block(index):
+        e, h = cfg.experts, cfg.expert_width
+        out.update(router=draw.weight(e, d), w1=draw.weight(e, h, d), b1=draw.bias(e, h),
+                   w2=draw.weight(e, d, h), b2=draw.bias(e, d))
+    else:
+        out.update(w1=draw.weight(cfg.hidden, d), b1=draw.bias(cfg.hidden),
+                   w2=draw.weight(d, cfg.hidden), b2=draw.bias(d))
+    return out
+
+
+def head_weights(cfg: ReferenceDiTConfig) -> Weights:
+    """Output projection [vocab, dim] and bias [vocab]."""
+    draw = _Draw(cfg.seed, 1 + cfg.layers)
+    return {"w": draw.weight(cfg.vocab, cfg.dim), "b": draw.bias(cfg.vocab)}
+
+
+def shard(tensor: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
+    """Contiguous chunk `index` of `count` equal chunks along `dim` (a copy, so the full tensor can go)."""
+    size = tensor.shape[dim] // count
+    return tensor.narrow(dim, index * size, size).clone()

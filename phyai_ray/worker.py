@@ -1,0 +1,82 @@
+"""What one rank does, whoever hosts it (the caller's thread, a torchrun process, a Ray actor).
+
+`RankRunner` owns the plugin's per-rank model and runs its `step` and public methods with the
+rank's named groups active; `init_distributed` forms the replica's torch.distributed world and
+its named groups. Ray is not imported here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+from phyai_ray.groups import GroupSet
+from phyai_ray.plugins.context import RankContext
+from phyai_ray.plugins.entry import Entry
+from placement.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+def backend_for(device_type: str) -> str:
+    """gloo for CPU ranks; NCCL for CUDA (with gloo kept for CPU tensors)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(topology: Topology, rank: int, device_type: str, init_method: str,
+                     timeout_s: float) -> GroupSet:
+    """Join the replica's world (collective over all its ranks) and build its named groups."""
+    import torch.distributed as dist
+
+    if topology.world_size == 1:
+        return GroupSet(topology, 0)
+    backend = backend_for(device_type)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=topology.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    elif dist.get_world_size() != topology.world_size or dist.get_rank() != rank:
+        raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                           f"{dist.get_world_size()}, but this replica needs rank {rank} of {topology.world_size}")
+    return GroupSet.build(topology, rank, backend)
+
+
+def destroy_distributed() -> None:
+    """Tear down every process group of this process, if any."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankRunner:
+    """The plugin model of one rank, run with that rank's groups active."""
+
+    def __init__(self, entry: Entry, plugin_args: dict[str, Any], ctx: RankContext) -> None:
+        self.entry, self.ctx = entry, ctx
+        with ctx.groups.activate():
+            self.model = entry.create(plugin_args, ctx)
+        if not callable(getattr(self.model, "step", None)):
+            raise TypeError(f"plugin {entry.display_name()}: create() returned {type(self.model).__name__}, "
+                            "which has no step(request) method")
+
+    def step(self, request: Any) -> Any:
+        """Run one request; the output rank returns the result, the others None."""
+        with self.ctx.groups.activate():
+            out = self.model.step(request)
+        return out if self.ctx.is_output_rank else None
+
+    def call(self, method: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Call a public method of the per-rank model (collective_rpc)."""
+        fn = getattr(self.model, method, None) if not method.startswith("_") else None
+        if not callable(fn):
+            raise AttributeError(f"plugin {self.entry.display_name()}: per-rank model "
+                                 f"{type(self.model).__name__} has no public method {method!r}")
+        with self.ctx.groups.activate():
+            return fn(*args, **(kwargs or {}))
+
+
+def make_context(*, topology: Topology, groups: GroupSet, rank: int, replica_index: int, device: Any,
+                 dtype: Any, parallel: Any, local_rank: int = 0, node_id: str | None = None) -> RankContext:
+    return RankContext(rank=rank, world_size=topology.world_size, replica_index=replica_index, device=device,
+                       dtype=dtype, parallel=parallel, groups=groups, local_rank=local_rank, node_id=node_id)

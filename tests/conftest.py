@@ -1,0 +1,93 @@
+"""Shared fixtures: one Ray instance per session, a leak check after every Ray test, GPU gating.
+
+Ray tests take the `ray_session` fixture (or are marked `ray`); after each such test no actor of
+ours may be alive and no placement group may remain (read from Ray's GCS tables, which work
+without the dashboard).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+RAY_CPUS = 8
+
+
+def requires_gpus(n: int):
+    """Skip unless `n` CUDA GPUs are visible: `@requires_gpus(2)`."""
+    try:
+        import torch
+        have = torch.cuda.device_count()
+    except Exception:
+        have = 0
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU(s), found {have}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("gpu") and not _gpu_count():
+            item.add_marker(pytest.mark.skip(reason="gpu test: no CUDA GPU visible"))
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance with enough logical CPUs for several rank actors."""
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    yield ray
+    ray.shutdown()
+
+
+def live_actors() -> list[dict]:
+    """Actors of ours (phyai-ray rank actors and helpers) that are not dead, from the GCS table."""
+    import ray
+
+    table = ray._private.state.actors()
+    return [a for a in table.values() if a.get("State") != "DEAD" and _ours(a)]
+
+
+def live_placement_groups() -> list[dict]:
+    import ray
+
+    return [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+
+
+def _ours(actor: dict) -> bool:
+    name = actor.get("ActorClassName", "") or ""
+    return "phyai" in name.lower() or "Rank" in name or "Probe" in name
+
+
+def wait_for_no_leaks(timeout_s: float = 15.0) -> tuple[list, list]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors, pgs = live_actors(), live_placement_groups()
+        if (not actors and not pgs) or time.monotonic() > deadline:
+            return actors, pgs
+        time.sleep(0.2)
+
+
+@pytest.fixture(autouse=True)
+def _ray_leak_check(request):
+    """After every Ray test: zero actors of ours and zero placement groups left."""
+    yield
+    if "ray_session" not in request.fixturenames:
+        return
+    actors, pgs = wait_for_no_leaks()
+    assert not actors, f"leaked actors: {[(a.get('ActorClassName'), a.get('State')) for a in actors]}"
+    assert not pgs, f"leaked placement groups: {[(p.get('name'), p.get('state')) for p in pgs]}"
