@@ -197,38 +197,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_text(ns: argparse.Namespace) -> str:
     """The dry-run report of `phyai-ray plan`: no Ray import, nothing started."""
-    from placement.bundles import describe_plan, plan_replicas
-    from placement.topology import GROUP_NAMES, Topology
-
     engine, deployment = build_configs(ns)
     parallel, device = engine.config.parallel, engine.config.device
-    checked = []
-    if ns.plugin is not None:
-        from phyai_ray.plugins.registry import resolve_plugin
-        entry = resolve_plugin(ns.plugin)
-        entry.check_parallel(parallel)
-        checked = [f"plugin: {entry.display_name()} accepts this topology"]
     ranks = parallel.infer_replica_world_size()
     mode = deployment.resolve_mode(ranks)
+    target = device.resolve_target()  # auto asks torch whether this machine sees a GPU
     lines = [f"parallel: {parallel.describe()}", f"ranks per replica: {ranks}",
              f"replicas: {deployment.replica_count}", f"workers: {deployment.replica_count * ranks}",
-             f"mode: {deployment.mode} -> {mode}"]
-    target = device.resolve_target()  # auto asks torch whether this machine sees a GPU
-    lines.append(f"device: {device.target} -> {target} ({device.params_dtype})")
-    if mode in ("local", "cluster"):
-        use_gpu = target == "cuda"
-        plans = plan_replicas(ranks_per_replica=ranks, replica_count=deployment.replica_count, use_gpu=use_gpu,
-                              cpus_per_rank=deployment.cpus_per_rank, strategy=deployment.placement_strategy,
-                              devices=deployment.devices)
-        lines += ["bundles:"] + ["  " + line for line in describe_plan(plans).splitlines()]
-    else:
-        lines.append(f"bundles: none ({mode} mode starts no placement groups)")
+             f"mode: {deployment.mode} -> {mode}", f"device: {device.target} -> {target} ({device.params_dtype})"]
+    lines += _bundle_lines(deployment, ranks, mode, use_gpu=target == "cuda")
+    if ns.plugin is not None:
+        lines.append(_check_plugin(ns.plugin, parallel))
+    return "\n".join(lines + _group_lines(parallel))
+
+
+def _bundle_lines(deployment: DeploymentConfig, ranks: int, mode: str, use_gpu: bool) -> list[str]:
+    from placement.bundles import describe_plan, plan_replicas
+
+    if mode not in ("local", "cluster"):
+        return [f"bundles: none ({mode} mode starts no placement groups)"]
+    plans = plan_replicas(ranks_per_replica=ranks, replica_count=deployment.replica_count, use_gpu=use_gpu,
+                          cpus_per_rank=deployment.cpus_per_rank, strategy=deployment.placement_strategy,
+                          devices=deployment.devices)
+    return ["bundles:"] + ["  " + line for line in describe_plan(plans).splitlines()]
+
+
+def _check_plugin(spec: str, parallel: ParallelConfig) -> str:
+    from phyai_ray.plugins.registry import resolve_plugin
+
+    entry = resolve_plugin(spec)
+    entry.check_parallel(parallel)
+    return f"plugin: {entry.display_name()} accepts this topology"
+
+
+def _group_lines(parallel: ParallelConfig) -> list[str]:
+    """`output rank: N`, then one line per named group: `  dense_tp: [0,1] [2,3] ...`."""
+    from placement.topology import GROUP_NAMES, Topology
+
     topology = Topology.from_parallel(parallel)
-    lines += checked + [f"output rank: {topology.output_rank}", "groups:"]
+    lines = [f"output rank: {topology.output_rank}", "groups:"]
     for name in GROUP_NAMES:
-        groups = " ".join("[" + ",".join(map(str, g)) + "]" for g in topology.groups(name))
-        lines.append(f"  {name}: {groups}")
-    return "\n".join(lines)
+        lines.append(f"  {name}: " + " ".join("[" + ",".join(map(str, g)) + "]" for g in topology.groups(name)))
+    return lines
 
 
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
