@@ -14,18 +14,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from phyai_ray.config.base import ConfigModel
 from phyai_ray.errors import DeploymentConfigError
 
 Mode = Literal["auto", "inline", "local", "cluster", "external"]
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 
-class WorkerSupervisorConfig(BaseModel):
+class WorkerSupervisorConfig(ConfigModel):
     """Ports and deadlines of managed (Ray) rank workers."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     base_port: int | None = Field(
         None, ge=1024, le=65535 - 1024,
@@ -43,10 +42,8 @@ class WorkerSupervisorConfig(BaseModel):
         10.0, gt=0, description="Deadline for stopping workers and removing placement groups on close.")
 
 
-class DeploymentConfig(BaseModel):
+class DeploymentConfig(ConfigModel):
     """How many replicas, and where their ranks run. Topology of one replica is in ParallelConfig."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Mode = Field("auto", description="auto, inline, local, cluster or external (see the module table).")
     replica_count: int = Field(1, ge=1, le=1024, description="Independent model replicas; they share no process group.")

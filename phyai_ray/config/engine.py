@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from phyai_ray.config.base import ConfigModel
 from phyai_ray.config.parallel import ParallelConfig
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-class DeviceConfig(BaseModel):
+class DeviceConfig(ConfigModel):
     """Device kind and parameter dtype of every rank."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="cpu, cuda, or auto (cuda where the launching process sees a GPU, else cpu).")
@@ -35,16 +34,14 @@ class DeviceConfig(BaseModel):
         return getattr(torch, self.params_dtype)
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(ConfigModel):
     """Device and parallel layout of one replica."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     device: DeviceConfig = Field(default_factory=DeviceConfig, description="Device kind and parameter dtype.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Topology of one replica.")
 
 
-class EngineArgs(BaseModel):
+class EngineArgs(ConfigModel):
     """The plugin to serve and how: `EngineArgs(plugin="reference_dit", plugin_args={...}, config=...)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)

@@ -15,26 +15,23 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
+from phyai_ray.config.base import ConfigModel
 from phyai_ray.errors import ParallelConfigError
 
 DOMAINS = ("dense", "attention", "moe")
 Degree = Field(default=1, ge=1, le=4096)
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class OuterParallelConfig(_Frozen):
+class OuterParallelConfig(ConfigModel):
     """Axes that apply to every domain: pipeline stages and classifier-free-guidance branches."""
 
     pp_size: int = Field(1, ge=1, le=4096, description="Pipeline stages; blocks are split into this many stages.")
     cfg_size: int = Field(1, ge=1, le=2, description="CFG branches run on separate ranks (1 or 2).")
 
 
-class DenseParallelConfig(_Frozen):
+class DenseParallelConfig(ConfigModel):
     """Split of the dense (MLP / projection) layers inside one partition."""
 
     tp_size: int = Field(1, ge=1, le=4096, description="Tensor-parallel degree of dense layers.")
@@ -44,7 +41,7 @@ class DenseParallelConfig(_Frozen):
         return self.tp_size * self.dp_size
 
 
-class AttentionParallelConfig(_Frozen):
+class AttentionParallelConfig(ConfigModel):
     """Split of attention inside one partition: heads (tp), sequence (cp), batch (dp)."""
 
     tp_size: int = Field(1, ge=1, le=4096, description="Attention heads split over this many ranks.")
@@ -55,7 +52,7 @@ class AttentionParallelConfig(_Frozen):
         return self.tp_size * self.cp_size * self.dp_size
 
 
-class MoeParallelConfig(_Frozen):
+class MoeParallelConfig(ConfigModel):
     """Split of mixture-of-experts layers inside one partition."""
 
     tp_size: int = Field(1, ge=1, le=4096, description="Each expert's weights split over this many ranks.")
@@ -69,7 +66,7 @@ class MoeParallelConfig(_Frozen):
 _DOMAIN_TYPES = {"dense": DenseParallelConfig, "attention": AttentionParallelConfig, "moe": MoeParallelConfig}
 
 
-class ParallelConfig(_Frozen):
+class ParallelConfig(ConfigModel):
     """The topology of one replica. Read topology only from here, never from RANK/WORLD_SIZE.
 
     Example: `ParallelConfig(outer=OuterParallelConfig(pp_size=2), dense=DenseParallelConfig(tp_size=2),
@@ -100,6 +97,7 @@ class ParallelConfig(_Frozen):
         for d in DOMAINS:
             if d not in given:
                 object.__setattr__(self, d, _DOMAIN_TYPES[d](dp_size=size))
+                self.__pydantic_fields_set__.discard(d)  # `dense=None` is unset too: inferred, not explicit
         return self
 
     @property
