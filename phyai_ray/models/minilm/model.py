@@ -24,7 +24,8 @@ class MiniLMModel:
 
     def __init__(self, plugin_args: Mapping[str, Any], ctx: Any) -> None:
         if plugin_args:
-            raise ValueError(f"the minilm plugin takes no plugin_args, got {sorted(plugin_args)}; pass plugin_args={{}}")
+            raise ValueError(f"the minilm plugin takes no plugin_args, got {sorted(plugin_args)}; "
+                             "pass plugin_args={}")
         path = model_dir()
         self.config = MiniLMConfig.load(path)
         self.device = ctx.device
