@@ -23,7 +23,7 @@ def create_executors(mode: str, entry: Any, args: Any, deployment: Any) -> list[
                                  execution_timeout_s=proc.execution_timeout_s,
                                  startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s)]
     if mode in ("local", "cluster"):
-        from actors.replica import start_replicas  # the one place phyai_ray reaches for Ray
+        from actors.launch import start_replicas  # the one place phyai_ray reaches for Ray
 
         return start_replicas(mode, entry, args, deployment)
     raise ValueError(f"unknown deployment mode {mode!r}")

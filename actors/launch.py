@@ -1,0 +1,54 @@
+"""Start every replica of a local or cluster engine; a failed start leaves nothing behind."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+
+from actors.placement_groups import node_targets
+from actors.replica import RayReplicaExecutor
+from actors.startup import ensure_ray
+from phyai_ray.errors import DeploymentConfigError
+from placement.bundles import describe_plan, plan_replicas
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device_type(device_config: Any) -> str:
+    """cpu or cuda; `auto` asks the Ray cluster whether it has GPUs."""
+    return device_config.resolve_target(cuda_available=ray.cluster_resources().get("GPU", 0) > 0)
+
+
+def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[RayReplicaExecutor]:
+    """Plan, place and start all replicas concurrently, with one startup deadline."""
+    ensure_ray(mode, deployment)
+    device_type = resolve_device_type(args.config.device)
+    if device_type == "cpu" and deployment.devices is not None:
+        raise DeploymentConfigError(f"devices={deployment.devices} names GPUs but the device target is cpu; "
+                                    "drop devices or use DeviceConfig(target='cuda')")
+    plans = plan_replicas(ranks_per_replica=args.config.parallel.infer_replica_world_size(),
+                          replica_count=deployment.replica_count, use_gpu=device_type == "cuda",
+                          cpus_per_rank=deployment.cpus_per_rank, strategy=deployment.placement_strategy,
+                          devices=deployment.devices)
+    targets = node_targets(plans, deployment.spread_replicas)
+    logger.info("phyai-ray placement (%s, %s):\n%s", mode, device_type, describe_plan(plans))
+    deadline = time.monotonic() + deployment.process_config.startup_timeout_s
+    with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="phyai-start") as pool:
+        futures = [pool.submit(RayReplicaExecutor, plan, entry=entry, args=args, deployment=deployment,
+                               device_type=device_type, target_node=target, deadline=deadline)
+                   for plan, target in zip(plans, targets)]
+    started, errors = [], []
+    for future in futures:
+        try:
+            started.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        for executor in started:
+            executor.close()
+        raise errors[0]
+    return started

@@ -1,0 +1,101 @@
+"""`RankActor`: one rank of a replica, living in its placement-group bundle.
+
+Two phases, as vLLM's Ray workers: a cheap constructor, then `setup()` after the driver has seen
+where every actor landed and assigned ranks (torch.distributed init, named groups, plugin load).
+
+The actor is async so that `ping()` answers while a step runs: steps and calls execute on ONE
+dedicated thread, in the order of the sequence numbers the driver gives them (Ray does not
+promise execution order for async actors, so the actor restores it itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+
+
+class RankActor:
+    """A rank worker; made remote by `actors.replica` with placement and resource options."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")
+        self._next_seq = 0
+        self._turn: asyncio.Condition | None = None
+        self._runner: Any = None
+        self._rank: int | None = None
+
+    async def info(self) -> dict[str, Any]:
+        """Where this actor landed: node id and address, process id, Ray-assigned GPUs."""
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    async def free_port(self) -> int:
+        """A TCP port free on this node right now (rank 0 hosts the rendezvous)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    async def setup(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Join the replica's process groups and build the plugin model (on the execution thread)."""
+        self._rank = spec["rank"]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _setup_rank, self, spec)
+
+    async def ping(self) -> int:
+        """Liveness: answers even while a step runs."""
+        return os.getpid()
+
+    async def execute(self, seq: int, kind: str, payload: Any) -> dict[str, Any]:
+        """Run request `seq` ("step" or "call") after every earlier one, on the execution thread."""
+        turn = self._condition()
+        async with turn:
+            await turn.wait_for(lambda: self._next_seq == seq)
+            job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, kind, payload)
+            self._next_seq += 1
+            turn.notify_all()
+        value, status = await job
+        return {"seq": seq, "rank": self._rank, "status": status, "value": value}
+
+    def _condition(self) -> asyncio.Condition:
+        if self._turn is None:
+            self._turn = asyncio.Condition()
+        return self._turn
+
+    def _run(self, kind: str, payload: Any) -> tuple[Any, str]:
+        if self._runner is None:
+            raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
+        if kind == "step":
+            return self._runner.step(payload), "ok"
+        method, args, kwargs = payload
+        if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
+            return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", "missing"
+        return self._runner.call(method, args, kwargs), "ok"
+
+
+def _setup_rank(actor: RankActor, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from phyai_ray.worker import RankRunner, init_distributed, make_context
+    from placement.topology import Topology
+
+    if spec.get("visible_device") is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec["visible_device"]
+    topology = Topology.from_parallel(spec["parallel"])
+    device = torch.device("cpu")
+    if spec["device_type"] == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    init = f"tcp://{spec['master_addr']}:{spec['master_port']}"
+    groups = init_distributed(topology, spec["rank"], device.type, init, spec["timeout_s"])
+    groups.install()
+    ctx = make_context(topology=topology, groups=groups, rank=spec["rank"], replica_index=spec["replica_index"],
+                       device=device, dtype=getattr(torch, spec["params_dtype"]), parallel=spec["parallel"],
+                       node_id=ray.get_runtime_context().get_node_id())
+    actor._runner = RankRunner(spec["entry"], spec["plugin_args"], ctx)
+    return {"rank": spec["rank"], "pid": os.getpid()}
