@@ -168,3 +168,14 @@ def test_tp2_under_torchrun_matches_reference(reference, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "mode=external tp=2" in done.stdout
     torch.testing.assert_close(torch.load(saved), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.ray
+def test_tp2_ray_local_matches_reference(ray_session, reference):
+    with Engine(minilm_args(2), DeploymentConfig.local()) as engine:
+        assert engine.mode == "local"
+        out = engine.step({"sentences": SENTENCES}, timeout=120)
+        shards = engine.collective_rpc("shard_shapes", replica=0, all_ranks=True)
+    assert shards == [{"heads": 6, "intermediate": 768}] * 2
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=0)
