@@ -1,0 +1,200 @@
+"""Ray replica groups on CPU with gloo: routing, parallel correctness, fail-fast, cleanup.
+
+Run: `.venv/bin/pytest tests/test_ray_replicas.py` (starts one local Ray instance for the session).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
+                       EngineUnavailableError, ParallelConfig, StartupError, WorkerSupervisorConfig)
+from tests.conftest import live_actors, live_placement_groups
+from tests.plugins.faults import CreateFailed, FailCreateEntry, RequestRejected, SlowTPEntry
+from tests.plugins.tiny import TinyRowTPEntry, reference
+
+pytestmark = pytest.mark.ray
+
+
+def _args(entry, tp: int = 2, **plugin_args) -> EngineArgs:
+    parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=tp)) if tp > 1 else ParallelConfig()
+    return EngineArgs(plugin=entry, plugin_args=plugin_args,
+                      config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
+
+
+def _deploy(replicas: int = 2, **proc) -> DeploymentConfig:
+    return DeploymentConfig(replica_count=replicas, process_config=WorkerSupervisorConfig(**proc))
+
+
+def test_two_replicas_tp2_equal_single_rank_and_share_load(ray_session):
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(50)]
+    with Engine(_args(TinyRowTPEntry, tp=1)) as single:
+        assert single.mode == "inline"
+        expected = [single.step({"x": x}) for x in xs]
+    with Engine(_args(TinyRowTPEntry, tp=2), _deploy(2)) as engine:
+        assert engine.mode == "local"
+        futures = [engine.submit({"x": x}) for x in xs]
+        results = [f.result(timeout=60) for f in futures]
+        status = engine.replica_status()
+    for got, want, x in zip(results, expected, xs):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, reference(x), rtol=1e-6, atol=1e-6)
+    assert all(s.served > 0 for s in status), status
+    assert sum(s.served for s in status) == 50
+    assert all(s.world_size == 2 and s.in_flight == 0 and s.healthy for s in status)
+
+
+def test_auto_mode_picks_local_for_one_rank_two_replicas_and_rpc_reaches_every_rank(ray_session):
+    with Engine(_args(TinyRowTPEntry, tp=1), DeploymentConfig(replica_count=2)) as engine:
+        assert engine.mode == "local"
+        shards = engine.collective_rpc("shard")
+        assert [s["cols"] for s in shards] == [[0, 8], [0, 8]]
+        per_rank = engine.collective_rpc("shard", replica=1, all_ranks=True)
+        assert [s["rank"] for s in per_rank] == [0]
+        with pytest.raises(AttributeError, match="no public method 'nope'"):
+            engine.collective_rpc("nope", replica=0)
+        assert all(s.healthy for s in engine.replica_status())  # a missing method is not a failure
+
+
+def test_validator_rejection_raises_plugin_error_and_group_keeps_serving(ray_session):
+    with Engine(_args(SlowTPEntry), _deploy(1, execution_timeout_s=30)) as engine:
+        with pytest.raises(RequestRejected, match="sleep"):
+            engine.submit({"sleep": -1})
+        torch.testing.assert_close(engine.step({"sleep": 0}), torch.full((2,), 3.0))
+        tp = engine.collective_rpc("whoami", replica=0, all_ranks=True)
+        assert [t["rank"] for t in tp] == [0, 1]
+        assert engine.replica_status()[0].healthy
+
+
+@pytest.mark.parametrize("how", ["ray_kill", "sigkill"])
+def test_killed_rank_fails_its_inflight_requests_fast_and_other_replica_serves(ray_session, how):
+    import ray
+
+    with Engine(_args(SlowTPEntry), _deploy(2, execution_timeout_s=60)) as engine:
+        engine.step({"sleep": 0})
+        futures = [engine.submit({"sleep": 0.5}) for _ in range(8)]
+        victim = engine._executors[0]
+        doomed = [f for f in futures if f in _futures_of(engine, victim, futures)]
+        started = time.monotonic()
+        if how == "ray_kill":
+            ray.kill(victim.actor(1), no_restart=True)
+        else:
+            os.kill(victim.pids()[1], signal.SIGKILL)
+        done, _ = wait(futures, timeout=30)
+        assert len(done) == 8
+        failed = [f for f in futures if f.exception() is not None]
+        assert failed, "killing a rank failed no request"
+        for f in failed:
+            error = f.exception()
+            assert isinstance(error, EngineUnavailableError), error
+            assert error.replica == 0 and error.rank == 1 and "rank 1" in str(error)
+        assert time.monotonic() - started < 5.0
+        assert len(failed) >= len(doomed) - 1  # at most the one that finished before the kill landed
+        status = engine.replica_status()
+        assert not status[0].healthy and status[0].failure_reason == "worker_exit" and status[0].failed_rank == 1
+        results = [f.result(timeout=30) for f in [engine.submit({"sleep": 0}) for _ in range(50)]]
+        assert all(torch.equal(r, torch.full((2,), 3.0)) for r in results)
+        assert engine.replica_status()[1].in_flight == 0
+
+
+def _futures_of(engine, executor, futures):
+    with executor._lock:
+        return {c.future for c in executor._calls.values()}
+
+
+def test_execution_timeout_fails_group_within_two_seconds_of_deadline(ray_session):
+    with Engine(_args(SlowTPEntry), _deploy(1, execution_timeout_s=1.5)) as engine:
+        started = time.monotonic()
+        future = engine.submit({"sleep": 30})
+        with pytest.raises(EngineUnavailableError) as info:
+            future.result(timeout=10)
+        elapsed = time.monotonic() - started
+        assert 1.5 <= elapsed <= 3.5, elapsed
+        assert info.value.reason == "timeout" and "execution_timeout_s=1.5" in str(info.value)
+        with pytest.raises(EngineUnavailableError, match="no healthy replica"):
+            engine.submit({"sleep": 0})
+        assert not engine.healthy
+
+
+def test_create_failure_on_rank1_fails_start_and_leaves_nothing(ray_session):
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        Engine(_args(FailCreateEntry, fail_rank=1), _deploy(1, startup_timeout_s=60))
+    assert time.monotonic() - started < 45
+    message = str(info.value)
+    assert "rank 1" in message and "CreateFailed" in message and "refuses to build" in message
+    assert isinstance(info.value.__cause__, CreateFailed)
+    assert info.value.rank == 1
+
+
+def test_unplaceable_replica_times_out_with_hint_and_leaves_nothing(ray_session):
+    deployment = DeploymentConfig(replica_count=1, mode="local", cpus_per_rank=64,
+                                  process_config=WorkerSupervisorConfig(startup_timeout_s=2))
+    with pytest.raises(StartupError, match="ray status"):
+        Engine(_args(TinyRowTPEntry, tp=1), deployment)
+
+
+def test_create_step_close_cycles_leave_no_actors_or_placement_groups(ray_session):
+    for i in range(20):
+        engine = Engine(_args(TinyRowTPEntry, tp=1), DeploymentConfig(mode="local"))
+        x = torch.full((1, 8), float(i))
+        torch.testing.assert_close(engine.step({"x": x}), reference(x))
+        engine.close()
+        engine.close()
+    deadline = time.monotonic() + 15
+    while (live_actors() or live_placement_groups()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_actors() == [] and live_placement_groups() == []
+
+
+def test_close_from_eight_threads_during_200_submits_resolves_everything(ray_session):
+    engine = Engine(_args(SlowTPEntry), _deploy(2, execution_timeout_s=60))
+    futures, refused = [], []
+
+    def submitter():
+        for _ in range(25):
+            try:
+                futures.append(engine.submit({"sleep": 0.01}))
+            except EngineUnavailableError:
+                refused.append(1)
+
+    submitters = [threading.Thread(target=submitter) for _ in range(8)]
+    closers = [threading.Thread(target=engine.close) for _ in range(8)]
+    for t in submitters:
+        t.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    for t in closers:
+        t.start()
+    for t in submitters + closers:
+        t.join(timeout=20)
+    done, not_done = wait(futures, timeout=10)
+    assert not not_done and time.monotonic() - started < 10
+    assert len(futures) + len(refused) == 200
+    for f in futures:
+        assert f.exception() is None or isinstance(f.exception(), EngineUnavailableError)
+    assert all(s.in_flight == 0 for s in engine.replica_status())
+
+
+def test_engine_inside_a_ray_actor_works_the_same(ray_session):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class PhyaiOwner:
+        def run(self):
+            from phyai_ray import Engine
+            from tests.plugins.tiny import reference
+            with Engine(_args(TinyRowTPEntry, tp=2), DeploymentConfig(replica_count=1)) as engine:
+                x = torch.ones(2, 8)
+                return engine.mode, bool(torch.allclose(engine.step({"x": x}), reference(x)))
+
+    owner = PhyaiOwner.remote()
+    assert ray.get(owner.run.remote(), timeout=120) == ("local", True)
+    ray.kill(owner)
