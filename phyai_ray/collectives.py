@@ -13,6 +13,8 @@ import torch
 
 from phyai_ray.groups import active
 
+_REDUCE_OPS = ("sum", "max", "min", "avg")
+
 
 def _dist():
     import torch.distributed as dist
@@ -35,13 +37,13 @@ class P:
     @staticmethod
     def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
         """Element-wise reduction over `group` (sum, max, min, avg). Reduces `x` in place and returns it."""
+        if op not in _REDUCE_OPS:  # checked on one rank too, so a typo fails inline as well
+            raise ValueError(f"all_reduce op {op!r} is not one of {', '.join(_REDUCE_OPS)}")
         groups = active()
         if groups.size(group) == 1:
             return x
         dist = _dist()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in (*ops, "avg"):
-            raise ValueError(f"all_reduce op {op!r} is not one of sum, max, min, avg")
         dist.all_reduce(x, op=ops.get(op, dist.ReduceOp.SUM), group=groups.handle(group))
         if op == "avg":
             x.div_(groups.size(group))
