@@ -1,0 +1,29 @@
+"""Launch a test script under torchrun and return the finished process.
+
+    proc = torchrun("tests.scripts.collectives_check", [str(tmp_path)], nproc=2)
+
+Runs `python -m torch.distributed.run --standalone` from the repository root (a free rendezvous
+port each time), with a bounded timeout; the caller checks returncode and the files it wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(module: str, args: list[str], nproc: int = 2, timeout_s: float = 90.0,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def describe(proc: subprocess.CompletedProcess) -> str:
+    """The tail of a launch's output, for assertion messages."""
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"

@@ -1,0 +1,215 @@
+"""The inline Engine: one rank in the caller's process, no Ray.
+
+Run: .venv/bin/pytest tests/test_engine_inline.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import CancelledError
+from pathlib import Path
+
+import pytest
+import torch
+
+from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineUnavailableError, WorkerSupervisorConfig
+from phyai_ray.errors import DeploymentConfigError
+from tests.plugins.tiny import ProbeError, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = {"device": {"target": "cpu"}}
+
+
+def probe_engine(timeout_s: float = 600.0, **plugin_args) -> Engine:
+    deployment = DeploymentConfig(process_config=WorkerSupervisorConfig(execution_timeout_s=timeout_s))
+    return Engine(EngineArgs(plugin="test_probe", plugin_args=plugin_args, config=CPU), deployment)
+
+
+@pytest.fixture
+def gate():
+    event = threading.Event()
+    yield event
+    event.set()  # never leave a plugin thread blocked
+
+
+def test_step_matches_reference():
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 8) - 5
+    with Engine(EngineArgs(plugin="tiny_row_tp", config=CPU)) as engine:
+        assert engine.mode == "inline"
+        out = engine.step({"x": x})
+        assert torch.equal(out, reference(x))
+        assert torch.equal(engine.submit({"x": x * 2}).result(timeout=10), reference(x * 2))
+        status = engine.replica_status()
+    assert len(status) == 1 and status[0].healthy and status[0].served == 2 and status[0].in_flight == 0
+
+
+def test_cancel_queued_request(gate):
+    started = threading.Event()
+    with probe_engine(gate=gate, started=started) as engine:
+        running = engine.submit({"op": "block", "tag": "a"})
+        assert started.wait(10)
+        queued = engine.submit({"op": "echo", "tag": "b"})
+        assert engine.replica_status()[0].in_flight == 2
+        assert queued.cancel() and queued.cancelled()
+        assert not running.cancel()  # already running
+        assert engine.replica_status()[0].in_flight == 1
+        gate.set()
+        assert running.result(timeout=10) == {"index": 0, "tag": "a"}
+        assert engine.step({"op": "echo", "tag": "c"}) == {"index": 1, "tag": "c"}  # b never ran
+        assert engine.collective_rpc("history", replica=0) == ["a", "c"]
+        status = engine.replica_status()[0]
+    assert (status.in_flight, status.served, status.errored) == (0, 2, 0)
+
+
+def test_plugin_exception_passes_through_and_engine_stays_healthy():
+    with probe_engine() as engine:
+        with pytest.raises(ProbeError, match="probe asked to fail: t1"):
+            engine.step({"op": "raise", "tag": "t1"})
+        future = engine.submit({"op": "raise", "tag": "t2"})
+        assert type(future.exception(timeout=10)) is ProbeError
+        assert engine.healthy
+        assert engine.step({"op": "echo", "tag": "after"}) == {"index": 2, "tag": "after"}
+        status = engine.replica_status()[0]
+    assert (status.healthy, status.served, status.errored, status.failure) == (True, 1, 2, None)
+
+
+def test_validator_rejects_synchronously_and_nothing_runs():
+    with probe_engine() as engine:
+        with pytest.raises(ValueError, match="test_probe requests need op in"):
+            engine.submit({"op": "explode"})
+        with pytest.raises(ValueError):
+            engine.step("not a dict")
+        assert engine.collective_rpc("history", replica=0) == []
+        assert engine.replica_status()[0].in_flight == 0
+
+
+def test_close_twice_then_unavailable():
+    engine = probe_engine()
+    engine.close()
+    engine.close()
+    assert not engine.healthy
+    with pytest.raises(EngineUnavailableError) as info:
+        engine.submit({"op": "echo"})
+    assert info.value.reason == "closed"
+    with pytest.raises(EngineUnavailableError, match="closed"):
+        engine.step({"op": "echo"})
+    with pytest.raises(EngineUnavailableError):
+        engine.collective_rpc("history")
+
+
+def test_close_cancels_queued_work(gate):
+    started = threading.Event()
+    engine = probe_engine(gate=gate, started=started)
+    running = engine.submit({"op": "block", "tag": "a"})
+    assert started.wait(10)
+    queued = engine.submit({"op": "echo", "tag": "b"})
+    threading.Timer(0.2, gate.set).start()
+    engine.close()
+    assert queued.cancelled()
+    with pytest.raises(CancelledError):
+        queued.result(timeout=1)
+    assert running.result(timeout=1) == {"index": 0, "tag": "a"}  # the running call was allowed to finish
+
+
+def test_execution_timeout_fails_the_replica(gate):
+    deadline = 0.5
+    with probe_engine(timeout_s=deadline, gate=gate) as engine:
+        start = time.monotonic()
+        future = engine.submit({"op": "block", "tag": "stuck"})
+        error = future.exception(timeout=deadline + 5)
+        elapsed = time.monotonic() - start
+        assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
+        assert deadline <= elapsed < deadline + 2, elapsed
+        assert "execution_timeout_s=0.5" in str(error)
+        status = engine.replica_status()[0]
+        assert (status.healthy, status.failure_reason, status.in_flight) == (False, "timeout", 0)
+        assert not engine.healthy
+        with pytest.raises(EngineUnavailableError) as later:
+            engine.submit({"op": "echo"})
+        assert later.value.reason == "no_healthy_replica" and "timeout" in str(later.value)
+
+
+def test_timeout_counts_queueing(gate):
+    started = threading.Event()
+    with probe_engine(timeout_s=1.0, gate=gate, started=started) as engine:
+        engine.submit({"op": "sleep", "seconds": 0.7, "tag": "a"})
+        queued = engine.submit({"op": "sleep", "seconds": 0.7, "tag": "b"})  # would end at ~1.4 s
+        error = queued.exception(timeout=5)
+        assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
+
+
+def test_collective_rpc():
+    with probe_engine() as engine:
+        assert engine.collective_rpc("add", 2, b=3) == [5]
+        assert engine.collective_rpc("add", 2, replica=0) == 2
+        assert engine.collective_rpc("add", 1, 1, replica=0, all_ranks=True) == [2]
+        with pytest.raises(AttributeError, match="has no public method 'missing'"):
+            engine.collective_rpc("missing", replica=0)
+        with pytest.raises(AttributeError, match="no public method '_private'"):
+            engine.collective_rpc("_private", replica=0)
+        with pytest.raises(ValueError, match="replica=1 is out of range; this engine has 1 replica"):
+            engine.collective_rpc("add", 1, replica=1)
+        assert engine.healthy
+
+
+def test_collective_rpc_runs_in_request_order(gate):
+    started = threading.Event()
+    with probe_engine(gate=gate, started=started) as engine:
+        engine.submit({"op": "block", "tag": "first"})
+        assert started.wait(10)
+        engine.submit({"op": "echo", "tag": "second"})
+        threading.Timer(0.2, gate.set).start()
+        assert engine.collective_rpc("history", replica=0) == ["first", "second"]
+
+
+def test_many_threads_keep_their_order():
+    threads, per_thread = 8, 30
+    barrier = threading.Barrier(threads)
+    results: dict[int, list] = {}
+    with probe_engine() as engine:
+        def client(k: int) -> None:
+            barrier.wait()
+            futures = [engine.submit({"op": "echo", "tag": (k, j)}) for j in range(per_thread)]
+            results[k] = [f.result(timeout=30) for f in futures]
+
+        workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        history = engine.collective_rpc("history", replica=0)
+    assert len(history) == threads * per_thread and len(set(history)) == len(history)
+    for k in range(threads):
+        assert [r["tag"] for r in results[k]] == [(k, j) for j in range(per_thread)]  # own result
+        indices = [r["index"] for r in results[k]]
+        assert indices == sorted(indices)  # the plugin saw each thread's requests in its order
+        assert [history[i] for i in indices] == [(k, j) for j in range(per_thread)]
+
+
+def test_inline_mode_with_two_ranks_is_an_error():
+    args = EngineArgs(plugin="tiny_row_tp", config={**CPU, "parallel": {"dense": {"tp_size": 2}}})
+    with pytest.raises(DeploymentConfigError, match="mode='inline' runs one rank"):
+        Engine(args, DeploymentConfig(mode="inline"))
+
+
+def _run(code: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_import_phyai_ray_imports_neither_ray_nor_torch():
+    _run("import phyai_ray, sys; assert 'ray' not in sys.modules, 'ray'; assert 'torch' not in sys.modules, 'torch'; "
+         "dir(phyai_ray); phyai_ray.ParallelConfig; assert 'ray' not in sys.modules")
+
+
+def test_inline_engine_does_not_import_ray():
+    _run("import sys\n"
+         "from phyai_ray import Engine, EngineArgs\n"
+         "with Engine(EngineArgs(plugin='tests.plugins.tiny:TinyRowTPEntry', config={'device': {'target': 'cpu'}})) "
+         "as e:\n"
+         "    assert e.mode == 'inline'\n"
+         "    assert e.step({'x': [[1.0] * 8]}).shape == (1, 4)\n"
+         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n")
