@@ -27,7 +27,8 @@ def requires_gpus(n: int):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("ray"):
+        uses_ray = {"ray_session", "two_node_cluster"} & set(getattr(item, "fixturenames", ()))
+        if uses_ray and not item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.ray)
         if item.get_closest_marker("gpu") and not _gpu_count():
             item.add_marker(pytest.mark.skip(reason="gpu test: no CUDA GPU visible"))
@@ -41,17 +42,32 @@ def _gpu_count() -> int:
         return 0
 
 
+def init_local_ray() -> None:
+    """Start the test session's local Ray instance (8 logical CPUs, no dashboard)."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+
+
 @pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray instance with enough logical CPUs for several rank actors."""
+def _ray_shutdown_at_exit():
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_session(_ray_shutdown_at_exit):
+    """The session's local Ray instance; started on first use (again, if a multi-node test replaced it)."""
     import ray
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     yield ray
-    ray.shutdown()
 
 
 def live_actors() -> list[dict]:
@@ -86,7 +102,11 @@ def wait_for_no_leaks(timeout_s: float = 15.0) -> tuple[list, list]:
 def _ray_leak_check(request):
     """After every Ray test: zero actors of ours and zero placement groups left."""
     yield
-    if "ray_session" not in request.fixturenames:
+    if not request.node.get_closest_marker("ray"):
+        return
+    import ray
+
+    if not ray.is_initialized():
         return
     actors, pgs = wait_for_no_leaks()
     assert not actors, f"leaked actors: {[(a.get('ActorClassName'), a.get('State')) for a in actors]}"
