@@ -1,0 +1,15 @@
+"""The reference parallel transformer plugin (`reference_dit`); see `entry.py` for usage.
+
+    config.py   plugin_args and the topology checks
+    request.py  request shape, JSON model and request-time layout checks
+    weights.py  seeded full weights, sliced per rank
+    layers.py   attention / dense MLP / MoE shards and their collectives
+    model.py    pipeline stages, guidance branches, `step`
+"""
+
+from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
+from phyai_ray.models.reference_dit.entry import ReferenceDiTEntry
+from phyai_ray.models.reference_dit.model import ReferenceDiT
+from phyai_ray.models.reference_dit.request import ReferenceDiTRequest
+
+__all__ = ["ReferenceDiT", "ReferenceDiTConfig", "ReferenceDiTEntry", "ReferenceDiTRequest"]

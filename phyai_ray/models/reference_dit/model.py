@@ -1,0 +1,101 @@
+"""The per-rank reference transformer: pipeline stages and classifier-free-guidance branches.
+
+    x = tokens_emb[tokens] + positions[:S] + labels_emb[label]     (stage 0 only)
+    for each block of this stage: x = attention(x); x = dense_or_moe_mlp(x)
+    logits = head(norm(x))                                          (last stage only)
+
+Pipeline: with layers=4, pp=2, stage 0 owns blocks 0-1 and stage 1 blocks 2-3. A stage receives
+the [B, S, dim] stream from its peer in the `pp` group (group rank - 1) and sends it on to
+group rank + 1; ranks of one pp group share every other coordinate (cfg branch, domain ranks).
+
+Guidance: the conditional branch uses the request's labels, the unconditional one the null
+label (`classes`). With cfg=1 one rank runs both branches one after the other; with cfg=2
+cfg rank 0 runs the conditional and cfg rank 1 the unconditional branch, and the last stage
+combines them once with an all_gather over `cfg`: `uncond + scale * (cond - uncond)`.
+Without guidance only cfg rank 0 works; cfg rank 1 returns at once (no collectives).
+Only the output rank (first rank of the last stage, cfg rank 0) returns logits; others None.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from phyai_ray.collectives import P
+from phyai_ray.models.reference_dit import weights as W
+from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
+from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, MoeMLP, norm
+from phyai_ray.models.reference_dit.request import ParsedRequest, check_layout, parse_request
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceDiT:
+    """One rank's shard of the reference transformer; `step(request)` runs one forward pass."""
+
+    def __init__(self, cfg: ReferenceDiTConfig, ctx: Any) -> None:
+        check_topology(cfg, ctx.parallel)
+        self.cfg, self.ctx = cfg, ctx
+        self.to = {"device": ctx.device, "dtype": ctx.dtype}
+        self.stage, self.stages = ctx.group_rank("pp"), ctx.group_size("pp")
+        self.branch, self.branches = ctx.group_rank("cfg"), ctx.group_size("cfg")
+        per_stage = cfg.layers // self.stages
+        self.block_ids = list(range(self.stage * per_stage, (self.stage + 1) * per_stage))
+        self.blocks = [self._block(i) for i in self.block_ids]
+        self.embed = {k: v.to(**self.to) for k, v in W.embedding_weights(cfg).items()} if self.stage == 0 else None
+        self.head = {k: v.to(**self.to) for k, v in W.head_weights(cfg).items()} if self.is_last else None
+        logger.info("reference_dit rank %d: stage %d/%d blocks %s, cfg branch %d/%d", ctx.rank, self.stage,
+                    self.stages, self.block_ids, self.branch, self.branches)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _block(self, index: int) -> list:
+        w = W.block_weights(self.cfg, index)
+        mlp = MoeMLP if self.cfg.is_moe_block(index) else DenseMLP
+        return [Attention(self.cfg, w, self.ctx, self.to), mlp(self.cfg, w, self.ctx, self.to)]
+
+    @torch.inference_mode()
+    def step(self, request: Any) -> torch.Tensor | None:
+        """Logits [B, S, vocab] float32 on the output rank, None elsewhere."""
+        req = parse_request(request, self.cfg)
+        check_layout(req, self.ctx.parallel)
+        guided = req.guidance_scale is not None
+        if self.branches == 1:
+            branches = [True, False] if guided else [True]
+        elif guided or self.branch == 0:
+            branches = [self.branch == 0]
+        else:
+            return None  # no guidance: the unconditional cfg ranks have nothing to do
+        outs = [self._forward(req, conditional) for conditional in branches]
+        if not self.is_last:
+            return None
+        if guided:
+            cond, uncond = outs if self.branches == 1 else P.all_gather(outs[0][None], "cfg").unbind(0)
+            outs = [uncond + req.guidance_scale * (cond - uncond)]
+        return outs[0].float() if self.ctx.is_output_rank else None
+
+    def _forward(self, req: ParsedRequest, conditional: bool) -> torch.Tensor | None:
+        """Run this stage on one guidance branch; the last stage returns logits, others None."""
+        x = self._embed(req, conditional) if self.stage == 0 else self._receive(req)
+        for block in self.blocks:
+            for layer in block:
+                x = layer(x)
+        if not self.is_last:
+            P.send(x, self.stage + 1, group="pp")
+            return None
+        return norm(x) @ self.head["w"].T + self.head["b"]
+
+    def _embed(self, req: ParsedRequest, conditional: bool) -> torch.Tensor:
+        tokens, labels = req.tokens.to(self.ctx.device), req.labels.to(self.ctx.device)
+        if not conditional:
+            labels = torch.full_like(labels, self.cfg.classes)  # the null label
+        e = self.embed
+        return e["tokens"][tokens] + e["positions"][: req.seq] + e["labels"][labels][:, None, :]
+
+    def _receive(self, req: ParsedRequest) -> torch.Tensor:
+        buf = torch.empty(req.batch, req.seq, self.cfg.dim, **self.to)
+        return P.recv(buf, self.stage - 1, group="pp")
