@@ -1,0 +1,93 @@
+"""`EdgeGuard`: the checks every HTTP request passes before any route sees it.
+
+In order: the bearer key (all paths but the health probes), then for requests with a body the
+size limit (the declared Content-Length first; a chunked or lying body is counted while it is
+read) and the content type (JSON only). A pure ASGI middleware, so the limit holds no matter
+how a route reads the body.
+"""
+
+from __future__ import annotations
+
+import hmac
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from phyai_ray.serve.errors import HttpError, error_response
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class EdgeGuard:
+    """Bearer key, body limit and content type, answered with the JSON error shape."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check(scope)
+        except HttpError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, _limited(receive, self.max_body_bytes), send)
+
+    def _check(self, scope: Scope) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if _route_path(scope) not in OPEN_PATHS:
+            self._check_key(headers.get("authorization", ""))
+        if scope.get("method") in BODY_METHODS:
+            _check_length(headers.get("content-length"), self.max_body_bytes)
+            _check_json(headers.get("content-type"))
+
+    def _check_key(self, authorization: str) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise HttpError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def _route_path(scope: Scope) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _check_length(declared: str | None, limit: int) -> None:
+    if declared is None:
+        return
+    try:
+        size = int(declared)
+    except ValueError:
+        raise HttpError(400, f"Content-Length {declared!r} is not an integer") from None
+    if size > limit:
+        raise HttpError(413, f"the body is {size} bytes, over the limit of {limit} bytes; send less "
+                        "(or start the server with a larger --max-body-bytes)")
+
+
+def _check_json(content_type: str | None) -> None:
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise HttpError(415, f"Content-Type {content_type!r} is not supported; send JSON with "
+                        "'Content-Type: application/json'")
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises 413 once more than `limit` body bytes have arrived."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HttpError(413, f"the body passed the limit of {limit} bytes while being read; send less "
+                                "(or start the server with a larger --max-body-bytes)")
+        return message
+
+    return wrapped
+

@@ -1,0 +1,180 @@
+"""The FastAPI application of the ingress: routes, error handlers, the edge guard and metrics.
+
+    POST /v1/step       one request -> one result (JSON; tensors in the codec's encoding)
+    GET  /healthz       liveness: the ingress process answers (no key needed)
+    GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed)
+    GET  /v1/replicas   health, in-flight, served, failures and failure cause per replica group
+    GET  /metrics       Prometheus text
+    GET  /docs, /openapi.json
+
+The body of `/v1/step` is the plugin's `request_model` when it declares one (validated and
+documented), else any JSON object. Nothing from the network is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any
+
+from fastapi import Body, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from phyai_ray import __version__
+from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.serve import codec
+from phyai_ray.serve.errors import (HttpError, describe, error_response, from_http_exception, from_unavailable,
+                                    from_validation_errors)
+from phyai_ray.serve.guard import EdgeGuard
+from phyai_ray.serve.holder import EngineHolder
+from phyai_ray.serve.metrics import EdgeMetrics
+from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.schema import ErrorBody, StepResponse
+
+ROUTES = ("/v1/step", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (400, "the body is not JSON"), (401, "missing or wrong API key"), (413, "body over the size limit"),
+    (415, "not application/json"), (422, "schema, codec or plugin validation failed; no rank was touched"),
+    (503, "no replica group can serve"), (504, "the request passed execution_timeout_s"))}
+
+
+def create_api(holder: EngineHolder, options: ServeOptions, *, wait_s: float) -> FastAPI:
+    """The ASGI app for one ingress replica; `wait_s` bounds how long a request waits for its result."""
+    engine = holder.engine
+    api = FastAPI(title=f"phyai-ray: {engine.entry.display_name()}", version=__version__,
+                  description=__doc__.split("\n\n")[1] + _auth_note(options))
+    metrics = EdgeMetrics(lambda: holder.engine.replica_status())
+    _add_error_handlers(api)
+    _add_probe_routes(api, holder, metrics)
+    _add_step_route(api, holder, engine.entry.request_model, wait_s)
+    api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
+    api.state.metrics = metrics
+    return api
+
+
+def _auth_note(options: ServeOptions) -> str:
+    if options.api_key is None:
+        return ""
+    return " Every route but /healthz and /readyz needs the header `Authorization: Bearer <key>`."
+
+
+def _add_error_handlers(api: FastAPI) -> None:
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(from_http_exception(exc))
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_errors(list(exc.errors())))
+
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(HttpError(500, f"internal error: {describe(exc)}"))
+
+    api.add_exception_handler(HTTPException, http_error)
+    api.add_exception_handler(RequestValidationError, validation_error)
+    api.add_exception_handler(Exception, internal_error)
+
+
+def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) -> None:
+    @api.get("/healthz", tags=["health"], summary="Liveness: the ingress answers")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/readyz", tags=["health"], summary="Readiness: at least one replica group can serve",
+             responses={503: ERRORS[503]})
+    async def readyz() -> dict[str, Any]:
+        statuses = holder.engine.replica_status()
+        healthy = sum(s.healthy for s in statuses)
+        if not holder.engine.healthy:
+            what = "the engine is being rebuilt" if holder.rebuilding else f"no replica group can serve"
+            raise HttpError(503, f"{what}: {holder.failures()}", type="unavailable", reason="no_healthy_replica")
+        return {"ready": True, "healthy_replicas": healthy, "replicas": len(statuses)}
+
+    @api.get("/v1/replicas", tags=["status"], summary="Health, load and failure cause of every replica group")
+    async def replicas() -> dict[str, Any]:
+        engine = holder.engine
+        return {"mode": engine.mode, "healthy": engine.healthy, "rebuilding": holder.rebuilding,
+                "rebuilds": holder.rebuilds, "replicas": [s.to_dict() for s in engine.replica_status()]}
+
+    @api.get("/metrics", tags=["status"], summary="Prometheus metrics (text format)",
+             response_class=Response)
+    async def prometheus() -> Response:
+        text, content_type = metrics.exposition()
+        return Response(text, media_type=content_type)
+
+
+def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: float) -> None:
+    async def step(body: Any) -> JSONResponse:
+        raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
+        try:
+            request = codec.decode(raw, root="request")
+        except codec.CodecError as exc:
+            raise HttpError(422, str(exc), type="invalid_request") from None
+        result = await _run(holder.engine, request, wait_s)
+        try:
+            return JSONResponse({"result": codec.encode(result, root="result")})
+        except codec.CodecError as exc:
+            raise HttpError(500, f"the plugin's result cannot be sent as JSON: {exc}", type="internal") from None
+
+    annotation = model if model is not None else Any
+    docs = "The plugin's request" + ("" if model is not None else " (any JSON object)") + \
+        "; tensors as {\"__tensor__\": {\"dtype\", \"shape\", \"data\"}}."
+    step.__signature__ = inspect.Signature(  # the plugin's model becomes the typed, documented body
+        [inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
+                           default=Body(..., description=docs))])
+    step.__annotations__ = {"body": annotation, "return": JSONResponse}
+    api.add_api_route("/v1/step", step, methods=["POST"], tags=["inference"], summary="Run one request",
+                      responses={200: {"model": StepResponse}, **ERRORS}, response_class=JSONResponse)
+
+
+async def _run(engine: Any, request: Any, wait_s: float) -> Any:
+    """Submit (the plugin's validator runs here: 422) and wait without ever cancelling the request."""
+    try:
+        future = await asyncio.to_thread(engine.submit, request)
+    except EngineUnavailableError as exc:
+        raise from_unavailable(exc) from None
+    except Exception as exc:
+        raise HttpError(422, f"the plugin rejected the request: {describe(exc)}", type="rejected") from None
+    waiting = asyncio.wrap_future(future)
+    done, _ = await asyncio.wait({waiting}, timeout=wait_s)  # asyncio.wait never cancels what it waits on
+    if not done:
+        raise HttpError(504, f"no result within {wait_s:.0f}s; the request keeps running on its replica",
+                        type="timeout")
+    try:
+        return waiting.result()
+    except EngineUnavailableError as exc:
+        raise from_unavailable(exc) from None
+    except Exception as exc:
+        raise HttpError(500, f"the plugin failed on this request: {describe(exc)}", type="execution_error") from None
+
+
+class _Measured:
+    """Outermost ASGI layer: request count by route and status, latency, in-flight."""
+
+    def __init__(self, app: ASGIApp, *, metrics: EdgeMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in ROUTES else "other"
+        status, start = 500, time.perf_counter()
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.add_in_flight(1)
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            self.metrics.add_in_flight(-1)
+            self.metrics.observe(route, status, time.perf_counter() - start)

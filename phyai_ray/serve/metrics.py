@@ -1,0 +1,129 @@
+"""Prometheus metrics of the HTTP edge, exposed twice.
+
+* `GET /metrics` on the ingress: Prometheus text from a private `CollectorRegistry` (no global
+  state; scrape it like any other target; it needs the API key when one is set).
+* Ray's own export: the same series through `ray.serve.metrics` (tagged with Serve's deployment,
+  replica and application), served by every node's metrics agent on its `MetricsExportPort`
+  (`ray.nodes()[i]["MetricsExportPort"]`), prefixed `ray_`, and refreshed every few seconds.
+
+Series (per-replica ones are read from `engine.replica_status()` when scraped):
+
+    phyai_requests_total{route, status}            counter
+    phyai_request_latency_seconds{route}           histogram
+    phyai_requests_in_flight                       gauge (HTTP requests being handled)
+    phyai_replica_healthy{engine_replica}          gauge 1/0
+    phyai_replica_in_flight{engine_replica}        gauge
+    phyai_replica_served{engine_replica}           gauge (requests that returned a result)
+    phyai_replica_failures{engine_replica}         gauge (requests that ended in an error)
+    phyai_engine_rebuilds_total                    counter
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+REPLICA_SERIES = (("healthy", "1 when the replica group can serve"), ("in_flight", "requests queued or running"),
+                  ("served", "requests that returned a result"), ("failures", "requests that ended in an error"))
+
+
+def replica_values(status: Any) -> dict[str, float]:
+    return {"healthy": float(status.healthy), "in_flight": float(status.in_flight),
+            "served": float(status.served), "failures": float(status.errored)}
+
+
+class _ReplicaCollector:
+    """Per-replica gauges, read from the engine at scrape time."""
+
+    def __init__(self, statuses: Callable[[], Iterable[Any]]) -> None:
+        self.statuses = statuses
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        families = {name: GaugeMetricFamily(f"phyai_replica_{name}", text, labels=["engine_replica"])
+                    for name, text in REPLICA_SERIES}
+        for status in self.statuses():
+            for name, value in replica_values(status).items():
+                families[name].add_metric([str(status.index)], value)
+        return list(families.values())
+
+
+class EdgeMetrics:
+    """Request counter, latency histogram and in-flight gauge, mirrored into Ray's metrics."""
+
+    def __init__(self, statuses: Callable[[], Iterable[Any]]) -> None:
+        self.statuses = statuses
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("phyai_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("phyai_request_latency_seconds", "HTTP request latency", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge("phyai_requests_in_flight", "HTTP requests being handled", registry=self.registry)
+        self.rebuilds = Counter("phyai_engine_rebuilds", "engines rebuilt in place", registry=self.registry)
+        self.registry.register(_ReplicaCollector(statuses))
+        self._in_flight = 0
+        self.ray = _RayMirror.create()
+
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.latency.labels(route=route).observe(seconds)
+        if self.ray is not None:
+            self.ray.observe(route, status, seconds)
+
+    def add_in_flight(self, delta: int) -> None:
+        self._in_flight += delta
+        self.in_flight.set(self._in_flight)
+        if self.ray is not None:
+            self.ray.in_flight.set(self._in_flight)
+
+    def count_rebuild(self) -> None:
+        self.rebuilds.inc()
+        if self.ray is not None:
+            self.ray.rebuilds.inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        """Prometheus text of the private registry; also pushes replica gauges to Ray."""
+        self.refresh_ray()
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def refresh_ray(self) -> None:
+        if self.ray is not None:
+            self.ray.replicas(self.statuses())
+
+
+class _RayMirror:
+    """The same series through `ray.serve.metrics`; absent outside a Serve replica."""
+
+    @classmethod
+    def create(cls) -> "_RayMirror | None":
+        try:
+            return cls()
+        except Exception as exc:  # not inside a Serve replica, or Ray metrics unavailable
+            logger.info("Ray metrics export disabled (%s); GET /metrics still serves them", exc)
+            return None
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter("phyai_requests_total", "HTTP requests by route and status",
+                                        tag_keys=("route", "status"))
+        self.latency = metrics.Histogram("phyai_request_latency_seconds", "HTTP request latency",
+                                         boundaries=list(LATENCY_BUCKETS), tag_keys=("route",))
+        self.in_flight = metrics.Gauge("phyai_requests_in_flight", "HTTP requests being handled")
+        self.rebuilds = metrics.Counter("phyai_engine_rebuilds_total", "engines rebuilt in place")
+        self.gauges = {name: metrics.Gauge(f"phyai_replica_{name}", text, tag_keys=("engine_replica",))
+                       for name, text in REPLICA_SERIES}
+
+    def observe(self, route: str, status: int, seconds: float) -> None:
+        self.requests.inc(1, tags={"route": route, "status": str(status)})
+        self.latency.observe(seconds, tags={"route": route})
+
+    def replicas(self, statuses: Iterable[Any]) -> None:
+        for status in statuses:
+            for name, value in replica_values(status).items():
+                self.gauges[name].set(value, tags={"engine_replica": str(status.index)})

@@ -1,0 +1,91 @@
+"""Settings of the HTTP edge, and the `key=value` arguments of `serve run phyai_ray.serve:build_app`.
+
+    serve run phyai_ray.serve:build_app plugin=reference_dit dense_tp_size=2 attention_tp_size=2 \
+        replicas=2 device=cpu api_key=secret 'plugin_args={"hidden": 64}'
+
+Serve hands the builder a dict of strings (from the command line) or of YAML values (from a config
+file's `args:`). Engine keys are the `phyai-ray serve` flags with `_` for `-` (`dense_tp_size`,
+`replicas`, `execution_timeout_s`, `devices=0,1`, ...), so both front ends accept the same names;
+edge keys are the fields of `ServeOptions`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Mapping
+
+from pydantic import Field
+
+from phyai_ray.cli import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, build_configs, config_flags
+from phyai_ray.config.base import ConfigModel
+from phyai_ray.config.deployment import DeploymentConfig
+from phyai_ray.config.engine import EngineArgs
+
+
+class ServeOptions(ConfigModel):
+    """How the ingress deployment guards and supervises the engine it owns."""
+
+    api_key: str | None = Field(
+        None, min_length=1, description="Require 'Authorization: Bearer <key>' on every route but /healthz and "
+        "/readyz. None: no key (bind to 127.0.0.1 then).")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1, le=2**40, description="Largest accepted request body; larger ones get 413.")
+    rebuild_failed: bool = Field(
+        False, description="When no replica group can serve, close the engine and start a new one in place "
+        "instead of reporting the deployment unhealthy (which makes Serve replace it).")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Concurrent requests the ingress accepts; the engine's dispatcher queues them "
+        "on replicas (fewest in flight first).")
+
+
+def app_arg_keys() -> dict[str, tuple[str, str]]:
+    """`dense_tp_size` -> ("dense", "tp_size"): every engine key `build_app` accepts."""
+    return {flag[2:].replace("-", "_"): target for flag, target in config_flags().items()}
+
+
+def parse_app_args(args: Mapping[str, Any]) -> tuple[EngineArgs, DeploymentConfig, ServeOptions]:
+    """Turn Serve's builder arguments into (EngineArgs, DeploymentConfig, ServeOptions)."""
+    values = {str(k).replace("-", "_"): v for k, v in args.items()}
+    if "plugin" not in values:
+        raise ValueError(f"build_app needs plugin=<name or package.module:Entry>; got keys {sorted(values)}. "
+                         "e.g. serve run phyai_ray.serve:build_app plugin=reference_dit dense_tp_size=2")
+    option_names = set(ServeOptions.model_fields)
+    engine_keys = app_arg_keys()
+    unknown = sorted(set(values) - option_names - set(engine_keys) - {"plugin", "plugin_args"})
+    if unknown:
+        raise ValueError(f"unknown build_app argument(s) {unknown}; known: plugin, plugin_args, "
+                         f"{', '.join(sorted(option_names))}, {', '.join(sorted(engine_keys))}")
+    ns = argparse.Namespace(plugin=values["plugin"], plugin_args=_plugin_args(values.get("plugin_args")))
+    for key, (section, field) in engine_keys.items():
+        value = values.get(key)
+        setattr(ns, f"{section}.{field}", _int_tuple(value) if field == "devices" else value)
+    engine, deployment = build_configs(ns)
+    given = {k: v for k, v in values.items() if k in option_names}
+    given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+    return engine, deployment, ServeOptions(**given)
+
+
+def _plugin_args(value: Any) -> dict[str, Any]:
+    if value is None or isinstance(value, dict):
+        return dict(value or {})
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"plugin_args must be a JSON object, e.g. plugin_args='{{\"hidden\": 64}}': {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"plugin_args must be a JSON object, got {type(parsed).__name__}: {value!r}")
+    return parsed
+
+
+def _int_tuple(value: Any) -> Any:
+    """`devices=0,1` (a string from the command line) -> (0, 1); YAML lists pass through."""
+    if isinstance(value, str):
+        try:
+            return tuple(int(part) for part in value.split(",") if part.strip())
+        except ValueError:
+            raise ValueError(f"devices={value!r} must be comma-separated integers, e.g. devices=0,1") from None
+    return value

@@ -1,0 +1,103 @@
+"""`run_server`: what `phyai-ray serve` runs: join or start Ray, start Serve, deploy, wait for a signal.
+
+    phyai-ray serve reference_dit --dense-tp-size 2 --replicas 2 --device cpu --port 8000
+    # Ctrl-C (SIGINT) or SIGTERM: the app, Serve and (if this process started it) Ray shut down
+
+Serve's HTTP proxy binds `host` (127.0.0.1 unless told otherwise) and `port`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from phyai_ray.cli import DEFAULT_MAX_BODY_BYTES
+from phyai_ray.config.deployment import DeploymentConfig
+from phyai_ray.config.engine import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "phyai"
+
+
+@dataclass
+class Server:
+    """A running Serve app. `shutdown()` deletes the app; when this process started Ray, it also stops
+    Serve and Ray (on a shared cluster, Serve and other apps keep running)."""
+
+    url: str
+    owns_ray: bool
+    _stopped: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self) -> None:
+        """Block until SIGINT or SIGTERM (handlers are installed from the main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("run_server(blocking=True) waits for signals and must run on the main thread; "
+                               "pass blocking=False and call server.shutdown() yourself")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._stopped.set())
+        while not self._stopped.wait(0.5):
+            pass
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            if self.owns_ray:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            if self.owns_ray and ray.is_initialized():
+                ray.shutdown()
+        logger.info("phyai-ray: server at %s stopped", self.url)
+
+
+def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = None, *, host: str = "127.0.0.1",
+               port: int = 8000, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               blocking: bool = True, **option_values: Any) -> Server | None:
+    """Serve `engine_args` at http://host:port; block until a signal unless `blocking=False`.
+
+    `option_values` are further `ServeOptions` fields (rebuild_failed=..., health_check_period_s=...).
+    With `blocking=False` the running `Server` is returned; call its `shutdown()`.
+    """
+    from ray import serve
+
+    from phyai_ray.serve.app import create_app
+
+    deployment = deployment or DeploymentConfig()
+    owns_ray = _join_ray(engine_args, deployment)
+    server = Server(url=f"http://{host}:{port}", owns_ray=owns_ray)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        app = create_app(engine_args, deployment, api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except BaseException:
+        server.shutdown()
+        raise
+    print(f"phyai-ray: serving {engine_args.plugin} at {server.url} (docs: {server.url}/docs)", flush=True)
+    if not blocking:
+        return server
+    try:
+        server.wait()
+    finally:
+        server.shutdown()
+    return None
+
+
+def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig) -> bool:
+    """Join the cluster (cluster mode, or RAY_ADDRESS), else start a fresh local Ray; True when started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    mode = deployment.resolve_mode(engine_args.config.parallel.infer_replica_world_size())
+    address = deployment.address if mode == "cluster" else os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address or "local", **(deployment.ray_init_kwargs or {}))
+    logger.info("phyai-ray: %s", f"joined Ray at {address}" if address else "started a local Ray instance")
+    return address is None
