@@ -113,6 +113,7 @@ class DeploymentConfig(ConfigModel):
             raise DeploymentConfigError(
                 f"mode='inline' runs one rank, but the parallel config needs {ranks_per_replica} ranks per replica; "
                 "use DeploymentConfig.local() or DeploymentConfig.external() under torchrun")
+        self._check_device_count(ranks_per_replica)
         if self.mode != "auto":
             return self.mode
         if self.address is not None:
@@ -120,3 +121,11 @@ class DeploymentConfig(ConfigModel):
         if ranks_per_replica > 1 or self.replica_count > 1 or self.devices is not None:
             return "local"
         return "inline"
+
+    def _check_device_count(self, ranks_per_replica: int) -> None:
+        """One device per rank, checked before anything starts (no Ray needed)."""
+        need = self.replica_count * ranks_per_replica
+        if self.devices is not None and len(self.devices) != need:
+            raise DeploymentConfigError(
+                f"devices={self.devices} lists {len(self.devices)} devices but {self.replica_count} replica(s) x "
+                f"{ranks_per_replica} rank(s) need exactly {need}; list one device per rank, replica after replica")
