@@ -119,4 +119,4 @@ def test_all_to_all(two_rank_outputs):
 def test_barrier_waits_for_the_late_rank(two_rank_outputs):
     late_enter = two_rank_outputs[1]["barrier"]["enter"]
     assert two_rank_outputs[0]["barrier"]["exit"] >= late_enter - 0.05
-    assert late_enter - two_rank_outputs[0]["barrier"]["enter"] > 0.3  # rank 0 really waited
+    assert late_enter - two_rank_outputs[0]["barrier"]["enter"] > 0.1  # rank 0 arrived first and waited

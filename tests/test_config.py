@@ -221,3 +221,13 @@ def test_local_builder_carries_process_config():
     assert (d.mode, d.devices, d.replica_count, d.process_config.base_port) == ("local", (0, 1, 2, 3), 2, 29500)
     assert d.process_config.execution_timeout_s == 5
     assert DeploymentConfig.cluster().address == "auto"
+
+
+@pytest.mark.parametrize("devices, replicas, ranks", [((0, 1, 2), 2, 1), ((0, 1), 1, 4), ((0,), 2, 1)])
+def test_device_count_checked_with_the_topology(devices, replicas, ranks):
+    d = DeploymentConfig(devices=devices, replica_count=replicas)
+    with pytest.raises(DeploymentConfigError, match=f"lists {len(devices)} devices but {replicas} replica\\(s\\) x "
+                                                    f"{ranks} rank\\(s\\) need exactly {replicas * ranks}"):
+        d.resolve_mode(ranks)
+    assert DeploymentConfig(devices=tuple(range(replicas * ranks)), replica_count=replicas).resolve_mode(ranks) \
+        == "local"
