@@ -43,11 +43,19 @@ class SerialWorker:
             if job is _STOP:
                 return
             fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
+            if not _start(future):
+                continue  # cancelled, or failed by a deadline or close, while queued
             try:
                 value = fn()
             except BaseException as exc:  # the plugin's own exception goes to the caller as is
                 fail_future(future, exc)
             else:
                 resolve_future(future, value)
+
+
+def _start(future: Future) -> bool:
+    """Mark a queued job's future running; False when it already finished (it must not run)."""
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # already FINISHED: failed by the deadline watch or by close()
+        return False
