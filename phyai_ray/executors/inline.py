@@ -32,7 +32,7 @@ class InlineExecutor(ReplicaExecutor):
                  execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0) -> None:
         super().__init__(index, world_size)
         self._timeout_s, self._shutdown_s = execution_timeout_s, shutdown_timeout_s
-        self._pending: set[Future] = set()
+        self._pending: dict[Future, float] = {}  # unfinished call -> its time limit (s)
         self._lock = threading.Lock()
         self._worker = SerialWorker(name=f"phyai-{self.mode}-{index}")
         self._watch = DeadlineWatch(self._expired, name=f"phyai-{self.mode}-{index}-deadlines")
@@ -62,19 +62,22 @@ class InlineExecutor(ReplicaExecutor):
         with self._lock:
             if self._failure is not None:
                 raise self._unavailable()
-            self._pending.add(future)
+            self._pending[future] = timeout_s
         future.add_done_callback(self._forget)
         self._watch.add(future, time.monotonic() + timeout_s)
         return self._worker.submit(fn, future)
 
     def _forget(self, future: Future) -> None:
         with self._lock:
-            self._pending.discard(future)
+            self._pending.pop(future, None)
 
     def _expired(self, future: Future) -> None:
+        with self._lock:
+            limit = self._pending.get(future, self._timeout_s)
         self._fail(EngineUnavailableError(
-            f"{self.mode} replica {self.index}: a call exceeded its deadline (execution_timeout_s="
-            f"{self._timeout_s}); the plugin may be stuck, so the replica no longer serves",
+            f"{self.mode} replica {self.index}: a call exceeded its deadline of {limit}s counted from submission "
+            "(execution_timeout_s for requests, the timeout of collective_rpc); the plugin may be stuck, so the "
+            "replica no longer serves",
             reason="timeout", replica=self.index, rank=0))
 
     def _fail(self, error: EngineUnavailableError) -> None:
