@@ -123,13 +123,30 @@ def test_execution_timeout_fails_the_replica(gate):
         elapsed = time.monotonic() - start
         assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
         assert deadline <= elapsed < deadline + 2, elapsed
-        assert "execution_timeout_s=0.5" in str(error)
+        assert "exceeded its deadline of 0.5s counted from submission" in str(error)
         status = engine.replica_status()[0]
         assert (status.healthy, status.failure_reason, status.in_flight) == (False, "timeout", 0)
         assert not engine.healthy
         with pytest.raises(EngineUnavailableError) as later:
             engine.submit({"op": "echo"})
         assert later.value.reason == "no_healthy_replica" and "timeout" in str(later.value)
+
+
+def test_work_queued_behind_a_timeout_never_runs(gate, monkeypatch):
+    crashes, log, started = [], [], threading.Event()
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+    before = set(threading.enumerate())
+    with probe_engine(timeout_s=0.3, gate=gate, started=started, log=log) as engine:
+        first = engine.submit({"op": "block", "tag": "stuck"})
+        queued = engine.submit({"op": "echo", "tag": "queued"})
+        assert started.wait(10)
+        assert isinstance(queued.exception(timeout=5), EngineUnavailableError)
+        worker = next(t for t in set(threading.enumerate()) - before if t.name == "phyai-inline-0")
+        gate.set()  # the stuck call returns; the failed queued call must be skipped
+        worker.join(5)
+    assert not worker.is_alive() and crashes == []
+    assert log == ["stuck"]
+    assert first.exception().reason == "timeout"
 
 
 def test_timeout_counts_queueing(gate):
@@ -153,6 +170,18 @@ def test_collective_rpc():
         with pytest.raises(ValueError, match="replica=1 is out of range; this engine has 1 replica"):
             engine.collective_rpc("add", 1, replica=1)
         assert engine.healthy
+
+
+def test_collective_rpc_timeout_names_its_own_limit(gate):
+    started = threading.Event()
+    with probe_engine(gate=gate, started=started) as engine:
+        engine.submit({"op": "block", "tag": "first"})
+        assert started.wait(10)
+        start = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="deadline of 0.3s counted from submission") as info:
+            engine.collective_rpc("add", 1, replica=0, timeout=0.3)
+        assert info.value.reason == "timeout" and time.monotonic() - start < 2.3
+        assert not engine.healthy
 
 
 def test_collective_rpc_runs_in_request_order(gate):

@@ -83,7 +83,7 @@ class Probe:
     def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
         self.gate: threading.Event | None = plugin_args.get("gate")
         self.started: threading.Event | None = plugin_args.get("started")
-        self.seen: list[Any] = []
+        self.seen: list[Any] = plugin_args.get("log", [])  # a caller's list lets tests look after failure
         self.ctx = ctx
 
     def step(self, request: dict[str, Any]) -> Any:
