@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU = {"device": {"target": "cpu"}}
 
 
-def probe_engine(timeout_s: float = 600.0, **plugin_args) -> Engine:
-    deployment = DeploymentConfig(process_config=WorkerSupervisorConfig(execution_timeout_s=timeout_s))
+def probe_engine(timeout_s: float = 600.0, shutdown_s: float = 10.0, **plugin_args) -> Engine:
+    proc = WorkerSupervisorConfig(execution_timeout_s=timeout_s, shutdown_timeout_s=shutdown_s)
+    deployment = DeploymentConfig(process_config=proc)
     return Engine(EngineArgs(plugin="test_probe", plugin_args=plugin_args, config=CPU), deployment)
 
 
@@ -112,6 +113,17 @@ def test_close_cancels_queued_work(gate):
     with pytest.raises(CancelledError):
         queued.result(timeout=1)
     assert running.result(timeout=1) == {"index": 0, "tag": "a"}  # the running call was allowed to finish
+
+
+def test_close_with_a_stuck_plugin_is_bounded(gate):
+    started = threading.Event()
+    engine = probe_engine(shutdown_s=0.5, gate=gate, started=started)
+    running = engine.submit({"op": "block", "tag": "stuck"})
+    assert started.wait(10)
+    start = time.monotonic()
+    engine.close()
+    assert time.monotonic() - start < 1.5
+    assert running.exception(timeout=1).reason == "closed"
 
 
 def test_execution_timeout_fails_the_replica(gate):
