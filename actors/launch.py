@@ -9,11 +9,12 @@ from typing import Any
 
 import ray
 
-from actors.placement_groups import node_targets
+from actors.placement_groups import alive_nodes, node_targets
 from actors.replica import RayReplicaExecutor
 from actors.startup import ensure_ray
 from phyai_ray.errors import DeploymentConfigError
 from placement.bundles import describe_plan, plan_replicas
+from placement.spread import check_feasible
 
 logger = logging.getLogger(__name__)
 
@@ -25,15 +26,21 @@ def resolve_device_type(device_config: Any) -> str:
 
 def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[RayReplicaExecutor]:
     """Plan, place and start all replicas concurrently, with one startup deadline."""
-    ensure_ray(mode, deployment)
+    world = args.config.parallel.infer_replica_world_size()
+    ensure_ray(mode, deployment, cpus_needed=world * deployment.replica_count * deployment.cpus_per_rank)
     device_type = resolve_device_type(args.config.device)
     if device_type == "cpu" and deployment.devices is not None:
         raise DeploymentConfigError(f"devices={deployment.devices} names GPUs but the device target is cpu; "
                                     "drop devices or use DeviceConfig(target='cuda')")
-    plans = plan_replicas(ranks_per_replica=args.config.parallel.infer_replica_world_size(),
+    plans = plan_replicas(ranks_per_replica=world,
                           replica_count=deployment.replica_count, use_gpu=device_type == "cuda",
                           cpus_per_rank=deployment.cpus_per_rank, strategy=deployment.placement_strategy,
                           devices=deployment.devices)
+    if mode == "local":  # no autoscaler will add nodes: an impossible plan fails now, not at the deadline
+        try:
+            check_feasible(plans, alive_nodes())
+        except ValueError as exc:
+            raise DeploymentConfigError(f"{mode} mode: {exc}") from None
     targets = node_targets(plans, deployment.spread_replicas)
     logger.info("phyai-ray placement (%s, %s):\n%s", mode, device_type, describe_plan(plans))
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s

@@ -10,7 +10,7 @@ largest first; with no such node there is no preference and Ray decides.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 
 def replica_demand(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -51,3 +51,22 @@ def physical_device(logical: int, visible: str | None) -> str:
         raise ValueError(f"device {logical} is not visible: CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} "
                          f"device(s); use indices 0..{len(ids) - 1}")
     return ids[logical]
+
+
+def check_feasible(plans: Sequence[Any], nodes: Sequence[tuple[str, Mapping[str, float]]]) -> None:
+    """Raise ValueError when the cluster's TOTAL resources can never hold every replica of `plans`.
+
+    STRICT_PACK needs one node that fits a whole replica; every strategy needs each bundle to fit
+    some node, and the sum over all replicas to fit the sum over all nodes.
+    """
+    totals = replica_demand([res for _, res in nodes])
+    need = replica_demand([b for plan in plans for b in plan.bundles])
+    hint = "run `ray status` to see the cluster, or lower replica_count, parallel sizes or cpus_per_rank"
+    for plan in plans[:1]:
+        if plan.strategy == "STRICT_PACK" and not any(fits(res, replica_demand(plan.bundles)) for _, res in nodes):
+            raise ValueError(f"no node can hold one whole replica ({plan.world_size} bundles of {plan.bundles[0]}, "
+                             f"STRICT_PACK needs {replica_demand(plan.bundles)} on one node); {hint}")
+        if not any(fits(res, plan.bundles[0]) for _, res in nodes):
+            raise ValueError(f"no node can hold one rank bundle {plan.bundles[0]}; {hint}")
+    if not fits(totals, need):
+        raise ValueError(f"{len(plans)} replica(s) need {need} in total but the cluster has {totals}; {hint}")

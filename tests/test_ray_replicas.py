@@ -14,7 +14,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
+from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeploymentConfigError, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        EngineUnavailableError, ParallelConfig, StartupError, WorkerSupervisorConfig)
 from tests.conftest import live_actors, live_placement_groups
 from tests.plugins.faults import CreateFailed, FailCreateEntry, RequestRejected, SlowTPEntry
@@ -134,11 +134,22 @@ def test_create_failure_on_rank1_fails_start_and_leaves_nothing(ray_session):
     assert info.value.rank == 1
 
 
-def test_unplaceable_replica_times_out_with_hint_and_leaves_nothing(ray_session):
-    deployment = DeploymentConfig(replica_count=1, mode="local", cpus_per_rank=64,
-                                  process_config=WorkerSupervisorConfig(startup_timeout_s=2))
-    with pytest.raises(StartupError, match="ray status"):
+def test_impossible_local_plan_fails_at_once_with_the_numbers(ray_session):
+    started = time.monotonic()
+    with pytest.raises(DeploymentConfigError, match=r"no node can hold one whole replica.*'CPU': 128.*ray status"):
+        Engine(_args(TinyRowTPEntry, tp=2), DeploymentConfig(mode="local", cpus_per_rank=64))
+    with pytest.raises(DeploymentConfigError, match=r"3 replica\(s\) need \{'CPU': 12.0\}.*ray status"):
+        Engine(_args(TinyRowTPEntry, tp=2), DeploymentConfig(mode="local", replica_count=3, cpus_per_rank=2))
+    assert time.monotonic() - started < 2
+
+
+def test_unplaceable_cluster_replica_times_out_with_hint_and_leaves_nothing(ray_session):
+    deployment = DeploymentConfig.cluster(address="auto", cpus_per_rank=64,
+                                          process_config=WorkerSupervisorConfig(startup_timeout_s=2))
+    started = time.monotonic()
+    with pytest.raises(StartupError, match="not placed within 2s.*ray status"):
         Engine(_args(TinyRowTPEntry, tp=1), deployment)
+    assert time.monotonic() - started < 6
 
 
 def test_create_step_close_cycles_leave_no_actors_or_placement_groups(ray_session):

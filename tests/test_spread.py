@@ -32,3 +32,24 @@ def test_physical_device_composes_with_cuda_visible_devices(logical, visible, ex
 def test_physical_device_out_of_range_names_the_visible_set():
     with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='4,5'.*0\.\.1"):
         physical_device(2, "4,5")
+
+
+def _plans(world, replicas, cpus, strategy="STRICT_PACK"):
+    from placement.bundles import plan_replicas
+    return plan_replicas(ranks_per_replica=world, replica_count=replicas, use_gpu=False, cpus_per_rank=cpus,
+                         strategy=strategy)
+
+
+def test_check_feasible_accepts_what_fits_and_names_what_does_not():
+    from placement.spread import check_feasible
+
+    nodes = [("a", {"CPU": 4.0}), ("b", {"CPU": 4.0})]
+    check_feasible(_plans(2, 4, 1), nodes)
+    check_feasible(_plans(4, 1, 2, strategy="SPREAD"), nodes)
+    with pytest.raises(ValueError, match=r"STRICT_PACK needs \{'CPU': 8.0\} on one node"):
+        check_feasible(_plans(4, 1, 2), nodes)
+    with pytest.raises(ValueError, match=r"3 replica\(s\) need \{'CPU': 12.0\} in total but the cluster has "
+                                         r"\{'CPU': 8.0\}"):
+        check_feasible(_plans(2, 3, 2), nodes)
+    with pytest.raises(ValueError, match="no node can hold one rank bundle"):
+        check_feasible(_plans(1, 1, 5, strategy="PACK"), nodes)
