@@ -46,6 +46,7 @@ class _Call:
     kind: str
     future: Future
     all_ranks: bool
+    timeout_s: float
     pending: set[int]
     replies: dict[int, dict] = field(default_factory=dict)
 
@@ -124,7 +125,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         with self._lock:
             if self._failure is not None:
                 raise self._unavailable()
-            call = _Call(self._seq, kind, future, all_ranks, set(range(self.world_size)))
+            call = _Call(self._seq, kind, future, all_ranks, timeout_s, set(range(self.world_size)))
             self._seq += 1
             self._calls[call.seq] = call
             replies = [a.execute.remote(call.seq, kind, ref) for a in self._actors]
@@ -171,9 +172,11 @@ class RayReplicaExecutor(ReplicaExecutor):
         with self._lock:
             call = next((c for c in self._calls.values() if c.future is future), None)
         waiting = sorted(call.pending) if call else []
+        limit = (f"execution_timeout_s={self._proc.execution_timeout_s}" if call is None or call.kind == "step"
+                 else f"its collective_rpc timeout of {call.timeout_s}s")
         self._fail(EngineUnavailableError(
-            f"replica {self.index}: request exceeded execution_timeout_s={self._proc.execution_timeout_s} "
-            f"(counted from submission); rank(s) {waiting} had not replied, so the replica was stopped",
+            f"replica {self.index}: a {call.kind if call else 'call'} exceeded {limit} (counted from submission); "
+            f"rank(s) {waiting} had not replied, so the replica was stopped",
             reason="timeout", replica=self.index, rank=waiting[0] if waiting else None,
             node=self._node(waiting[0]) if waiting else None))
 

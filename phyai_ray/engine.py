@@ -37,6 +37,7 @@ class Engine:
         self.deployment = deployment or DeploymentConfig()
         self.entry = resolve_plugin(args.plugin)
         parallel = args.config.parallel
+        self.entry.configure(args.plugin_args)
         self.entry.check_parallel(parallel)
         self.topology = Topology.from_parallel(parallel)
         self.mode: str = self.deployment.resolve_mode(self.topology.world_size)

@@ -123,6 +123,16 @@ def test_execution_timeout_fails_group_within_two_seconds_of_deadline(ray_sessio
         assert not engine.healthy
 
 
+def test_collective_rpc_timeout_fails_the_replica_and_names_its_own_limit(ray_session):
+    with Engine(_args(SlowTPEntry), _deploy(1, execution_timeout_s=60)) as engine:
+        assert engine.collective_rpc("nap", 0.0, replica=0) == 0.0
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match=r"collective_rpc timeout of 1.0s") as info:
+            engine.collective_rpc("nap", 30.0, timeout=1.0)
+        assert time.monotonic() - started < 3.0 and info.value.reason == "timeout"
+        assert not engine.healthy
+
+
 def test_create_failure_on_rank1_fails_start_and_leaves_nothing(ray_session):
     started = time.monotonic()
     with pytest.raises(StartupError) as info:

@@ -32,6 +32,9 @@ class Entry:
     parallel_domains: ClassVar[frozenset[str]] = frozenset()
     request_model: ClassVar[Any] = None  # optional pydantic model describing one request (HTTP body)
 
+    def configure(self, plugin_args: dict[str, Any]) -> None:
+        """Learn the engine's plugin_args before any check runs (e.g. the model shape); optional."""
+
     def validate_parallel(self, parallel: Any) -> None:
         """Tighten the topology rules; raise `ParallelConfigError` with the numbers to reject one."""
 

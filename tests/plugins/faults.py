@@ -30,6 +30,10 @@ class SlowTP:
         time.sleep(float(request.get("sleep", 0.0)))
         return P.all_reduce(torch.ones(2) * (self.ctx.rank + 1), group="dense_tp")
 
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
     def whoami(self) -> dict[str, Any]:
         import os
         return {"rank": self.ctx.rank, "pid": os.getpid(), "replica": self.ctx.replica_index}
