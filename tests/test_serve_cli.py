@@ -1,0 +1,182 @@
+"""`serve run` arguments and the `phyai-ray serve` command (a real server in a subprocess).
+
+Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_serve_cli.py -q
+
+The subprocess starts its own, separate local Ray instance (`ray.init(address="local")`); the
+test stops it with SIGTERM and checks that every process it started is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from phyai_ray.cli import API_KEY_ENV
+from phyai_ray.errors import ParallelConfigError
+from phyai_ray.serve import codec
+from phyai_ray.serve.options import ServeOptions, app_arg_keys, parse_app_args
+from tests.plugins.tiny import reference
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
+
+
+def test_app_args_from_strings_build_the_engine_and_edge_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    engine, deployment, options = parse_app_args({
+        "plugin": "reference_dit", "plugin_args": '{"hidden": 64}', "dense_tp_size": "2",
+        "attention-tp-size": "2", "pp_size": "2", "replicas": "3", "device": "cpu", "devices": "0,1,2,3,4,5,6,7,8,9,10,11",
+        "execution_timeout_s": "12.5", "api_key": "k", "max_body_bytes": "1000", "rebuild_failed": "true"})
+    assert engine.plugin == "reference_dit" and engine.plugin_args == {"hidden": 64}
+    parallel = engine.config.parallel
+    assert (parallel.dense.tp_size, parallel.attention.tp_size, parallel.outer.pp_size) == (2, 2, 2)
+    assert parallel.explicit_domains == {"dense", "attention"}  # moe stays inferred
+    assert deployment.replica_count == 3 and deployment.devices == tuple(range(12))
+    assert deployment.process_config.execution_timeout_s == 12.5 and engine.config.device.target == "cpu"
+    assert options == ServeOptions(api_key="k", max_body_bytes=1000, rebuild_failed=True)
+
+
+def test_app_args_accept_yaml_values_and_the_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    engine, deployment, options = parse_app_args({"plugin": "p", "plugin_args": {"a": [1, 2]}, "replicas": 2,
+                                                  "devices": [0, 1], "health_check_period_s": 2})
+    assert engine.plugin_args == {"a": [1, 2]} and deployment.devices == (0, 1) and deployment.replica_count == 2
+    assert options.api_key == "from-env" and options.health_check_period_s == 2.0
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"dense_tp_size": "2"}, "needs plugin="),
+    ({"plugin": "p", "tp": "2"}, r"unknown build_app argument\(s\) \['tp'\]"),
+    ({"plugin": "p", "plugin_args": "[1]"}, "must be a JSON object"),
+    ({"plugin": "p", "plugin_args": "{bad"}, "must be a JSON object"),
+    ({"plugin": "p", "devices": "0,x"}, "comma-separated integers"),
+    ({"plugin": "p", "dense_tp_size": "two"}, "--dense-tp-size='two'"),
+    ({"plugin": "p", "max_body_bytes": "0"}, "max_body_bytes"),
+])
+def test_bad_app_args_name_the_key(args: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_app_args(args)
+
+
+def test_domain_mismatch_in_app_args_is_a_parallel_config_error() -> None:
+    with pytest.raises(ParallelConfigError, match="same number of ranks"):
+        parse_app_args({"plugin": "p", "dense_tp_size": "2", "attention_tp_size": "4"})
+
+
+def test_every_cli_config_flag_is_an_app_arg() -> None:
+    keys = app_arg_keys()
+    assert {"dense_tp_size", "attention_cp_size", "moe_ep_size", "pp_size", "cfg_size", "replicas", "mode",
+            "address", "devices", "device", "dtype", "execution_timeout_s", "startup_timeout_s"} <= set(keys)
+    assert keys["replicas"] == ("deployment", "replica_count")
+
+
+def test_build_app_binds_one_ingress_deployment() -> None:
+    from ray.serve import Application
+
+    from phyai_ray.serve import build_app
+
+    app = build_app({"plugin": PLUGIN, "dense_tp_size": "2", "replicas": "2", "device": "cpu"})
+    assert isinstance(app, Application)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc (no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"phyai-ray serve exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        try:
+            if requests.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:  # not listening yet, or the proxy waits for the replica
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"phyai-ray serve did not become ready at {url} within {timeout_s}s")
+
+
+def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    script = shutil.which("phyai-ray", path=str(Path(sys.executable).parent))
+    assert script is not None, "the phyai-ray console script is not installed in this venv (pip install -e .)"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), API_KEY_ENV: "cli-key", "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([script, "serve", PLUGIN, "--device", "cpu", "--port", str(port)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.stdout = log
+    started: set[int] = set()
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", 150)
+        started = descendants(proc.pid)
+        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+        reply = requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": codec.encode(x)},
+                              headers={"Authorization": "Bearer cli-key"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
+        assert requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": [[1.0] * 8]}, timeout=10).status_code == 401
+        started |= descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [p for p in started if alive(p)], "the server's Ray processes outlived it"
+    finally:
+        _cleanup(proc, started, log)
+
+
+def _cleanup(proc: subprocess.Popen, started: set[int], log) -> None:
+    """Kill what this test started and is still running (by pid), then show the log on failure."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+    for pid in started | descendants(proc.pid):
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    log.seek(0)
+    sys.stdout.write(log.read()[-5000:])
+    log.close()
