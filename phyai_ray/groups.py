@@ -59,6 +59,15 @@ class GroupSet:
                    for n, m in members.items() if len(m) > 1}
         return cls(topology, rank, handles, backend)
 
+    def destroy(self) -> None:
+        """Destroy the process groups this set built (not the default world)."""
+        import torch.distributed as dist
+
+        built = {id(h): h for h in self.handles.values() if h is not None and h is not dist.group.WORLD}
+        for handle in built.values():
+            dist.destroy_process_group(handle)
+        self.handles = {}
+
     def size(self, name: str) -> int:
         return len(self._members(name))
 

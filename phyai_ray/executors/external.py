@@ -4,7 +4,8 @@ Run one process per rank, e.g. `torchrun --nproc_per_node=2 examples/reference_t
 process is one rank of ONE replica; the engine does not broadcast, so every rank must call
 `step()` with the same requests in the same order. The output rank returns the result, the others
 `None`. The process groups come from the same topology as every other mode; RANK / WORLD_SIZE only
-say which process this is.
+say which process this is. The default world belongs to the launcher: `close()` destroys the
+engine's named groups but leaves the world up for the next engine of the process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from phyai_ray.errors import DeploymentConfigError
 from phyai_ray.executors.inline import InlineExecutor
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.worker import RankRunner, destroy_distributed, init_distributed, make_context
+from phyai_ray.worker import RankRunner, init_distributed, make_context
 from placement.topology import Topology
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -67,12 +68,15 @@ class ExternalExecutor(InlineExecutor):
                          startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
 
     def close(self) -> None:
+        """Stop, then destroy this engine's named groups. The launcher's world stays up, so a later
+        engine in the same process joins it again (re-initialising it on torchrun's store hangs)."""
         super().close()
-        if not getattr(self, "_destroyed", False):
+        runner = getattr(self, "_runner", None)
+        if runner is not None and not getattr(self, "_destroyed", False):
             self._destroyed = True
             from phyai_ray.groups import uninstall
             uninstall()
-            destroy_distributed()
+            runner.ctx.groups.destroy()
 
 
 def _device(target: str, local_rank: int) -> Any:
