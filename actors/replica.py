@@ -119,12 +119,12 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _send(self, kind: str, payload: Any, timeout_s: float, all_ranks: bool) -> Future:
         if self._failure is not None:
-            raise self._unavailable()
+            raise self.unavailable_error()
         ref = ray.put(payload)  # serialized once, before a sequence number is taken: a bad payload loses nothing
         future: Future = Future()
         with self._lock:
             if self._failure is not None:
-                raise self._unavailable()
+                raise self.unavailable_error()
             call = _Call(self._seq, kind, future, all_ranks, timeout_s, set(range(self.world_size)))
             self._seq += 1
             self._calls[call.seq] = call
@@ -193,7 +193,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             calls = list(self._calls.values())
             self._calls.clear()
         for call in calls:
-            fail_future(call.future, self._unavailable())
+            fail_future(call.future, self.unavailable_error())
 
     def _liveness_loop(self) -> None:
         """Ping every rank each interval; a failed ping is a dead rank, a ping stuck too long a hung one."""

@@ -88,7 +88,7 @@ class Engine:
         targets = self._executors if replica is None else [self._executors[replica]]
         failed = [e for e in targets if not e.healthy]
         if failed:
-            raise failed[0]._unavailable()
+            raise failed[0].unavailable_error()
         return targets
 
     @staticmethod

@@ -70,7 +70,7 @@ class ReplicaExecutor(abc.ABC):
             self._failure = error
             return True
 
-    def _unavailable(self) -> EngineUnavailableError:
+    def unavailable_error(self) -> EngineUnavailableError:
         """The error to raise for work sent to a failed replica."""
         cause = self._failure
         error = EngineUnavailableError(f"replica {self.index} is unavailable: {cause}", reason=cause.reason,

@@ -61,7 +61,7 @@ class InlineExecutor(ReplicaExecutor):
         future: Future = Future()
         with self._lock:
             if self._failure is not None:
-                raise self._unavailable()
+                raise self.unavailable_error()
             self._pending[future] = timeout_s
         future.add_done_callback(self._forget)
         self._watch.add(future, time.monotonic() + timeout_s)
@@ -92,7 +92,7 @@ class InlineExecutor(ReplicaExecutor):
         with self._lock:
             pending = list(self._pending)
         for future in pending:
-            fail_future(future, self._unavailable())
+            fail_future(future, self.unavailable_error())
 
     def close(self) -> None:
         """Cancel queued work, let the running call finish (bounded), fail what is left."""
