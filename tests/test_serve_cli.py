@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -135,33 +136,62 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     raise AssertionError(f"phyai-ray serve did not become ready at {url} within {timeout_s}s")
 
 
-def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+def start_server(tmp_path: Path, port: int) -> tuple[subprocess.Popen, Any]:
+    """`phyai-ray serve` of the test plugin (inline, one rank) in its own session, logging to a file."""
     script = shutil.which("phyai-ray", path=str(Path(sys.executable).parent))
     assert script is not None, "the phyai-ray console script is not installed in this venv (pip install -e .)"
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), API_KEY_ENV: "cli-key", "RAY_DEDUP_LOGS": "0"}
     env.pop("RAY_ADDRESS", None)
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([script, "serve", PLUGIN, "--device", "cpu", "--port", str(port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.stdout = log
+    return proc, log
+
+
+def wait_for_log(log: Any, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in Path(log.name).read_text():
+        assert time.monotonic() < deadline, f"{text!r} did not appear in the server log within {timeout_s}s"
+        time.sleep(0.2)
+
+
+def stop_and_check(proc: subprocess.Popen, started: set[int]) -> None:
+    """SIGTERM: exit status 0, and every process the server started is gone within 30 s."""
+    started |= descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in started if alive(p)], "the server's Ray processes outlived it"
+
+
+def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    proc, log = start_server(tmp_path, port)
     started: set[int] = set()
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", 150)
-        started = descendants(proc.pid)
         x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
         reply = requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": codec.encode(x)},
                               headers={"Authorization": "Bearer cli-key"}, timeout=60)
         assert reply.status_code == 200, reply.text
         assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
         assert requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": [[1.0] * 8]}, timeout=10).status_code == 401
-        started |= descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [p for p in started if alive(p)], "the server's Ray processes outlived it"
+        wait_for_log(log, "phyai-ray: serving", 60)  # serve.run returned: the steady-state signal path
+        stop_and_check(proc, started)
+    finally:
+        _cleanup(proc, started, log)
+
+
+def test_sigterm_while_the_app_starts_still_shuts_down_cleanly(tmp_path: Path) -> None:
+    proc, log = start_server(tmp_path, free_port())
+    started: set[int] = set()
+    try:
+        wait_for_log(log, "Started Serve", 120)  # Ray is up, serve.run is deploying the app
+        stop_and_check(proc, started)
+        assert "phyai-ray: serving" not in Path(log.name).read_text()
     finally:
         _cleanup(proc, started, log)
 
@@ -178,5 +208,5 @@ def _cleanup(proc: subprocess.Popen, started: set[int], log) -> None:
             except ProcessLookupError:
                 pass
     log.seek(0)
-    sys.stdout.write(log.read()[-5000:])
+    sys.stdout.write(log.read()[-5000:])  # shown by pytest when the test failed
     log.close()

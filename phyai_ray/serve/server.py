@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 APP_NAME = "phyai"
 
 
+class _StopWhileStarting(Exception):
+    """SIGINT/SIGTERM arrived before the app was up; unwinds the start, then shuts down."""
+
+
 @dataclass
 class Server:
     """A running Serve app. `shutdown()` deletes the app; when this process started Ray, it also stops
@@ -31,15 +35,21 @@ class Server:
 
     url: str
     owns_ray: bool
+    serving: bool = False
     _stopped: threading.Event = field(default_factory=threading.Event)
 
-    def wait(self) -> None:
-        """Block until SIGINT or SIGTERM (handlers are installed from the main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("run_server(blocking=True) waits for signals and must run on the main thread; "
-                               "pass blocking=False and call server.shutdown() yourself")
+    def handle_signals(self) -> None:
+        """Turn SIGINT/SIGTERM into a clean stop (after ray.init, which sets its own SIGTERM handler)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._stopped.set())
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stopped.set()
+        if not self.serving:
+            raise _StopWhileStarting(signal.Signals(signum).name)
+
+    def wait(self) -> None:
+        """Block until SIGINT or SIGTERM."""
         while not self._stopped.wait(0.5):
             pass
 
@@ -70,16 +80,24 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
 
     from phyai_ray.serve.app import create_app
 
+    if blocking and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("run_server(blocking=True) waits for SIGINT/SIGTERM and must run on the main thread; "
+                           "pass blocking=False and call server.shutdown() yourself")
     deployment = deployment or DeploymentConfig()
-    owns_ray = _join_ray(engine_args, deployment)
-    server = Server(url=f"http://{host}:{port}", owns_ray=owns_ray)
+    server = Server(url=f"http://{host}:{port}", owns_ray=_join_ray(engine_args, deployment))
+    if blocking:
+        server.handle_signals()
     try:
         serve.start(http_options={"host": host, "port": port})
         app = create_app(engine_args, deployment, api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
         serve.run(app, name=APP_NAME, route_prefix="/")
+    except _StopWhileStarting:
+        server.shutdown()
+        return None
     except BaseException:
         server.shutdown()
         raise
+    server.serving = True
     print(f"phyai-ray: serving {engine_args.plugin} at {server.url} (docs: {server.url}/docs)", flush=True)
     if not blocking:
         return server
