@@ -76,8 +76,6 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     `option_values` are further `ServeOptions` fields (rebuild_failed=..., health_check_period_s=...).
     With `blocking=False` the running `Server` is returned; call its `shutdown()`.
     """
-    from ray import serve
-
     from phyai_ray.serve.app import create_app
 
     if blocking and threading.current_thread() is not threading.main_thread():
@@ -88,9 +86,8 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     if blocking:
         server.handle_signals()
     try:
-        serve.start(http_options={"host": host, "port": port})
         app = create_app(engine_args, deployment, api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        _deploy(app, host, port)
     except _StopWhileStarting:
         server.shutdown()
         return None
@@ -106,6 +103,14 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     finally:
         server.shutdown()
     return None
+
+
+def _deploy(app: Any, host: str, port: int) -> None:
+    """Start Serve's proxy on host:port and run the app; returns once it is ready."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=APP_NAME, route_prefix="/")
 
 
 def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig) -> bool:
