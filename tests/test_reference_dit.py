@@ -153,14 +153,14 @@ def test_bad_request_is_rejected_by_the_engine_with_the_values(request_, error, 
     assert checked_engine.replica_status()[0].healthy
 
 
-def test_entry_without_plugin_args_leaves_shape_checks_to_the_rank():
+def test_engine_configures_the_entry_so_the_dispatcher_checks_the_real_shape():
     with Engine(EngineArgs(plugin="reference_dit", plugin_args={"vocab": 16})) as engine:
-        future = engine.submit({"tokens": [[3, 16]]})  # only the rank knows vocab=16
         with pytest.raises(ValueError, match=re.escape("[0, 16) (vocab=16), got min 3, max 16")):
-            future.result(timeout=30)
+            engine.submit({"tokens": [[3, 16]]})  # rejected before the rank sees it
         with pytest.raises(ValueError, match="got min -1"):
-            engine.submit({"tokens": [[-1]]})  # shape-independent checks still run in the dispatcher
+            engine.submit({"tokens": [[-1]]})
         assert engine.step({"tokens": [[3, 15]]}).shape == (1, 2, 16)
+        assert engine.replica_status()[0].errored == 0
 
 
 @pytest.mark.parametrize("layout, shape, message", [
