@@ -107,7 +107,7 @@ class Engine:
             out.append(ReplicaStatus(
                 index=e.index, healthy=e.healthy, world_size=e.world_size, in_flight=in_flight, served=served,
                 errored=errored, failure=str(f) if f else None, failure_reason=f.reason if f else None,
-                failed_rank=f.rank if f else None, nodes=e.nodes()))
+                failed_rank=f.rank if f else None, nodes=e.nodes(), pids=e.pids()))
         return out
 
     @property

@@ -49,6 +49,8 @@ def test_two_replicas_tp2_equal_single_rank_and_share_load(ray_session):
     assert all(s.served > 0 for s in status), status
     assert sum(s.served for s in status) == 50
     assert all(s.world_size == 2 and s.in_flight == 0 and s.healthy for s in status)
+    pids = [pid for s in status for pid in s.pids]
+    assert len(pids) == 4 and len(set(pids)) == 4 and os.getpid() not in pids
 
 
 def test_auto_mode_picks_local_for_one_rank_two_replicas_and_rpc_reaches_every_rank(ray_session):

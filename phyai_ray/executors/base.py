@@ -25,6 +25,7 @@ class ReplicaStatus:
     failure_reason: str | None = None
     failed_rank: int | None = None
     nodes: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -60,7 +61,13 @@ class ReplicaExecutor(abc.ABC):
         return self._failure
 
     def nodes(self) -> tuple[str, ...]:
+        """Node id of every rank, in rank order (empty when the replica runs in this process)."""
         return ()
+
+    def pids(self) -> tuple[int, ...]:
+        """Process id of every rank, in rank order."""
+        import os
+        return (os.getpid(),)
 
     def _set_failure(self, error: EngineUnavailableError) -> bool:
         """Record the first failure; returns False when one was already recorded."""
