@@ -24,8 +24,8 @@ def resolve_device_type(device_config: Any) -> str:
     return device_config.resolve_target(cuda_available=ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[RayReplicaExecutor]:
-    """Plan, place and start all replicas concurrently, with one startup deadline."""
+def _plan(mode: str, args: Any, deployment: Any) -> tuple[str, list, list]:
+    """Device type, replica plans and preferred nodes; an impossible local plan fails here."""
     world = args.config.parallel.infer_replica_world_size()
     ensure_ray(mode, deployment, cpus_needed=world * deployment.replica_count * deployment.cpus_per_rank)
     device_type = resolve_device_type(args.config.device)
@@ -41,7 +41,12 @@ def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[Ra
             check_feasible(plans, alive_nodes())
         except ValueError as exc:
             raise DeploymentConfigError(f"{mode} mode: {exc}") from None
-    targets = node_targets(plans, deployment.spread_replicas)
+    return device_type, plans, node_targets(plans, deployment.spread_replicas)
+
+
+def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[RayReplicaExecutor]:
+    """Plan, place and start all replicas concurrently, with one startup deadline."""
+    device_type, plans, targets = _plan(mode, args, deployment)
     logger.info("phyai-ray placement (%s, %s):\n%s", mode, device_type, describe_plan(plans))
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s
     with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="phyai-start") as pool:
@@ -59,3 +64,11 @@ def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[Ra
             executor.close()
         raise errors[0]
     return started
+
+
+def start_replica(index: int, mode: str, entry: Any, args: Any, deployment: Any) -> RayReplicaExecutor:
+    """Start replica `index` alone, with the plan it had (used to replace a failed group)."""
+    device_type, plans, targets = _plan(mode, args, deployment)
+    deadline = time.monotonic() + deployment.process_config.startup_timeout_s
+    return RayReplicaExecutor(plans[index], entry=entry, args=args, deployment=deployment, device_type=device_type,
+                              target_node=targets[index], deadline=deadline)

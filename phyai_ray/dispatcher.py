@@ -64,6 +64,11 @@ class RequestDispatcher:
             elif ok is False:
                 self._errored[index] += 1
 
+    def replace(self, index: int, executor: ReplicaExecutor) -> None:
+        """Route to `executor` from now on in place of replica `index` (its counters carry on)."""
+        with self._lock:
+            self.executors[index] = executor
+
     def counts(self, index: int) -> tuple[int, int, int]:
         """(in_flight, served, errored) of one replica."""
         with self._lock:

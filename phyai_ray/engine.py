@@ -19,7 +19,7 @@ from typing import Any
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.dispatcher import RequestDispatcher
-from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
 from phyai_ray.executors import ReplicaStatus, create_executors
 from phyai_ray.plugins.registry import resolve_plugin
 from placement.topology import Topology
@@ -43,9 +43,9 @@ class Engine:
         self.mode: str = self.deployment.resolve_mode(self.topology.world_size)
         logger.info("phyai-ray engine: plugin=%s mode=%s replicas=%d topology: %s", self.entry.display_name(),
                     self.mode, self.deployment.replica_count, parallel.describe())
-        self._executors = create_executors(self.mode, self.entry, args, self.deployment)
-        self._dispatcher = RequestDispatcher(self._executors)
-        self._close_lock = threading.Lock()
+        self._dispatcher = RequestDispatcher(create_executors(self.mode, self.entry, args, self.deployment))
+        self._executors = self._dispatcher.executors  # one list, shared with the dispatcher
+        self._close_lock, self._restart_lock = threading.Lock(), threading.Lock()
         self._closed = False
 
     # -- requests ---------------------------------------------------------------------------
@@ -118,6 +118,34 @@ class Engine:
     @property
     def replica_count(self) -> int:
         return len(self._executors)
+
+    def restart_replica(self, index: int) -> None:
+        """Replace FAILED replica `index` with a fresh group on the same plan (local/cluster only).
+
+        The engine never does this on its own; it is for the layer that owns the engine (a Serve
+        ingress, an RL loop) after reading `replica_status()`. Blocks until the new group is ready
+        (startup_timeout_s); on failure the replica stays failed and the error is raised.
+        """
+        self._check_open()
+        if self.mode not in ("local", "cluster"):
+            raise DeploymentConfigError(f"restart_replica needs Ray replica groups; this engine runs {self.mode!r}, "
+                                        "create a new Engine instead")
+        if not 0 <= index < len(self._executors):
+            raise ValueError(f"replica={index} is out of range; this engine has {len(self._executors)} replica(s)")
+        with self._restart_lock:
+            old = self._executors[index]
+            if old.healthy:
+                raise ValueError(f"replica {index} is healthy; only a failed replica can be restarted")
+            old.close()  # idempotent: ranks killed, placement group removed before the new one is placed
+            from actors.launch import start_replica
+
+            new = start_replica(index, self.mode, self.entry, self.args, self.deployment)
+            with self._close_lock:
+                if self._closed:
+                    new.close()
+                    raise EngineUnavailableError("the engine was closed during restart_replica", reason="closed")
+                self._dispatcher.replace(index, new)
+        logger.info("replica %d restarted", index)
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:

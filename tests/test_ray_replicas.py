@@ -221,3 +221,27 @@ def test_engine_inside_a_ray_actor_works_the_same(ray_session):
     owner = PhyaiOwner.remote()
     assert ray.get(owner.run.remote(), timeout=120) == ("local", True)
     ray.kill(owner)
+
+
+def test_restart_replica_replaces_only_a_failed_group(ray_session):
+    import ray
+
+    with Engine(_args(SlowTPEntry), _deploy(2, execution_timeout_s=60)) as engine:
+        with pytest.raises(ValueError, match="replica 1 is healthy"):
+            engine.restart_replica(1)
+        old_pids = engine.replica_status()[0].pids
+        ray.kill(engine._executors[0].actor(0), no_restart=True)
+        deadline = time.monotonic() + 5
+        while engine.replica_status()[0].healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.replica_status()[0].failure_reason == "worker_exit"
+        engine.restart_replica(0)
+        status = engine.replica_status()
+        assert status[0].healthy and set(status[0].pids).isdisjoint(old_pids)
+        results = [f.result(timeout=30) for f in [engine.submit({"sleep": 0.05}) for _ in range(10)]]
+        assert all(torch.equal(r, torch.full((2,), 3.0)) for r in results)
+        after = engine.replica_status()
+        assert after[0].served > 0 and after[1].served > 0
+    with Engine(_args(TinyRowTPEntry, tp=1)) as inline:
+        with pytest.raises(DeploymentConfigError, match="restart_replica needs Ray replica groups"):
+            inline.restart_replica(0)

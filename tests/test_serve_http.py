@@ -4,8 +4,9 @@ Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_serve_http.py -q
 
 One Serve app serves the whole module (starting it costs most of the runtime). The tests run in
 file order and the later ones break replica groups on purpose: a killed rank takes down group A
-while group B serves; a request past `execution_timeout_s` takes down group B (504); with no
-group left requests get 503 until the ingress rebuilds its engine in place (`rebuild_failed`).
+while group B serves (and the ingress restarts A in place, `rebuild_failed`); two requests past
+`execution_timeout_s` take down both groups (504 each); with no group up requests get 503 until
+the ingress has restarted them.
 The module neither uses `ray_session` nor the `ray` marker: conftest's per-test leak check would
 see the app's live rank actors and placement groups between tests. It checks for leaks itself,
 once, after `serve.shutdown()`.
@@ -17,6 +18,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -201,18 +203,23 @@ def test_killed_rank_fails_its_group_and_the_other_keeps_serving(url: str) -> No
         assert_good_step(url)
 
 
-def test_timeout_is_504_then_503_until_the_engine_is_rebuilt(url: str) -> None:
-    reply = step(url, torch.ones(1, 8), sleep_s=EXECUTION_TIMEOUT_S + 6)
-    assert reply.status_code == 504, reply.text
-    assert error_of(reply)["reason"] == "timeout"
-    reply = step(url, torch.ones(1, 8))  # no group left: refused at once, nothing touched
+def test_timeouts_are_504_then_503_until_the_groups_are_restarted(url: str) -> None:
+    wait_until(lambda: all(r["healthy"] for r in replicas(url)["replicas"]), 120, "the killed group's restart")
+    restarts = replicas(url)["rebuilds"]
+    assert restarts >= 1
+    with ThreadPoolExecutor(2) as pool:  # one slow request per group (fewest in flight)
+        slow = [pool.submit(step, url, torch.ones(1, 8), sleep_s=EXECUTION_TIMEOUT_S + 6) for _ in range(2)]
+        replies = [f.result() for f in slow]
+    assert [r.status_code for r in replies] == [504, 504], [r.text for r in replies]
+    assert all(error_of(r)["reason"] == "timeout" for r in replies)
+    reply = step(url, torch.ones(1, 8))  # no group up: refused at once, nothing touched
     assert reply.status_code == 503 and error_of(reply)["type"] == "unavailable", reply.text
     assert requests.get(f"{url}/readyz", timeout=10).status_code == 503
     assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
-    wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, "the engine rebuild")
+    wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, "a group restart")
     assert_good_step(url)
-    state = replicas(url)
-    assert state["rebuilds"] == 1 and all(r["healthy"] for r in state["replicas"]), state
+    state = wait_until(lambda: (s := replicas(url))["rebuilds"] == restarts + 2 and s, 120, "both restarts")
+    assert all(r["healthy"] for r in state["replicas"]), state
 
 
 def test_ray_metrics_export_port_carries_the_request_counter(url: str) -> None:
@@ -229,40 +236,47 @@ def test_ray_metrics_export_port_carries_the_request_counter(url: str) -> None:
     assert any('route="/v1/step"' in line and 'status="200"' in line for line in lines), lines
 
 
-def test_holder_reports_unhealthy_without_rebuild_and_rebuilds_with_it() -> None:
-    built: list[FakeEngine] = []
-
-    def build() -> FakeEngine:
-        built.append(FakeEngine())
-        return built[-1]
-
-    holder = EngineHolder(build)
+def test_holder_reports_unhealthy_without_restart_and_restarts_failed_groups_with_it() -> None:
+    holder = EngineHolder(FakeEngine)
     holder.check_health()
-    built[0].healthy = False
+    holder.engine.fail(0)
+    holder.check_health()  # replica 1 still serves
+    holder.engine.fail(1)
     with pytest.raises(EngineUnavailableError, match="no replica group can serve: replica 0: rank 1 exited"):
         holder.check_health()
-    rebuilding = EngineHolder(build, rebuild_failed=True)
-    built[1].healthy = False
-    rebuilding.check_health()  # starts the rebuild in the background, stays healthy meanwhile
-    wait_until(lambda: rebuilding.rebuilds == 1, 10, "the rebuild")
-    assert built[1].closed and rebuilding.engine is built[2]
-    rebuilding.check_health()
+    restarting = EngineHolder(FakeEngine, rebuild_failed=True)
+    restarting.engine.fail(1)
+    restarting.check_health()  # starts the restart in the background, stays healthy meanwhile
+    wait_until(lambda: restarting.rebuilds == 1, 10, "the restart")
+    assert restarting.engine.restarted == [1] and restarting.engine.healthy
+    restarting.check_health()
     holder.close()
-    rebuilding.close()
-    assert all(e.closed for e in built)
+    restarting.close()
+    assert holder.engine.closed and restarting.engine.closed
 
 
 class FakeEngine:
-    """A stand-in engine with one replica whose health the test flips."""
+    """A stand-in engine with two replica groups whose health the test flips."""
 
     def __init__(self) -> None:
-        self.healthy, self.closed = True, False
+        self.up, self.closed, self.restarted = [True, True], False, []
+
+    @property
+    def healthy(self) -> bool:
+        return not self.closed and any(self.up)
+
+    def fail(self, index: int) -> None:
+        self.up[index] = False
+
+    def restart_replica(self, index: int) -> None:
+        self.up[index] = True
+        self.restarted.append(index)
 
     def replica_status(self) -> list[Any]:
         from phyai_ray.executors.base import ReplicaStatus
 
-        return [ReplicaStatus(index=0, healthy=self.healthy, world_size=2, in_flight=0, served=0, errored=0,
-                              failure=None if self.healthy else "rank 1 exited")]
+        return [ReplicaStatus(index=i, healthy=up, world_size=2, in_flight=0, served=0, errored=0,
+                              failure=None if up else "rank 1 exited") for i, up in enumerate(self.up)]
 
     def close(self) -> None:
-        self.closed, self.healthy = True, False
+        self.closed = True

@@ -10,7 +10,7 @@ The ingress is ONE Serve replica with no CPU of its own (`num_cpus=0`): the engi
 is the router (fewest in flight, ties to the least recently chosen), and the CPUs/GPUs go to the
 rank actors of the engine's replica groups (one placement group each). Serve's health checks
 call `check_health`, which fails while no replica group can serve, so Serve replaces the
-ingress (or, with `rebuild_failed=True`, the ingress rebuilds its engine in place).
+ingress (or, with `rebuild_failed=True`, the ingress restarts failed replica groups in place).
 """
 
 from __future__ import annotations

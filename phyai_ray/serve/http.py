@@ -90,7 +90,7 @@ def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) 
         statuses = holder.engine.replica_status()
         healthy = sum(s.healthy for s in statuses)
         if not holder.engine.healthy:
-            what = "the engine is being rebuilt" if holder.rebuilding else "no replica group can serve"
+            what = "replica groups are restarting" if holder.rebuilding else "no replica group can serve"
             raise HttpError(503, f"{what}: {holder.failures()}", type="unavailable", reason="no_healthy_replica")
         return {"ready": True, "healthy_replicas": healthy, "replicas": len(statuses)}
 

@@ -15,7 +15,7 @@ Series (per-replica ones are read from `engine.replica_status()` when scraped):
     phyai_replica_in_flight{engine_replica}        gauge
     phyai_replica_served{engine_replica}           gauge (requests that returned a result)
     phyai_replica_failures{engine_replica}         gauge (requests that ended in an error)
-    phyai_engine_rebuilds_total                    counter
+    phyai_replica_restarts_total                   counter
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class EdgeMetrics:
         self.latency = Histogram("phyai_request_latency_seconds", "HTTP request latency", ["route"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("phyai_requests_in_flight", "HTTP requests being handled", registry=self.registry)
-        self.rebuilds = Counter("phyai_engine_rebuilds", "engines rebuilt in place", registry=self.registry)
+        self.rebuilds = Counter("phyai_replica_restarts", "replica groups restarted in place", registry=self.registry)
         self.registry.register(_ReplicaCollector(statuses))
         self._in_flight = 0
         self.ray = _RayMirror.create()
@@ -115,7 +115,7 @@ class _RayMirror:
         self.latency = metrics.Histogram("phyai_request_latency_seconds", "HTTP request latency",
                                          boundaries=list(LATENCY_BUCKETS), tag_keys=("route",))
         self.in_flight = metrics.Gauge("phyai_requests_in_flight", "HTTP requests being handled")
-        self.rebuilds = metrics.Counter("phyai_engine_rebuilds_total", "engines rebuilt in place")
+        self.rebuilds = metrics.Counter("phyai_replica_restarts_total", "replica groups restarted in place")
         self.gauges = {name: metrics.Gauge(f"phyai_replica_{name}", text, tag_keys=("engine_replica",))
                        for name, text in REPLICA_SERIES}
 

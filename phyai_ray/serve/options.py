@@ -33,8 +33,8 @@ class ServeOptions(ConfigModel):
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1, le=2**40, description="Largest accepted request body; larger ones get 413.")
     rebuild_failed: bool = Field(
-        False, description="When no replica group can serve, close the engine and start a new one in place "
-        "instead of reporting the deployment unhealthy (which makes Serve replace it).")
+        False, description="Restart each failed replica group in place (Engine.restart_replica) while the "
+        "others keep serving, instead of reporting unhealthy once none can serve (which makes Serve replace it).")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
     max_ongoing_requests: int = Field(
