@@ -59,6 +59,12 @@ def args(tp: int = 1, sleep_s: float = 0.0) -> EngineArgs:
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
 
 
+def bare_step(actors: list, request: Any) -> list:
+    """The baseline request path: one `ray.put`, the same reference to every actor."""
+    ref = ray.put(request)
+    return ray.get([a.step.remote(ref) for a in actors], timeout=60)
+
+
 def latencies(fn: Callable[[], Any], n: int, warmup: int = 10) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -78,8 +84,8 @@ def p(values: list[float], q: float) -> float:
 def row(name: str, ours: list[float], base: list[float]) -> str:
     m_o, m_b = statistics.median(ours), statistics.median(base)
     p_o, p_b = p(ours, 0.99), p(base, 0.99)
-    return (f"{name:<34} {m_o * 1e6:>10.0f} {m_b * 1e6:>10.0f} {m_o / m_b:>7.2f}x "
-            f"{p_o * 1e6:>10.0f} {p_b * 1e6:>10.0f} {p_o / p_b:>7.2f}x")
+    return (f"{name:<34} {m_o * 1e6:>10.1f} {m_b * 1e6:>10.1f} {m_o / m_b:>7.2f}x "
+            f"{p_o * 1e6:>10.1f} {p_b * 1e6:>10.1f} {p_o / p_b:>7.2f}x")
 
 
 def bench_latency(n: int) -> list[str]:
@@ -92,7 +98,7 @@ def bench_latency(n: int) -> list[str]:
     with Engine(args(tp=2), DeploymentConfig.local()) as engine:
         ours = latencies(lambda: engine.step(request), n)
     pair = [BareActor.remote() for _ in range(2)]
-    base = latencies(lambda: ray.get([a.step.remote(ref) for ref in [ray.put(request)] for a in pair]), n)
+    base = latencies(lambda: bare_step(pair, request), n)
     for actor in pair:
         ray.kill(actor)
     lines.append(row("2-rank replica vs bare 2-actor put", ours, base))
@@ -112,9 +118,10 @@ def bench_throughput(max_replicas: int, n: int, sleep_s: float = 0.01) -> list[s
             engine.step({})
             ours = throughput(lambda: engine.submit({}), lambda fs: [f.result(60) for f in fs], n)
         actors = [BareActor.remote(sleep_s) for _ in range(replicas)]
-        ray.get([a.step.remote({}) for a in actors])
+        ray.get([a.step.remote({}) for a in actors], timeout=120)
         turn = iter(range(10 ** 9))
-        base = throughput(lambda: actors[next(turn) % replicas].step.remote({}), lambda refs: ray.get(refs), n)
+        base = throughput(lambda: actors[next(turn) % replicas].step.remote({}),
+                          lambda refs: ray.get(refs, timeout=120), n)
         for actor in actors:
             ray.kill(actor)
         ideal = replicas / sleep_s

@@ -1,0 +1,34 @@
+"""Smoke runs of the main demo and the benchmark script (their `main()`), against the session's Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.ray
+
+
+def _load(relative: str):
+    spec = importlib.util.spec_from_file_location(Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_serves_two_tp2_replicas_matching_the_single_rank_model(ray_session, capsys):
+    assert _load("examples/demo.py").main(n=4) == 0
+    out = capsys.readouterr().out
+    assert "demo: OK" in out and "replica 1: healthy=True ranks=2" in out
+
+
+def test_benchmark_prints_ratios_and_names_the_machine(ray_session, capsys, monkeypatch):
+    bench = _load("benchmarks/bench_engine.py")
+    monkeypatch.setattr(bench.ray, "init", lambda **kwargs: None)      # reuse the session's Ray
+    monkeypatch.setattr(bench.ray, "shutdown", lambda: None)
+    bench.main(["--requests", "20", "--max-replicas", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "2-rank replica vs bare 2-actor put" in out
+    assert "1 replica(s) x 10 ms sleep" in out and "ratio" in out
