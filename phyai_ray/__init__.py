@@ -9,8 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from phyai_ray._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -41,14 +40,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phyai_ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports('phyai_ray', _EXPORTS, globals())

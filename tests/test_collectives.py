@@ -8,7 +8,6 @@ Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_collectives.py -
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from phyai_ray import P
 from phyai_ray.groups import GroupSet
 from placement.topology import GROUP_NAMES
 from tests.scripts.collectives_check import SPLITS_IN, rank_input, splits_out
-from tests.scripts.launch import describe, torchrun
+from tests.scripts.launch import torchrun_json
 
 # -- size 1: the identity, no torch.distributed -----------------------------------------------------
 
@@ -54,9 +53,7 @@ def test_bad_op_and_group_fail_on_one_rank_too():
 @pytest.fixture(scope="module")
 def two_rank_outputs(tmp_path_factory):
     out = tmp_path_factory.mktemp("collectives")
-    proc = torchrun("tests.scripts.collectives_check", [str(out)], nproc=2, timeout_s=90)
-    assert proc.returncode == 0, describe(proc)
-    return [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_json("tests.scripts.collectives_check", out, "collectives_rank{rank}.json", timeout_s=90)
 
 
 def t(value) -> torch.Tensor:

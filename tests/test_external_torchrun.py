@@ -9,7 +9,6 @@ Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_external_torchru
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ from phyai_ray.executors.external import check_world, launcher_env
 from placement.topology import Topology
 from tests.plugins.tiny import reference
 from tests.scripts.external_engine import REQUESTS, args
-from tests.scripts.launch import describe, torchrun
+from tests.scripts.launch import torchrun_json
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -29,9 +28,7 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("external")
-    proc = torchrun("tests.scripts.external_engine", [str(out)], nproc=2, timeout_s=120)
-    assert proc.returncode == 0, describe(proc)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return torchrun_json("tests.scripts.external_engine", out, "rank{rank}.json", timeout_s=120)
 
 
 @pytest.mark.torchrun

@@ -9,8 +9,7 @@ and `ServeOptions` load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from phyai_ray._lazy import lazy_exports
 
 _EXPORTS = {
     "build_app": "phyai_ray.serve.app",
@@ -24,12 +23,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phyai_ray.serve' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports('phyai_ray.serve', _EXPORTS, globals())

@@ -24,6 +24,15 @@ def torchrun(module: str, args: list[str], nproc: int = 2, timeout_s: float = 90
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout_s)
 
 
+def torchrun_json(module: str, out_dir: Path, name: str, nproc: int = 2, timeout_s: float = 90.0) -> list:
+    """Run `module` under torchrun with `out_dir` as its argument; return each rank's `name.format(rank=r)` JSON."""
+    import json
+
+    proc = torchrun(module, [str(out_dir)], nproc=nproc, timeout_s=timeout_s)
+    assert proc.returncode == 0, describe(proc)
+    return [json.loads((Path(out_dir) / name.format(rank=r)).read_text()) for r in range(nproc)]
+
+
 def describe(proc: subprocess.CompletedProcess) -> str:
     """The tail of a launch's output, for assertion messages."""
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
