@@ -35,6 +35,8 @@ _EXPORTS = {
     "PluginError": "phyai_ray.errors",
     "StartupError": "phyai_ray.errors",
     "EngineUnavailableError": "phyai_ray.errors",
+    "EngineOverloadedError": "phyai_ray.errors",
+    "RequestTimeoutError": "phyai_ray.errors",
 }
 
 __all__ = sorted(_EXPORTS)

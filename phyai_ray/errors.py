@@ -8,8 +8,13 @@ like, so callers may catch either:
     ├── DeploymentConfigError(ValueError) deployment settings that cannot work
     ├── PluginError(LookupError)          a plugin name or import path that does not resolve
     ├── StartupError(RuntimeError)        workers failed or timed out while starting
-    └── EngineUnavailableError(RuntimeError)
-                                          the backend can no longer serve
+    ├── EngineUnavailableError(RuntimeError)
+    │                                     the backend can no longer serve
+    ├── EngineOverloadedError(RuntimeError)
+    │                                     every healthy replica's queue is full; the request was
+    │                                     not admitted (nothing else is affected): retry later
+    └── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
+                                          from submission); the replica keeps serving
 """
 
 from __future__ import annotations
@@ -61,3 +66,44 @@ class EngineUnavailableError(PhyAIError, RuntimeError):
 
 def _rebuild_unavailable(message, reason, replica, rank, node, detail) -> EngineUnavailableError:
     return EngineUnavailableError(message, reason=reason, replica=replica, rank=rank, node=node, detail=detail)
+
+
+class EngineOverloadedError(PhyAIError, RuntimeError):
+    """Every healthy replica's engine-side queue is full: the request was shed, nothing else lost.
+
+    Raised at once by `submit`; the replicas keep serving what they admitted. Retry later, add
+    replicas, or raise `WorkerSupervisorConfig.max_queued_requests`. `queued` is the number of
+    requests waiting on the replicas that were full, `limit` the per-replica bound.
+    """
+
+    def __init__(self, message: str, *, queued: int | None = None, limit: int | None = None) -> None:
+        super().__init__(message)
+        self.queued, self.limit = queued, limit
+
+    def __reduce__(self):
+        return (_rebuild_overloaded, (str(self), self.queued, self.limit))
+
+
+class RequestTimeoutError(PhyAIError, TimeoutError):
+    """A request was not finished `execution_timeout_s` after submission (queueing included).
+
+    Only that request fails: a request still queued is dropped before it reaches a rank, and the
+    replica stays healthy. (A replica fails as a whole only when ONE request has been running on
+    its ranks for `execution_timeout_s`; that is an `EngineUnavailableError` with reason "timeout".)
+    """
+
+    def __init__(self, message: str, *, replica: int | None = None, waited_s: float | None = None,
+                 dispatched: bool | None = None) -> None:
+        super().__init__(message)
+        self.replica, self.waited_s, self.dispatched = replica, waited_s, dispatched
+
+    def __reduce__(self):
+        return (_rebuild_request_timeout, (str(self), self.replica, self.waited_s, self.dispatched))
+
+
+def _rebuild_overloaded(message, queued, limit) -> EngineOverloadedError:
+    return EngineOverloadedError(message, queued=queued, limit=limit)
+
+
+def _rebuild_request_timeout(message, replica, waited_s, dispatched) -> RequestTimeoutError:
+    return RequestTimeoutError(message, replica=replica, waited_s=waited_s, dispatched=dispatched)
