@@ -43,15 +43,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": opts.port})
     deployment = DeploymentConfig.cluster(address="auto", replica_count=opts.replicas)
     serve.run(create_app(engine_args(opts.tp), deployment), name=APP_NAME, route_prefix="/")
-    url = f"http://127.0.0.1:{opts.port}"
+    try:
+        return call(f"http://127.0.0.1:{opts.port}")
+    finally:
+        if not opts.keep:  # also when the call failed: a failed job leaves no app behind
+            serve.delete(APP_NAME)
+
+
+def call(url: str) -> dict:
+    """POST one request, read the replica states, print both."""
     reply = requests.post(f"{url}/v1/step", json={"tokens": [[3, 1, 4, 1]], "guidance_scale": 4.0}, timeout=120)
     reply.raise_for_status()
     logits = codec.decode(reply.json()["result"])
     replicas = requests.get(f"{url}/v1/replicas", timeout=10).json()
     print(f"serve_deploy: POST {url}/v1/step -> logits {list(logits.shape)}; replicas healthy: "
           f"{[r['healthy'] for r in replicas['replicas']]}")
-    if not opts.keep:
-        serve.delete(APP_NAME)
     return {"shape": list(logits.shape), "replicas": replicas}
 
 

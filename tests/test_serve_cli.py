@@ -210,3 +210,16 @@ def _cleanup(proc: subprocess.Popen, started: set[int], log) -> None:
     log.seek(0)
     sys.stdout.write(log.read()[-5000:])  # shown by pytest when the test failed
     log.close()
+
+
+def test_start_interruptible_gives_the_child_sigint_even_when_it_is_ignored_here() -> None:
+    """A parent with SIGINT ignored (a background job of a non-interactive shell) passes that on to a
+    plain child, so `serve run` would ignore Ctrl-C; `start_interruptible` restores the default."""
+    show = "import signal; print('ignored' if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 'handled')"
+    parent = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "from tests.helpers import start_interruptible; "
+              f"plain = subprocess.run([sys.executable, '-c', {show!r}], capture_output=True, text=True); "
+              f"child = start_interruptible([sys.executable, '-c', {show!r}], stdout=subprocess.PIPE, text=True); "
+              "print(plain.stdout.strip(), '|', child.communicate(timeout=60)[0].strip())")
+    done = subprocess.run([sys.executable, "-c", parent], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ignored | handled", done.stdout + done.stderr
