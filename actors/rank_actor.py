@@ -3,9 +3,11 @@
 Two phases, as vLLM's Ray workers: a cheap constructor, then `setup()` after the driver has seen
 where every actor landed and assigned ranks (torch.distributed init, named groups, plugin load).
 
-The actor is async so that `ping()` answers while a step runs: steps and calls execute on ONE
-dedicated thread, in the order of the sequence numbers the driver gives them (Ray does not
-promise execution order for async actors, so the actor restores it itself).
+Two lanes. Requests and collective_rpc calls (`execute`) run in the default concurrency group, on
+ONE dedicated execution thread, in the order of the sequence numbers the driver gives them (Ray
+does not promise execution order for async actors, so the actor restores it itself). Liveness
+pings and other control calls run in the "control" concurrency group, on an event loop of their
+own, so they answer within the liveness interval however many calls wait in the default group.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from typing import Any
 
 import ray
 
+from actors.protocol import MISSING, OK, ActorInfo, RankReply, RankSpec
+
+CONTROL = "control"
+CONCURRENCY_GROUPS = {CONTROL: 4}
+
 
 class RankActor:
     """A rank worker; made remote by `actors.replica` with placement and resource options."""
@@ -29,29 +36,32 @@ class RankActor:
         self._runner: Any = None
         self._rank: int | None = None
 
-    async def info(self) -> dict[str, Any]:
+    @ray.method(concurrency_group=CONTROL)
+    async def info(self) -> ActorInfo:
         """Where this actor landed: node id and address, process id, Ray-assigned GPUs."""
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return ActorInfo(node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(), pid=os.getpid(),
+                         gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
 
+    @ray.method(concurrency_group=CONTROL)
     async def free_port(self) -> int:
         """A TCP port free on this node right now (rank 0 hosts the rendezvous)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    async def setup(self, spec: dict[str, Any]) -> dict[str, Any]:
+    @ray.method(concurrency_group=CONTROL)
+    async def ping(self) -> int:
+        """Liveness, on the control lane: answers while a step runs and however many wait."""
+        return os.getpid()
+
+    async def setup(self, spec: RankSpec) -> int:
         """Join the replica's process groups and build the plugin model (on the execution thread)."""
-        self._rank = spec["rank"]
+        self._rank = spec.rank
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _setup_rank, self, spec)
 
-    async def ping(self) -> int:
-        """Liveness: answers even while a step runs."""
-        return os.getpid()
-
-    async def execute(self, seq: int, kind: str, payload: Any) -> dict[str, Any]:
+    async def execute(self, seq: int, kind: str, payload: Any, reply_value: bool) -> RankReply:
         """Run request `seq` ("step" or "call") after every earlier one, on the execution thread."""
         turn = self._condition()
         async with turn:
@@ -60,7 +70,7 @@ class RankActor:
             self._next_seq += 1
             turn.notify_all()
         value, status = await job
-        return {"seq": seq, "rank": self._rank, "status": status, "value": value}
+        return RankReply(seq, self._rank, status, value if reply_value or status == MISSING else None)
 
     def _condition(self) -> asyncio.Condition:
         if self._turn is None:
@@ -71,31 +81,31 @@ class RankActor:
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
         if kind == "step":
-            return self._runner.step(payload), "ok"
+            return self._runner.step(payload), OK
         method, args, kwargs = payload
         if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
-            return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", "missing"
-        return self._runner.call(method, args, kwargs), "ok"
+            return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", MISSING
+        return self._runner.call(method, args, kwargs), OK
 
 
-def _setup_rank(actor: RankActor, spec: dict[str, Any]) -> dict[str, Any]:
+def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
     import torch
 
     from phyai_ray.worker import RankRunner, init_distributed, make_context
     from placement.topology import Topology
 
-    if spec.get("visible_device") is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec["visible_device"]
-    topology = Topology.from_parallel(spec["parallel"])
+    if spec.visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_device
+    topology = Topology.from_parallel(spec.parallel)
     device = torch.device("cpu")
-    if spec["device_type"] == "cuda":
+    if spec.device_type == "cuda":
         torch.cuda.set_device(0)
         device = torch.device("cuda", 0)
-    init = f"tcp://{spec['master_addr']}:{spec['master_port']}"
-    groups = init_distributed(topology, spec["rank"], device.type, init, spec["timeout_s"])
+    init = f"tcp://{spec.master_addr}:{spec.master_port}"
+    groups = init_distributed(topology, spec.rank, device.type, init, spec.collective_timeout_s)
     groups.install()
-    ctx = make_context(topology=topology, groups=groups, rank=spec["rank"], replica_index=spec["replica_index"],
-                       device=device, dtype=getattr(torch, spec["params_dtype"]), parallel=spec["parallel"],
+    ctx = make_context(topology=topology, groups=groups, rank=spec.rank, replica_index=spec.replica_index,
+                       device=device, dtype=getattr(torch, spec.params_dtype), parallel=spec.parallel,
                        node_id=ray.get_runtime_context().get_node_id())
-    actor._runner = RankRunner(spec["entry"], spec["plugin_args"], ctx)
-    return {"rank": spec["rank"], "pid": os.getpid()}
+    actor._runner = RankRunner(spec.entry, spec.plugin_args, ctx)
+    return os.getpid()

@@ -1,18 +1,24 @@
 """`RayReplicaExecutor`: one replica = one placement group of rank actors forming a process group.
 
-Request path: the request is serialized once (`ray.put`), the same reference goes to every rank
-with a sequence number, every rank runs requests in sequence order, and the output rank's reply
-resolves the future. Fail-fast: a rank that dies (noticed by its pending replies or a ping every
-`liveness_interval_s`), raises, replies malformed, or outlives `execution_timeout_s` fails the
-whole replica: it is marked unavailable first, its pending futures fail with
-`EngineUnavailableError` naming the cause, then every rank is killed and the placement group
-removed. Nothing is retried or restarted here.
+Request path: the request is serialized once (`ray.put`, in the caller's thread, before it is
+queued), waits in the replica's engine-side scheduler, and when a slot is free the same reference
+goes to every rank with the next sequence number; every rank runs requests in sequence order, and
+the output rank's reply resolves the future. Replies are handed from Ray's threads to this
+replica's reply thread, which never runs user code (done-callbacks run on the engine's callback
+thread), so a callback may call the engine again.
+
+Fail-fast: a rank that dies (noticed by its pending replies or a ping on the control lane every
+`liveness_interval_s`), raises, replies malformed, runs one request past its limit, or cannot be
+sent a request fails the whole replica: it is marked unavailable first, every queued and
+dispatched request fails with `EngineUnavailableError` naming the cause, then every rank is killed
+and the placement group removed. Nothing is retried or restarted here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -25,30 +31,28 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.placement_groups import create_replica_group, remove_group
-from actors.rank_actor import RankActor
+from actors.protocol import MISSING, ActorInfo, RankReply, RankSpec
+from actors.rank_actor import CONCURRENCY_GROUPS, RankActor
 from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.executors.base import ReplicaExecutor, fail_future, resolve_future
-from phyai_ray.executors.deadlines import DeadlineWatch
+from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.scheduler import Work
 from placement.bundles import ReplicaPlan
 from placement.spread import physical_device
 from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
-RemoteRank = ray.remote(RankActor)
+RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
+_STOP = object()
 
 
 @dataclass
-class _Call:
-    """One request or rpc in flight on every rank of the replica."""
+class _Sent:
+    """Which ranks still owe a reply for one dispatched request or rpc."""
 
     seq: int
-    kind: str
-    future: Future
-    all_ranks: bool
-    timeout_s: float
     pending: set[int]
-    replies: dict[int, dict] = field(default_factory=dict)
+    replies: dict[int, RankReply] = field(default_factory=dict)
 
 
 class RayReplicaExecutor(ReplicaExecutor):
@@ -58,24 +62,23 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def __init__(self, plan: ReplicaPlan, *, entry: Any, args: Any, deployment: Any, device_type: str,
                  target_node: str | None, deadline: float) -> None:
-        super().__init__(plan.index, plan.world_size)
         self._proc = deployment.process_config
-        self._topology = Topology.from_parallel(args.config.parallel)
-        self._lock, self._teardown_lock = threading.Lock(), threading.Lock()
-        self._calls: dict[int, _Call] = {}
+        super().__init__(plan.index, plan.world_size, max_ongoing=self._proc.max_ongoing_requests,
+                         max_queued=self._proc.max_queued_requests, step_limit_s=self._proc.execution_timeout_s)
+        self._output_rank = Topology.from_parallel(args.config.parallel).output_rank
+        self._teardown_lock = threading.Lock()
         self._seq = 0
         self._pg, self._actors, self._infos = None, [], []
         self._torn_down = False
         self._stop = threading.Event()
-        self._watch = DeadlineWatch(self._expired, name=f"phyai-replica-{plan.index}-deadlines")
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         try:
             self._start(plan, entry, args, deployment, device_type, target_node, deadline)
         except BaseException:
             self._teardown()
             raise
-        self._monitor = threading.Thread(target=self._liveness_loop, name=f"phyai-replica-{plan.index}-liveness",
-                                         daemon=True)
-        self._monitor.start()
+        for target, what in ((self._reply_loop, "replies"), (self._liveness_loop, "liveness")):
+            threading.Thread(target=target, name=f"phyai-replica-{plan.index}-{what}", daemon=True).start()
 
     # -- startup ----------------------------------------------------------------------------
     def _start(self, plan: ReplicaPlan, entry: Any, args: Any, deployment: Any, device_type: str,
@@ -88,73 +91,92 @@ class RayReplicaExecutor(ReplicaExecutor):
         actors = [RemoteRank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self._pg, placement_group_bundle_index=i), **options).remote() for i in range(plan.world_size)]
         self._actors = actors  # bundle order until ranks are assigned
-        infos = gather_within([a.info.remote() for a in actors], deadline, self.index, "report where it landed")
-        order = sorted(range(len(actors)), key=lambda i: (infos[i]["node_id"], i))
+        infos: list[ActorInfo] = gather_within([a.info.remote() for a in actors], deadline, self.index,
+                                               "report where it landed")
+        order = sorted(range(len(actors)), key=lambda i: (infos[i].node_id, i))
         self._actors, self._infos = [actors[i] for i in order], [infos[i] for i in order]
         port = self._proc.base_port + self.index if self._proc.base_port else \
             gather_within([self._actors[0].free_port.remote()], deadline, self.index, "pick a port")[0]
         specs = [self._spec(rank, plan, entry, args, device_type, port, deadline) for rank in range(plan.world_size)]
         gather_within([a.setup.remote(s) for a, s in zip(self._actors, specs)], deadline, self.index,
-                      "start (process groups and plugin create)", nodes=[i["node_id"] for i in self._infos])
+                      "start (process groups and plugin create)", nodes=[i.node_id for i in self._infos])
         logger.info("replica %d ready: %d rank(s) on node(s) %s, rendezvous %s:%d", self.index, plan.world_size,
-                    sorted({i["node_id"][:8] for i in self._infos}), self._infos[0]["ip"], port)
+                    sorted({i.node_id[:8] for i in self._infos}), self._infos[0].ip, port)
 
     def _spec(self, rank: int, plan: ReplicaPlan, entry: Any, args: Any, device_type: str, port: int,
-              deadline: float) -> dict[str, Any]:
+              deadline: float) -> RankSpec:
         visible = None
         if plan.devices is not None:
             visible = physical_device(plan.devices[rank], os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return {"rank": rank, "replica_index": self.index, "entry": entry, "plugin_args": args.plugin_args,
-                "parallel": args.config.parallel, "params_dtype": args.config.device.params_dtype,
-                "device_type": device_type, "visible_device": visible, "master_addr": self._infos[0]["ip"],
-                "master_port": port, "timeout_s": max(_left(deadline), 1.0)}
+        return RankSpec(rank=rank, replica_index=self.index, entry=entry, plugin_args=args.plugin_args,
+                        parallel=args.config.parallel, params_dtype=args.config.device.params_dtype,
+                        device_type=device_type, visible_device=visible, master_addr=self._infos[0].ip,
+                        master_port=port, startup_timeout_s=max(_left(deadline), 1.0),
+                        collective_timeout_s=self._proc.collective_timeout_s)
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any) -> Future:
-        return self._send("step", request, self._proc.execution_timeout_s, all_ranks=False)
+    def _prepare(self, payload: Any) -> Any:
+        return ray.put(payload)  # once, before a slot or sequence number is taken: a bad payload loses nothing
 
-    def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
-                       all_ranks: bool = False) -> Future:
-        return self._send("call", (method, tuple(args), dict(kwargs)), timeout_s, all_ranks)
-
-    def _send(self, kind: str, payload: Any, timeout_s: float, all_ranks: bool) -> Future:
-        if self._failure is not None:
-            raise self.unavailable_error()
-        ref = ray.put(payload)  # serialized once, before a sequence number is taken: a bad payload loses nothing
-        future: Future = Future()
-        with self._lock:
-            if self._failure is not None:
-                raise self.unavailable_error()
-            call = _Call(self._seq, kind, future, all_ranks, timeout_s, set(range(self.world_size)))
-            self._seq += 1
-            self._calls[call.seq] = call
-            replies = [a.execute.remote(call.seq, kind, ref) for a in self._actors]
-        self._watch.add(future, time.monotonic() + timeout_s)
+    def _launch(self, work: Work) -> None:
+        """Send `work` to every rank with the next sequence number, or fail the replica at once."""
+        sent = _Sent(self._seq, set(range(self.world_size)))
+        self._seq += 1
+        work.state = sent
+        replies = []
+        try:
+            for rank, actor in enumerate(self._actors):
+                wants = rank == self._output_rank or (work.kind == "call" and work.all_ranks)
+                replies.append(actor.execute.remote(sent.seq, work.kind, work.payload, wants))
+        except BaseException as exc:  # some ranks have it, others not: the order is broken for good
+            self._fail(self._send_error(len(replies), exc))
+            return
         for rank, reply in enumerate(replies):
-            reply.future().add_done_callback(partial(self._on_reply, call, rank))
-        return future
+            reply.future().add_done_callback(partial(self._post_reply, work, rank))
 
-    def _on_reply(self, call: _Call, rank: int, reply: Future) -> None:
+    def _post_reply(self, work: Work, rank: int, reply: Future) -> None:
+        self._inbox.put((work, rank, reply))  # on Ray's thread: hand over, never block or call back
+
+    def _reply_loop(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                return
+            try:
+                self._on_reply(*item)
+            except Exception:
+                logger.exception("replica %d: handling a rank reply failed", self.index)
+
+    def _on_reply(self, work: Work, rank: int, reply: Future) -> None:
         try:
             envelope = reply.result()
         except BaseException as exc:
             self._fail(self._rank_error(rank, exc))
             return
-        if not _well_formed(envelope, call.seq, rank):
+        sent: _Sent = work.state
+        if not isinstance(envelope, RankReply) or not envelope.matches(sent.seq, rank):
             self._fail(EngineUnavailableError(
-                f"replica {self.index} rank {rank} sent a malformed reply to request {call.seq}: {envelope!r:.200}",
+                f"replica {self.index} rank {rank} sent a malformed reply to request {sent.seq}: {envelope!r:.200}",
                 reason="malformed", replica=self.index, rank=rank, node=self._node(rank)))
             return
-        with self._lock:
-            call.replies[rank] = envelope
-            call.pending.discard(rank)
-            finished = not call.pending
-            if finished:
-                self._calls.pop(call.seq, None)
-        if call.kind == "step" and rank == self._topology.output_rank:
-            resolve_future(call.future, envelope["value"])
-        elif call.kind == "call" and finished:
-            _deliver_rpc(call, self._topology.output_rank)
+        sent.replies[rank] = envelope
+        sent.pending.discard(rank)
+        if work.kind == "step" and rank == self._output_rank:
+            self.scheduler.deliver(work, envelope.value)
+        if not sent.pending:
+            if work.kind == "call":
+                self._deliver_rpc(work, sent)
+            self.scheduler.finished(work)
+
+    def _deliver_rpc(self, work: Work, sent: _Sent) -> None:
+        ranks = sorted(sent.replies)
+        missing = [sent.replies[r].value for r in ranks if sent.replies[r].status == MISSING]
+        if missing:
+            self.scheduler.deliver(work, error=AttributeError(missing[0]))
+        elif work.all_ranks:
+            self.scheduler.deliver(work, [sent.replies[r].value for r in ranks])
+        else:
+            self.scheduler.deliver(work, sent.replies[self._output_rank].value)
 
     # -- failure ----------------------------------------------------------------------------
     def _rank_error(self, rank: int, exc: BaseException) -> EngineUnavailableError:
@@ -168,32 +190,18 @@ class RayReplicaExecutor(ReplicaExecutor):
         error.__cause__ = cause
         return error
 
-    def _expired(self, future: Future) -> None:
-        with self._lock:
-            call = next((c for c in self._calls.values() if c.future is future), None)
-        waiting = sorted(call.pending) if call else []
-        limit = (f"execution_timeout_s={self._proc.execution_timeout_s}" if call is None or call.kind == "step"
-                 else f"its collective_rpc timeout of {call.timeout_s}s")
-        self._fail(EngineUnavailableError(
-            f"replica {self.index}: a {call.kind if call else 'call'} exceeded {limit} (counted from submission); "
-            f"rank(s) {waiting} had not replied, so the replica was stopped",
-            reason="timeout", replica=self.index, rank=waiting[0] if waiting else None,
-            node=self._node(waiting[0]) if waiting else None))
+    def _send_error(self, rank: int, exc: BaseException) -> EngineUnavailableError:
+        error = EngineUnavailableError(
+            f"replica {self.index}: sending a request to rank {rank} failed ({type(exc).__name__}: {exc}) after "
+            f"{rank} rank(s) had it; ranks that share collectives cannot run it one-sidedly, so the replica was "
+            "stopped", reason="worker_exit", replica=self.index, rank=rank, node=self._node(rank))
+        error.__cause__ = exc
+        return error
 
-    def _fail(self, error: EngineUnavailableError) -> None:
-        """Mark unavailable, fail every pending future, then kill the ranks (on another thread)."""
-        if not self._set_failure(error):
-            return
-        logger.error("%s", error)
-        self._fail_pending()
-        threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()
-
-    def _fail_pending(self) -> None:
-        with self._lock:
-            calls = list(self._calls.values())
-            self._calls.clear()
-        for call in calls:
-            fail_future(call.future, self.unavailable_error())
+    def _hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
+        waiting = sorted(work.state.pending) if work.state is not None else []
+        first = waiting[0] if waiting else None
+        return first, (self._node(first) if first is not None else None), f"rank(s) {waiting} had not replied"
 
     def _liveness_loop(self) -> None:
         """Ping every rank each interval; a failed ping is a dead rank, a ping stuck too long a hung one."""
@@ -217,15 +225,15 @@ class RayReplicaExecutor(ReplicaExecutor):
             return self._rank_error(rank, ping.exception()) if ping.exception() is not None else None
         if time.monotonic() - sent > hang_s:
             return EngineUnavailableError(
-                f"replica {self.index} rank {rank} did not answer a liveness ping for {hang_s:.0f}s",
+                f"replica {self.index} rank {rank} did not answer a liveness ping for {hang_s:.0f}s on its control "
+                "lane (the process is stuck outside Python or its node is unreachable)",
                 reason="worker_exit", replica=self.index, rank=rank, node=self._node(rank))
         return None
 
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        if self._set_failure(EngineUnavailableError(f"replica {self.index} is closed", reason="closed",
-                                                    replica=self.index)):
-            self._fail_pending()
+        if self._set_failure(self._closed_error()):
+            self.scheduler.stop(self.unavailable_error, cancel_queued=True)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -235,7 +243,7 @@ class RayReplicaExecutor(ReplicaExecutor):
                 return
             self._torn_down = True
         self._stop.set()
-        self._watch.close()
+        self._inbox.put(_STOP)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -244,32 +252,16 @@ class RayReplicaExecutor(ReplicaExecutor):
         remove_group(self._pg)
 
     def nodes(self) -> tuple[str, ...]:
-        return tuple(i["node_id"] for i in self._infos)
+        return tuple(i.node_id for i in self._infos)
 
     def pids(self) -> tuple[int, ...]:
-        return tuple(i["pid"] for i in self._infos)
+        return tuple(i.pid for i in self._infos)
 
     def actor(self, rank: int) -> Any:
         return self._actors[rank]
 
     def _node(self, rank: int) -> str:
-        return self._infos[rank]["node_id"] if rank < len(self._infos) else "?"
-
-
-def _well_formed(envelope: Any, seq: int, rank: int) -> bool:
-    return (isinstance(envelope, dict) and envelope.get("seq") == seq and envelope.get("rank") == rank
-            and envelope.get("status") in ("ok", "missing"))
-
-
-def _deliver_rpc(call: _Call, output_rank: int) -> None:
-    ranks = sorted(call.replies)
-    missing = [call.replies[r]["value"] for r in ranks if call.replies[r]["status"] == "missing"]
-    if missing:
-        fail_future(call.future, AttributeError(missing[0]))
-    elif call.all_ranks:
-        resolve_future(call.future, [call.replies[r]["value"] for r in ranks])
-    else:
-        resolve_future(call.future, call.replies[output_rank]["value"])
+        return self._infos[rank].node_id if rank < len(self._infos) else "?"
 
 
 def _left(deadline: float) -> float:

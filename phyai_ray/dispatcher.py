@@ -1,10 +1,12 @@
 """`RequestDispatcher`: sends each whole request to ONE healthy replica.
 
-Choice: the healthy replica with the fewest in-flight requests; ties go to the replica chosen
-least recently (so idle replicas take turns). In-flight counts drop when a request's future
-finishes for any reason: result, exception, cancellation or close. A replica that refuses a
-request before starting it (it just failed) is skipped and the next one is tried; a started
-request is never retried.
+Choice: among healthy replicas whose queue has room, the one with the fewest in-flight requests
+(queued in the engine + dispatched to its ranks); ties go to the replica chosen least recently, so
+idle replicas take turns. A replica that refuses a request before queueing it (it just failed, or
+its queue filled up meanwhile) is skipped and the next one is tried; a queued request is never
+moved or retried. When every healthy replica is full, `submit` raises `EngineOverloadedError` at
+once: overload sheds the new request and touches nothing else. When none is healthy it raises
+`EngineUnavailableError`. The counts live in each replica's scheduler, exact on every exit path.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Sequence
 
-from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError
 from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.scheduler import Counts
 
 
 class RequestDispatcher:
-    """Least-in-flight routing over replica executors, with exact accounting."""
+    """Least-in-flight routing over replica executors."""
 
     def __init__(self, executors: Sequence[ReplicaExecutor]) -> None:
         if not executors:
@@ -26,62 +29,63 @@ class RequestDispatcher:
         self.executors = list(executors)
         n = len(self.executors)
         self._lock = threading.Lock()
-        self._in_flight, self._served, self._errored = [0] * n, [0] * n, [0] * n
+        self._reserved = [0] * n  # chosen but not yet queued: concurrent submits spread out
         self._last_chosen, self._tick = [-1] * n, 0
 
     def submit(self, request: Any) -> Future:
-        """Route `request`; raises EngineUnavailableError at once when no replica is healthy."""
+        """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once."""
         refused: set[int] = set()
+        overloaded: list[EngineOverloadedError] = []
         while True:
-            index = self._choose(refused)
+            index = self._choose(refused, overloaded)
             try:
-                future = self.executors[index].submit(request)
-            except EngineUnavailableError:
-                self._finish(index, ok=None)
+                return self.executors[index].submit(request)
+            except EngineOverloadedError as exc:
+                overloaded.append(exc)
                 refused.add(index)
-                continue
-            except BaseException:
-                self._finish(index, ok=None)
-                raise
-            future.add_done_callback(lambda f, i=index: self._finish(i, ok=_succeeded(f)))
-            return future
+            except EngineUnavailableError:
+                refused.add(index)
+            finally:
+                with self._lock:
+                    self._reserved[index] -= 1
 
-    def _choose(self, refused: set[int]) -> int:
+    def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
         with self._lock:
             healthy = [i for i, e in enumerate(self.executors) if e.healthy and i not in refused]
-            if not healthy:
+            open_ = [i for i in healthy if self.executors[i].has_room()]
+            if not open_:
+                if healthy or overloaded:
+                    raise self._overloaded_error(len(healthy) + len(overloaded))
                 raise self._no_replica_error()
-            index = min(healthy, key=lambda i: (self._in_flight[i], self._last_chosen[i]))
-            self._in_flight[index] += 1
+            index = min(open_, key=lambda i: (self._load(i), self._last_chosen[i]))
+            self._reserved[index] += 1
             self._last_chosen[index], self._tick = self._tick, self._tick + 1
             return index
 
-    def _finish(self, index: int, ok: bool | None) -> None:
-        with self._lock:
-            self._in_flight[index] -= 1
-            if ok is True:
-                self._served[index] += 1
-            elif ok is False:
-                self._errored[index] += 1
+    def _load(self, index: int) -> int:
+        return self.executors[index].counts().in_flight + self._reserved[index]
 
     def replace(self, index: int, executor: ReplicaExecutor) -> None:
-        """Route to `executor` from now on in place of replica `index` (its counters carry on)."""
+        """Route to `executor` from now on in place of replica `index` (its served/errored carry on)."""
         with self._lock:
+            executor.scheduler.carry_counts(self.executors[index].scheduler)
             self.executors[index] = executor
 
-    def counts(self, index: int) -> tuple[int, int, int]:
-        """(in_flight, served, errored) of one replica."""
-        with self._lock:
-            return self._in_flight[index], self._served[index], self._errored[index]
+    def counts(self, index: int) -> Counts:
+        """Queued, dispatched, served and errored of one replica."""
+        return self.executors[index].counts()
+
+    def _overloaded_error(self, full: int) -> EngineOverloadedError:
+        limits = sorted({e.scheduler.max_queued for e in self.executors if e.healthy} - {None})
+        queued = sum(e.counts().queued for e in self.executors if e.healthy)
+        return EngineOverloadedError(
+            f"overloaded: all {full} healthy replica(s) have full queues ({queued} request(s) queued, "
+            f"max_queued_requests={limits[0] if len(limits) == 1 else limits} per replica); the request was not "
+            "admitted and nothing else was affected. Retry later, add replicas, or raise "
+            "WorkerSupervisorConfig.max_queued_requests", queued=queued, limit=limits[0] if limits else None)
 
     def _no_replica_error(self) -> EngineUnavailableError:
         causes = "; ".join(f"replica {e.index}: {e.failure}" for e in self.executors if e.failure is not None)
         return EngineUnavailableError(
             f"no healthy replica among {len(self.executors)}: {causes or 'all refused the request'}",
             reason="no_healthy_replica")
-
-
-def _succeeded(future: Future) -> bool | None:
-    if future.cancelled():
-        return None
-    return future.exception() is None

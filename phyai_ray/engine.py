@@ -20,7 +20,7 @@ from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.dispatcher import RequestDispatcher
 from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
-from phyai_ray.executors import ReplicaStatus, create_executors
+from phyai_ray.executors import ReplicaStatus, create_executors, restart_executor
 from phyai_ray.plugins.registry import resolve_plugin
 from placement.topology import Topology
 
@@ -50,7 +50,13 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any) -> Future:
-        """Validate `request` (the plugin's validator raises here), route it, return its future."""
+        """Validate `request` (the plugin's validator raises here), queue it on one replica, return its future.
+
+        Raises at once, losing nothing: the validator's error; `EngineOverloadedError` when every
+        healthy replica's queue is full; `EngineUnavailableError` when none is healthy. The future
+        fails with `RequestTimeoutError` if no result came `execution_timeout_s` after this call.
+        `future.cancel()` is True while the request still waits in the engine queue.
+        """
         self._check_open()
         self.entry.validate_request(request)
         return self._dispatcher.submit(request)
@@ -99,14 +105,17 @@ class Engine:
 
     # -- status -----------------------------------------------------------------------------
     def replica_status(self) -> list[ReplicaStatus]:
-        """Per-replica health, in-flight, served and failure cause; never waits on a step."""
+        """Per-replica health, queued / dispatched / served / errored counts and failure cause.
+
+        Never waits on a step or a queue: it reads counters kept by each replica's scheduler.
+        """
         out = []
-        for e in self._executors:
-            in_flight, served, errored = self._dispatcher.counts(e.index)
-            f = e.failure
+        for e in list(self._executors):
+            counts, f = e.counts(), e.failure
             out.append(ReplicaStatus(
-                index=e.index, healthy=e.healthy, world_size=e.world_size, in_flight=in_flight, served=served,
-                errored=errored, failure=str(f) if f else None, failure_reason=f.reason if f else None,
+                index=e.index, healthy=e.healthy, world_size=e.world_size, in_flight=counts.in_flight,
+                served=counts.served, errored=counts.errored, queued=counts.queued, dispatched=counts.dispatched,
+                failure=str(f) if f else None, failure_reason=f.reason if f else None,
                 failed_rank=f.rank if f else None, nodes=e.nodes(), pids=e.pids()))
         return out
 
@@ -137,9 +146,7 @@ class Engine:
             if old.healthy:
                 raise ValueError(f"replica {index} is healthy; only a failed replica can be restarted")
             old.close()  # idempotent: ranks killed, placement group removed before the new one is placed
-            from actors.launch import start_replica
-
-            new = start_replica(index, self.mode, self.entry, self.args, self.deployment)
+            new = restart_executor(index, self.mode, self.entry, self.args, self.deployment)
             with self._close_lock:
                 if self._closed:
                     new.close()

@@ -45,15 +45,22 @@ class GroupSet:
         return cls(topology, 0)
 
     @classmethod
-    def build(cls, topology: Topology, rank: int, backend: str) -> "GroupSet":
-        """Create the process groups (collective: every rank of the replica must call this)."""
+    def build(cls, topology: Topology, rank: int, backend: str, timeout_s: float | None = None) -> "GroupSet":
+        """Create the process groups (collective: every rank of the replica must call this).
+
+        `timeout_s` bounds every collective on them (the replica's collective_timeout_s).
+        """
+        import datetime
+
         import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
 
         made: dict[tuple[int, ...], Any] = {}
         for name in GROUP_NAMES[1:]:
             for ranks in topology.groups(name):
                 if len(ranks) > 1 and ranks != tuple(range(topology.world_size)) and ranks not in made:
-                    made[ranks] = dist.new_group(list(ranks))
+                    made[ranks] = dist.new_group(list(ranks), timeout=timeout)
         members = topology.rank_groups(rank)
         handles = {n: (dist.group.WORLD if m == tuple(range(topology.world_size)) else made.get(m))
                    for n, m in members.items() if len(m) > 1}

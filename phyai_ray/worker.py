@@ -26,7 +26,10 @@ def backend_for(device_type: str) -> str:
 
 def init_distributed(topology: Topology, rank: int, device_type: str, init_method: str,
                      timeout_s: float) -> GroupSet:
-    """Join the replica's world (collective over all its ranks) and build its named groups."""
+    """Join the replica's world (collective over all its ranks) and build its named groups.
+
+    `timeout_s` is the collective timeout of the world and of every named group.
+    """
     import torch.distributed as dist
 
     if topology.world_size == 1:
@@ -38,7 +41,7 @@ def init_distributed(topology: Topology, rank: int, device_type: str, init_metho
     elif dist.get_world_size() != topology.world_size or dist.get_rank() != rank:
         raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                            f"{dist.get_world_size()}, but this replica needs rank {rank} of {topology.world_size}")
-    return GroupSet.build(topology, rank, backend)
+    return GroupSet.build(topology, rank, backend, timeout_s)
 
 
 def destroy_distributed() -> None:

@@ -1,9 +1,11 @@
-"""RequestDispatcher accounting and choice, driven by hypothesis over fake executors.
+"""Routing and the per-replica scheduler, driven by hypothesis over hand-run replicas.
 
-`FakeExecutor` is a replica whose health, refusal and futures the test controls. A stateful
-hypothesis machine submits, completes, fails and cancels requests and flips health; after every
-step the dispatcher's in-flight count of each replica must equal its unfinished futures, and each
-choice must be the healthy replica with the fewest in-flight, ties to the least recently chosen.
+`ManualExecutor` is a real `ReplicaExecutor` (real scheduler, queue, limits and accounting) whose
+"ranks" are this test: `_launch` only records the dispatched work, and the test finishes it. A
+stateful hypothesis machine submits, finishes, cancels, expires and fails requests and flips
+health; after every step each replica's counts must match its futures (queued = PENDING,
+dispatched = RUNNING), the ranks must never hold more than `max_ongoing`, and each choice must be
+the healthy replica with room and the fewest in flight, ties to the least recently chosen.
 
 Run: .venv/bin/pytest tests/test_dispatcher.py -q
 """
@@ -20,162 +22,216 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from phyai_ray.dispatcher import RequestDispatcher
-from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
 from phyai_ray.executors.base import ReplicaExecutor
 
 
-class FakeExecutor(ReplicaExecutor):
-    """A replica that hands out plain futures; the test finishes them and sets health by hand."""
+class ManualExecutor(ReplicaExecutor):
+    """A replica run by hand: dispatched work waits in `at_ranks` until the test finishes it."""
 
-    def __init__(self, index: int) -> None:
-        super().__init__(index, world_size=1)
-        self.up = True
-        self.refuse = False  # raise EngineUnavailableError at submit (failed between check and send)
-        self.broken = False  # raise a plain error at submit
-        self.futures: list[tuple[object, Future]] = []
+    def __init__(self, index: int, max_ongoing: int = 2, max_queued: int | None = 3) -> None:
+        super().__init__(index, world_size=1, max_ongoing=max_ongoing, max_queued=max_queued, step_limit_s=3600)
+        self.at_ranks: list = []
+        self.launched = 0
+        self.peak = 0
 
-    @property
-    def healthy(self) -> bool:
-        return self.up and self._failure is None
+    def _launch(self, work) -> None:
+        self.at_ranks.append(work)
+        self.launched += 1
+        self.peak = max(self.peak, len(self.at_ranks))
 
-    def submit(self, request):
-        if self.refuse:
-            raise EngineUnavailableError(f"replica {self.index} just failed", reason="worker_exit",
-                                         replica=self.index)
-        if self.broken:
-            raise RuntimeError(f"replica {self.index} cannot serialize {request!r}")
-        future: Future = Future()
-        self.futures.append((request, future))
-        return future
+    def finish_next(self, how: str) -> None:
+        work = self.at_ranks.pop(0)
+        if how == "result":
+            self.scheduler.deliver(work, "ok")
+        else:
+            self.scheduler.deliver(work, error=ValueError("plugin rejected the payload"))
+        self.scheduler.finished(work)
 
-    def collective_rpc(self, method, args, kwargs, timeout_s, all_ranks=False):
-        raise NotImplementedError
+    def _teardown(self) -> None:
+        self.at_ranks.clear()
+
+    def _teardown_after_failure(self) -> None:
+        self._teardown()
 
     def close(self) -> None:
-        pass
+        if self._set_failure(self._closed_error()):
+            self.scheduler.stop(self.unavailable_error, cancel_queued=True)
 
-    def unfinished(self) -> list[Future]:
-        return [f for _, f in self.futures if not f.done()]
+
+def _states(executor: ManualExecutor, futures: list[Future]) -> tuple[int, int]:
+    pending = sum(1 for f in futures if not f.done() and not f.running())
+    running = sum(1 for f in futures if f.running())
+    return pending, running
 
 
 class DispatcherMachine(RuleBasedStateMachine):
-    """Model of the dispatcher: expected last-chosen ticks, served and errored counts."""
+    """Model: expected last-chosen ticks, served and errored counts per replica."""
 
-    @initialize(n=st.integers(1, 4))
-    def setup(self, n):
-        self.executors = [FakeExecutor(i) for i in range(n)]
+    @initialize(n=st.integers(1, 3), ongoing=st.integers(1, 2), queued=st.integers(0, 3))
+    def setup(self, n, ongoing, queued):
+        self.executors = [ManualExecutor(i, ongoing, queued) for i in range(n)]
         self.dispatcher = RequestDispatcher(self.executors)
+        self.futures: list[list[Future]] = [[] for _ in range(n)]
         self.last, self.tick = [-1] * n, 0
         self.served, self.errored = [0] * n, [0] * n
 
     def _in_flight(self, i: int) -> int:
-        return len(self.executors[i].unfinished())
+        return sum(1 for f in self.futures[i] if not f.done())
 
-    def _expected_route(self) -> tuple[list[int], int | None, type | None]:
-        """Replicas tried (in order) and the one that accepts, per the documented rule."""
-        tried, candidates = [], [i for i, e in enumerate(self.executors) if e.healthy]
-        while candidates:
-            best = min(candidates, key=lambda i: (self._in_flight(i), self.last[i]))
-            assert self._in_flight(best) == min(self._in_flight(i) for i in candidates)
-            tried.append(best)
-            if self.executors[best].broken and not self.executors[best].refuse:
-                return tried, None, RuntimeError
-            if not self.executors[best].refuse:
-                return tried, best, None
-            candidates.remove(best)
-        return tried, None, EngineUnavailableError
+    def _room(self, i: int) -> bool:
+        e = self.executors[i]
+        queued, _ = _states(e, self.futures[i])
+        return len(e.at_ranks) < e.scheduler.max_ongoing or queued < e.scheduler.max_queued
 
     @rule()
     def submit(self):
-        tried, accepted, error = self._expected_route()
-        before = [f for e in self.executors for _, f in e.futures]
-        if error is not None:
-            with pytest.raises(error):
-                self.dispatcher.submit(object())
-        else:
-            future = self.dispatcher.submit(("req", self.tick))
-            assert future is self.executors[accepted].futures[-1][1]
-        for i in tried:
-            self.last[i], self.tick = self.tick, self.tick + 1
-        assert len([f for e in self.executors for _, f in e.futures]) == len(before) + (error is None)
+        healthy = [i for i, e in enumerate(self.executors) if e.healthy]
+        open_ = [i for i in healthy if self._room(i)]
+        if not open_:
+            with pytest.raises(EngineOverloadedError if healthy else EngineUnavailableError):
+                self.dispatcher.submit("x")
+            return
+        best = min(open_, key=lambda i: (self._in_flight(i), self.last[i]))
+        future = self.dispatcher.submit(("req", self.tick))
+        assert future.work in self.executors[best].at_ranks or future.work in self.executors[best].scheduler._queued
+        self.futures[best].append(future)
+        self.last[best], self.tick = self.tick, self.tick + 1
 
-    def _pick(self, data) -> tuple[int, Future] | None:
-        live = [(e.index, f) for e in self.executors for f in e.unfinished()]
-        return data.draw(st.sampled_from(live)) if live else None
-
-    @precondition(lambda self: any(e.unfinished() for e in self.executors))
-    @rule(data=st.data(), how=st.sampled_from(["result", "exception", "cancel"]))
+    @precondition(lambda self: any(e.at_ranks for e in self.executors))
+    @rule(data=st.data(), how=st.sampled_from(["result", "exception"]))
     def finish(self, data, how):
-        index, future = self._pick(data)
-        if how == "result":
-            future.set_result("ok")
-            self.served[index] += 1
-        elif how == "exception":
-            future.set_exception(ValueError("plugin rejected the payload"))
-            self.errored[index] += 1
-        else:
-            assert future.cancel()
+        e = data.draw(st.sampled_from([e for e in self.executors if e.at_ranks]))
+        head = e.at_ranks[0]
+        counted = not head.future.done()
+        e.finish_next(how)
+        if counted:
+            (self.served if how == "result" else self.errored)[e.index] += 1
 
-    @rule(data=st.data(), up=st.booleans(), refuse=st.booleans(), broken=st.booleans())
-    def set_state(self, data, up, refuse, broken):
+    @precondition(lambda self: any(not f.done() for fs in self.futures for f in fs))
+    @rule(data=st.data())
+    def cancel(self, data):
+        index, future = data.draw(st.sampled_from([(i, f) for i, fs in enumerate(self.futures) for f in fs
+                                                   if not f.done()]))
+        was_queued = not future.running()
+        assert future.cancel() == was_queued
+        assert future.work not in self.executors[index].at_ranks or not was_queued  # nothing reached a rank
+
+    @rule(data=st.data())
+    def expire_queued(self, data):
+        """Every queued request of one replica passes its deadline: each fails alone, none reaches a rank."""
         e = data.draw(st.sampled_from(self.executors))
-        e.up, e.refuse, e.broken = up, refuse, broken
+        queued = [f for f in self.futures[e.index] if not f.done() and not f.running()]
+        for f in queued:
+            f.work.submitted -= 7200
+        launched = e.launched
+        e.scheduler.expire(time.monotonic())
+        for f in queued:
+            assert isinstance(f.exception(timeout=0), RequestTimeoutError)
+        self.errored[e.index] += len(queued)
+        assert e.launched == launched and e.healthy == (e.failure is None)
+
+    @rule(data=st.data())
+    def fail_group(self, data):
+        e = data.draw(st.sampled_from(self.executors))
+        if not e.healthy:
+            return
+        unfinished = [f for f in self.futures[e.index] if not f.done()]
+        e._fail(EngineUnavailableError("rank 0 exited", reason="worker_exit", replica=e.index, rank=0))
+        for f in unfinished:
+            assert isinstance(f.exception(timeout=0), EngineUnavailableError)
+        self.errored[e.index] += len(unfinished)
 
     @invariant()
-    def counts_match_unfinished_futures(self):
-        for i in range(len(self.executors)):
-            assert self.dispatcher.counts(i) == (self._in_flight(i), self.served[i], self.errored[i])
+    def counts_match_futures(self):
+        for i, e in enumerate(self.executors):
+            counts = self.dispatcher.counts(i)
+            assert (counts.queued, counts.dispatched) == _states(e, self.futures[i])
+            assert (counts.served, counts.errored) == (self.served[i], self.errored[i])
+            assert e.peak <= e.scheduler.max_ongoing
+            assert counts.queued <= e.scheduler.max_queued
 
 
-DispatcherMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+DispatcherMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestDispatcherMachine = DispatcherMachine.TestCase
 
 
 # -- plain cases -----------------------------------------------------------------------------------
 
 def test_least_in_flight_then_round_robin():
-    executors = [FakeExecutor(i) for i in range(3)]
+    executors = [ManualExecutor(i, max_queued=None) for i in range(3)]
     d = RequestDispatcher(executors)
-    chosen = []
-    for k in range(6):
-        d.submit(k)
-        chosen.append(next(e.index for e in executors if e.futures and e.futures[-1][0] == k))
-    assert chosen == [0, 1, 2, 0, 1, 2]
-    executors[0].futures[0][1].set_result(None)  # replica 0 now has the fewest in flight
-    d.submit("next")
-    assert executors[0].futures[-1][0] == "next"
-    assert [d.counts(i)[0] for i in range(3)] == [2, 2, 2]
+    futures = [d.submit(k) for k in range(6)]
+    assert [next(e.index for e in executors if f.work in e.at_ranks) for f in futures] == [0, 1, 2, 0, 1, 2]
+    executors[0].finish_next("result")  # replica 0 now has the fewest in flight
+    nxt = d.submit("next")
+    assert nxt.work in executors[0].at_ranks
+    assert [d.counts(i).in_flight for i in range(3)] == [2, 2, 2]
 
 
 def test_no_healthy_replica_raises_at_once_with_causes():
-    executors = [FakeExecutor(0), FakeExecutor(1)]
-    executors[0]._set_failure(EngineUnavailableError("rank 1 exited with code -9", reason="worker_exit", rank=1))
-    executors[1].up = False
+    executors = [ManualExecutor(0), ManualExecutor(1)]
+    executors[0]._fail(EngineUnavailableError("rank 1 exited with code -9", reason="worker_exit", rank=1))
+    executors[1].close()
     d = RequestDispatcher(executors)
     start = time.monotonic()
     with pytest.raises(EngineUnavailableError) as info:
         d.submit("x")
     assert time.monotonic() - start < 0.5
     assert info.value.reason == "no_healthy_replica"
-    assert "no healthy replica among 2: replica 0: rank 1 exited with code -9" in str(info.value)
-    assert d.counts(0) == d.counts(1) == (0, 0, 0)
+    assert "replica 0: rank 1 exited with code -9" in str(info.value)
 
 
-def test_refusing_replica_is_skipped_and_counts_restored():
-    executors = [FakeExecutor(0), FakeExecutor(1)]
-    executors[0].refuse = True
+def test_full_queues_shed_at_once_and_lose_nothing():
+    executors = [ManualExecutor(i, max_ongoing=1, max_queued=2) for i in range(2)]
     d = RequestDispatcher(executors)
-    future = d.submit("x")
-    assert executors[1].futures == [("x", future)]
-    assert d.counts(0) == (0, 0, 0) and d.counts(1) == (1, 0, 0)
-    executors[1].refuse = True
-    with pytest.raises(EngineUnavailableError, match="all refused the request"):
-        d.submit("y")
-    assert d.counts(0) == (0, 0, 0) and d.counts(1) == (1, 0, 0)
+    admitted = [d.submit(k) for k in range(6)]
+    for _ in range(3):
+        start = time.monotonic()
+        with pytest.raises(EngineOverloadedError, match=r"all 2 healthy replica\(s\) have full queues.*"
+                                                        r"max_queued_requests=2") as info:
+            d.submit("one too many")
+        assert time.monotonic() - start < 0.05 and info.value.limit == 2 and info.value.queued == 4
+    while any(e.at_ranks for e in executors):
+        for e in executors:
+            if e.at_ranks:
+                e.finish_next("result")
+    assert [f.result(timeout=0) for f in admitted] == ["ok"] * 6
+    assert [(c.served, c.in_flight) for c in (d.counts(0), d.counts(1))] == [(3, 0), (3, 0)]
+
+
+def test_cancelled_queued_request_wakes_waiters_and_never_launches():
+    from concurrent.futures import wait
+
+    e = ManualExecutor(0, max_ongoing=1, max_queued=None)
+    d = RequestDispatcher([e])
+    first, queued = d.submit("a"), d.submit("b")
+    assert queued.cancel() and not first.cancel()
+    done, _ = wait([queued], timeout=1)
+    assert done == {queued}
+    e.finish_next("result")
+    assert e.launched == 1 and d.counts(0).in_flight == 0
+
+
+def test_done_callback_runs_on_the_engines_thread_and_may_submit_again():
+    e = ManualExecutor(0, max_ongoing=1, max_queued=None)
+    d = RequestDispatcher([e])
+    seen = {}
+
+    def again(f):
+        seen["thread"] = threading.current_thread().name
+        seen["next"] = d.submit("from callback")
+
+    d.submit("a").add_done_callback(again)
+    e.finish_next("result")
+    deadline = time.monotonic() + 5
+    while "next" not in seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen["thread"] == "phyai-replica-0-callbacks" and seen["next"].work in e.at_ranks
 
 
 def test_concurrent_submits_keep_exact_counts():
-    executors = [FakeExecutor(i) for i in range(3)]
+    executors = [ManualExecutor(i, max_queued=None) for i in range(3)]
     d = RequestDispatcher(executors)
     barrier = threading.Barrier(8)
 
@@ -189,13 +245,14 @@ def test_concurrent_submits_keep_exact_counts():
         t.start()
     for t in threads:
         t.join()
-    loads = [d.counts(i)[0] for i in range(3)]
+    loads = [d.counts(i).in_flight for i in range(3)]
     assert sum(loads) == 400 and max(loads) - min(loads) <= 1
-    assert loads == [len(e.futures) for e in executors]
-    for e in executors:
-        for _, f in e.futures:
-            f.set_result(1)
-    assert [d.counts(i) for i in range(3)] == [(0, len(e.futures), 0) for e in executors]
+    while any(e.at_ranks for e in executors):
+        for e in executors:
+            if e.at_ranks:
+                e.finish_next("result")
+    assert sum(d.counts(i).served for i in range(3)) == 400
+    assert all(e.peak <= 2 for e in executors)
 
 
 def test_dispatcher_needs_an_executor():

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineUnavailableError, WorkerSupervisorConfig
+from phyai_ray import (DeploymentConfig, Engine, EngineArgs, EngineUnavailableError, RequestTimeoutError,
+                       WorkerSupervisorConfig)
 from phyai_ray.errors import DeploymentConfigError
 from tests.plugins.tiny import ProbeError, reference
 
@@ -135,7 +136,7 @@ def test_execution_timeout_fails_the_replica(gate):
         elapsed = time.monotonic() - start
         assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
         assert deadline <= elapsed < deadline + 2, elapsed
-        assert "exceeded its deadline of 0.5s counted from submission" in str(error)
+        assert "running on its ranks for 0.5s, past execution_timeout_s=0.5" in str(error)
         status = engine.replica_status()[0]
         assert (status.healthy, status.failure_reason, status.in_flight) == (False, "timeout", 0)
         assert not engine.healthy
@@ -161,13 +162,29 @@ def test_work_queued_behind_a_timeout_never_runs(gate, monkeypatch):
     assert first.exception().reason == "timeout"
 
 
-def test_timeout_counts_queueing(gate):
+def test_timeout_counts_queueing_and_fails_only_that_request(gate):
     started = threading.Event()
     with probe_engine(timeout_s=1.0, gate=gate, started=started) as engine:
-        engine.submit({"op": "sleep", "seconds": 0.7, "tag": "a"})
+        first = engine.submit({"op": "sleep", "seconds": 0.7, "tag": "a"})
         queued = engine.submit({"op": "sleep", "seconds": 0.7, "tag": "b"})  # would end at ~1.4 s
         error = queued.exception(timeout=5)
-        assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
+        assert isinstance(error, RequestTimeoutError) and isinstance(error, TimeoutError)
+        assert "1.0" in str(error) and error.replica == 0
+        assert first.result(timeout=5)["tag"] == "a"
+        assert engine.healthy and engine.step({"op": "echo", "tag": "c"})["tag"] == "c"
+        status = engine.replica_status()[0]
+        assert (status.in_flight, status.served, status.errored) == (0, 2, 1)
+
+
+def test_queued_request_past_its_deadline_never_runs(gate):
+    started, log = threading.Event(), []
+    with probe_engine(timeout_s=0.5, gate=gate, started=started, log=log) as engine:
+        engine.submit({"op": "sleep", "seconds": 0.3, "tag": "a"})
+        late = [engine.submit({"op": "sleep", "seconds": 0.3, "tag": f"late{i}"}) for i in range(5)]
+        for f in late[1:]:
+            assert isinstance(f.exception(timeout=5), RequestTimeoutError)
+        assert engine.healthy and engine.step({"op": "echo", "tag": "next"})["tag"] == "next"
+    assert "late4" not in log and log[-1] == "next"
 
 
 def test_collective_rpc():
@@ -184,25 +201,28 @@ def test_collective_rpc():
         assert engine.healthy
 
 
-def test_collective_rpc_timeout_names_its_own_limit(gate):
+def test_collective_rpc_timeout_names_its_own_limit_and_keeps_the_replica(gate):
     started = threading.Event()
     with probe_engine(gate=gate, started=started) as engine:
         engine.submit({"op": "block", "tag": "first"})
         assert started.wait(10)
         start = time.monotonic()
-        with pytest.raises(EngineUnavailableError, match="deadline of 0.3s counted from submission") as info:
+        with pytest.raises(RequestTimeoutError, match=r"collective_rpc timeout=0.3") as info:
             engine.collective_rpc("add", 1, replica=0, timeout=0.3)
-        assert info.value.reason == "timeout" and time.monotonic() - start < 2.3
-        assert not engine.healthy
+        assert info.value.dispatched and time.monotonic() - start < 1.3
+        gate.set()
+        assert engine.healthy and engine.collective_rpc("add", 2, replica=0) == 2
 
 
-def test_collective_rpc_runs_in_request_order(gate):
+def test_collective_rpc_jumps_ahead_of_queued_requests(gate):
     started = threading.Event()
     with probe_engine(gate=gate, started=started) as engine:
         engine.submit({"op": "block", "tag": "first"})
         assert started.wait(10)
-        engine.submit({"op": "echo", "tag": "second"})
+        second = engine.submit({"op": "echo", "tag": "second"})
         threading.Timer(0.2, gate.set).start()
+        assert engine.collective_rpc("history", replica=0) == ["first"]  # after the running one, before "second"
+        assert second.result(timeout=5)["tag"] == "second"
         assert engine.collective_rpc("history", replica=0) == ["first", "second"]
 
 

@@ -30,8 +30,18 @@ class WorkerSupervisorConfig(ConfigModel):
         None, ge=1024, le=65535 - 1024,
         description="First torch.distributed rendezvous port; replica i uses base_port + i. None picks a free port.")
     execution_timeout_s: float = Field(
-        600.0, gt=0, description="Deadline of one request, counted from submission (queueing included); "
-        "past it the replica group is failed and killed.")
+        600.0, gt=0, description="Two clocks. A request unfinished this long after submission (queueing included) "
+        "fails with RequestTimeoutError and the replica keeps serving; a request RUNNING on the ranks this long "
+        "means the replica is hung: it is failed with EngineUnavailableError (reason 'timeout') and its ranks killed.")
+    max_ongoing_requests: int = Field(
+        2, ge=1, le=1024, description="Requests at a replica's ranks at once (the rest wait in the engine-side "
+        "queue); 2 keeps the next request ready while one runs. Inline replicas run one at a time.")
+    max_queued_requests: int = Field(
+        4096, ge=0, le=10_000_000, description="Requests waiting in one replica's engine-side queue; when every "
+        "healthy replica's queue is full, submit raises EngineOverloadedError at once.")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of every torch.distributed process group of a replica (a collective "
+        "that waits longer raises on its ranks, which fails the replica).")
     startup_timeout_s: float = Field(
         300.0, gt=0, description="Deadline for a replica to be placed, form its process groups and load the plugin.")
     rpc_timeout_s: float = Field(

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.executors.delivery import CallbackThread
+from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,8 @@ class ReplicaStatus:
     in_flight: int
     served: int
     errored: int
+    queued: int = 0
+    dispatched: int = 0
     failure: str | None = None
     failure_reason: str | None = None
     failed_rank: int | None = None
@@ -32,25 +39,91 @@ class ReplicaStatus:
 
 
 class ReplicaExecutor(abc.ABC):
-    """One WHOLE model replica (one rank or many). Requests run in submission order."""
+    """One WHOLE model replica (one rank or many), fed by its own `ReplicaScheduler`.
 
-    def __init__(self, index: int, world_size: int) -> None:
+    Subclasses supply `_launch(work)` (hand one dispatched request to every rank, in order),
+    `_teardown()` (release ranks and resources) and may override `_prepare(payload)` (serialize
+    once, in the caller's thread, before anything is queued: a bad payload loses nothing) and
+    `_hang_detail(work)`. The failure path is written once, here: `_fail(error)` marks the replica
+    unavailable, fails every queued and dispatched request with the cause, then tears down.
+    """
+
+    def __init__(self, index: int, world_size: int, *, max_ongoing: int | None = 2,
+                 max_queued: int | None = None, step_limit_s: float = 600.0) -> None:
         self.index, self.world_size = index, world_size
+        self._step_limit_s = step_limit_s
         self._failure: EngineUnavailableError | None = None
         self._failure_lock = threading.Lock()
+        self.scheduler = ReplicaScheduler(index, max_ongoing=max_ongoing, max_queued=max_queued,
+                                          launch=self._launch, on_hung=self._on_hung,
+                                          delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
 
-    @abc.abstractmethod
+    # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any) -> Future:
-        """Queue `request` on every rank; the future resolves to the output rank's result."""
+        """Queue `request` for every rank; the future resolves to the output rank's result.
 
-    @abc.abstractmethod
+        Raises EngineUnavailableError when the replica failed, EngineOverloadedError when its
+        queue is full (nothing was queued in either case).
+        """
+        self._check_healthy()
+        return self.scheduler.submit("step", self._prepare(request), self._step_limit_s)
+
     def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
                        all_ranks: bool = False) -> Future:
-        """Call `method` of the per-rank model on every rank, in request order."""
+        """Call `method` of the per-rank model on every rank, right after the dispatched requests."""
+        self._check_healthy()
+        payload = self._prepare((method, tuple(args), dict(kwargs)))
+        return self.scheduler.submit("call", payload, timeout_s, all_ranks=all_ranks, control=True)
+
+    def counts(self) -> Counts:
+        return self.scheduler.counts()
+
+    def has_room(self) -> bool:
+        return self.healthy and self.scheduler.has_room()
+
+    def _prepare(self, payload: Any) -> Any:
+        return payload
+
+    @abc.abstractmethod
+    def _launch(self, work: Work) -> None:
+        """Send dispatched `work` to every rank (called in dispatch order, under the scheduler lock)."""
+
+    @abc.abstractmethod
+    def _teardown(self) -> None:
+        """Stop the ranks and release what the replica holds. Idempotent."""
+
+    # -- failure ----------------------------------------------------------------------------
+    def _fail(self, error: EngineUnavailableError) -> None:
+        """The one failure path: mark unavailable, fail all queued and dispatched work, tear down."""
+        if not self._set_failure(error):
+            return
+        logger.error("%s", error)
+        self.scheduler.stop(self.unavailable_error, cancel_queued=False)
+        self._teardown_after_failure()
+
+    def _teardown_after_failure(self) -> None:
+        threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()
+
+    def _on_hung(self, work: Work, running_s: float) -> None:
+        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == "call"
+                 else f"execution_timeout_s={work.limit_s}")
+        rank, node, waiting = self._hang_detail(work)
+        self._fail(EngineUnavailableError(
+            f"replica {self.index}: a {work.kind} has been running on its ranks for {running_s:.1f}s, past {limit}; "
+            f"{waiting}, so the replica was stopped (a request waiting behind others is not counted: only running "
+            "time is)", reason="timeout", replica=self.index, rank=rank, node=node))
+
+    def _hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
+        """(first rank that had not replied, its node, a phrase naming the ranks)."""
+        return 0, None, "rank(s) [0] had not replied"
+
+    def _check_healthy(self) -> None:
+        if self._failure is not None:
+            raise self.unavailable_error()
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Fail unfinished work with EngineUnavailableError and release everything. Idempotent."""
+        """Cancel queued work, fail unfinished work with EngineUnavailableError, release everything."""
 
     @property
     def healthy(self) -> bool:
@@ -76,6 +149,9 @@ class ReplicaExecutor(abc.ABC):
                 return False
             self._failure = error
             return True
+
+    def _closed_error(self) -> EngineUnavailableError:
+        return EngineUnavailableError(f"replica {self.index} is closed", reason="closed", replica=self.index)
 
     def unavailable_error(self) -> EngineUnavailableError:
         """The error to raise for work sent to a failed replica."""

@@ -48,9 +48,14 @@ class ExternalExecutor(InlineExecutor):
     """One rank of a launcher-started replica, run on the engine's thread in this process."""
 
     mode = "external"
+    # Every rank's engine must run the same requests in the same order, so nothing here may depend
+    # on local timing: no queue bound (one rank could shed what another admits), every request goes
+    # straight to the plugin's thread, and one whose deadline passed still runs (its future fails).
+    skips_expired = False
 
     def __init__(self, entry: Entry, plugin_args: dict[str, Any], parallel: Any, device_config: Any, *,
-                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0) -> None:
+                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
+                 collective_timeout_s: float = 600.0) -> None:
         topology = Topology.from_parallel(parallel)
         env = launcher_env()
         rank = check_world(topology, env)
@@ -58,14 +63,15 @@ class ExternalExecutor(InlineExecutor):
 
         def build() -> RankRunner:
             device = _device(device_config.resolve_target(), int(env["LOCAL_RANK"]))
-            groups = init_distributed(topology, rank, device.type, "env://", startup_timeout_s)
+            groups = init_distributed(topology, rank, device.type, "env://", collective_timeout_s)
             groups.install()
             ctx = make_context(topology=topology, groups=groups, rank=rank, replica_index=0, device=device,
                                dtype=device_config.torch_dtype(), parallel=parallel, local_rank=int(env["LOCAL_RANK"]))
             return RankRunner(entry, plugin_args, ctx)
 
         super().__init__(build, index=0, world_size=topology.world_size, execution_timeout_s=execution_timeout_s,
-                         startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s)
+                         startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
+                         max_queued=None, max_ongoing=None)
 
     def close(self) -> None:
         """Stop, then destroy this engine's named groups. The launcher's world stays up, so a later

@@ -1,22 +1,22 @@
 """Inline executor: the plugin runs in the caller's process, on one thread, with no Ray.
 
-`submit` returns at once; requests run in order on the executor's thread, so queued ones can be
-cancelled. A plugin exception fails only its request. A request still unfinished
-`execution_timeout_s` after submission fails the executor (a stuck plugin cannot be interrupted),
-and every later request raises `EngineUnavailableError`.
+The same scheduler as a Ray replica group (queue, `max_queued_requests`, two clocks, exact
+accounting), dispatching ONE request at a time to the plugin's thread: a hand-off in one process
+costs microseconds, so nothing is gained by pipelining, and every request still waiting can be
+cancelled. A plugin exception fails only its request. A request past its deadline fails with
+`RequestTimeoutError` and the replica keeps serving; only a call RUNNING longer than its limit
+fails the replica (a stuck plugin cannot be interrupted), and every later request then raises
+`EngineUnavailableError`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from concurrent.futures import Future
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.executors.base import ReplicaExecutor, fail_future
-from phyai_ray.executors.deadlines import DeadlineWatch
+from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.scheduler import Work
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.worker import RankRunner
 
@@ -27,16 +27,16 @@ class InlineExecutor(ReplicaExecutor):
     """One rank in the caller's process."""
 
     mode = "inline"
+    skips_expired = True  # one rank: a request whose deadline passed before it started is skipped
 
     def __init__(self, build_runner: Callable[[], RankRunner], *, index: int = 0, world_size: int = 1,
-                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0) -> None:
-        super().__init__(index, world_size)
-        self._timeout_s, self._shutdown_s = execution_timeout_s, shutdown_timeout_s
-        self._pending: dict[Future, float] = {}  # unfinished call -> its time limit (s)
-        self._lock = threading.Lock()
+                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
+                 max_queued: int | None = None, max_ongoing: int | None = 1) -> None:
+        super().__init__(index, world_size, max_ongoing=max_ongoing, max_queued=max_queued,
+                         step_limit_s=execution_timeout_s)
+        self._shutdown_s = shutdown_timeout_s
         self._worker = SerialWorker(name=f"phyai-{self.mode}-{index}")
-        self._watch = DeadlineWatch(self._expired, name=f"phyai-{self.mode}-{index}-deadlines")
-        started = self._worker.submit(build_runner)
+        started = self._worker.call(build_runner)
         try:
             self._runner: RankRunner = started.result(timeout=startup_timeout_s)
         except TimeoutError:
@@ -47,76 +47,48 @@ class InlineExecutor(ReplicaExecutor):
             self.close()
             raise
 
-    def submit(self, request: Any) -> Future:
-        return self._enqueue(lambda: self._runner.step(request), self._timeout_s)
+    def _launch(self, work: Work) -> None:
+        self._worker.put(lambda: self._run(work))
 
-    def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
-                       all_ranks: bool = False) -> Future:
-        outer: Future = Future()
-        inner = self._enqueue(lambda: self._runner.call(method, args, kwargs), timeout_s)
-        inner.add_done_callback(lambda f: _relay(f, outer, all_ranks))
-        return outer
-
-    def _enqueue(self, fn: Callable[[], Any], timeout_s: float) -> Future:
-        future: Future = Future()
-        with self._lock:
+    def _run(self, work: Work) -> None:
+        """On the plugin's thread: run `work` unless its deadline already failed it (one rank: safe)."""
+        try:
+            if work.future.done() and self.skips_expired:
+                return
             if self._failure is not None:
-                raise self.unavailable_error()
-            self._pending[future] = timeout_s
-        future.add_done_callback(self._forget)
-        self._watch.add(future, time.monotonic() + timeout_s)
-        return self._worker.submit(fn, future)
+                self.scheduler.deliver(work, error=self.unavailable_error())
+                return
+            try:
+                value = self._execute(work)
+            except BaseException as exc:  # the plugin's own exception goes to the caller as is
+                self.scheduler.deliver(work, error=exc)
+            else:
+                self.scheduler.deliver(work, value)
+        finally:
+            self.scheduler.finished(work)
 
-    def _forget(self, future: Future) -> None:
-        with self._lock:
-            self._pending.pop(future, None)
+    def _execute(self, work: Work) -> Any:
+        if work.kind == "step":
+            return self._runner.step(work.payload)
+        method, args, kwargs = work.payload
+        value = self._runner.call(method, args, kwargs)
+        return [value] if work.all_ranks else value
 
-    def _expired(self, future: Future) -> None:
-        with self._lock:
-            limit = self._pending.get(future, self._timeout_s)
-        self._fail(EngineUnavailableError(
-            f"{self.mode} replica {self.index}: a call exceeded its deadline of {limit}s counted from submission "
-            "(execution_timeout_s for requests, the timeout of collective_rpc); the plugin may be stuck, so the "
-            "replica no longer serves",
-            reason="timeout", replica=self.index, rank=0))
-
-    def _fail(self, error: EngineUnavailableError) -> None:
-        if not self._set_failure(error):
-            return
-        logger.error("%s", error)
-        self._fail_pending()
+    def _teardown(self) -> None:
         self._worker.stop()
-        self._watch.close()
 
-    def _fail_pending(self) -> None:
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            fail_future(future, self.unavailable_error())
+    def _teardown_after_failure(self) -> None:
+        self._teardown()
 
     def close(self) -> None:
         """Cancel queued work, let the running call finish (bounded), fail what is left."""
-        error = EngineUnavailableError(f"{self.mode} replica {self.index} is closed", reason="closed",
-                                       replica=self.index)
-        if not self._set_failure(error):
+        if not self._set_failure(self._closed_error()):
             return
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            future.cancel()
+        self.scheduler.stop(self.unavailable_error, cancel_queued=True, fail_dispatched=False)
         self._worker.stop()
-        self._worker.join(self._shutdown_s)
-        self._fail_pending()
-        self._watch.close()
-
-
-def _relay(inner: Future, outer: Future, all_ranks: bool) -> None:
-    if inner.cancelled():
-        outer.cancel()
-    elif inner.exception() is not None:
-        fail_future(outer, inner.exception())
-    else:
-        outer.set_result([inner.result()] if all_ranks else inner.result())
+        if not self._worker.current:
+            self._worker.join(self._shutdown_s)
+        self.scheduler.stop(self.unavailable_error, cancel_queued=True)
 
 
 def build_inline_runner(entry: Any, plugin_args: dict[str, Any], parallel: Any, device_config: Any) -> RankRunner:

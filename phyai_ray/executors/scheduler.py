@@ -1,0 +1,293 @@
+"""`ReplicaScheduler`: the engine-side queue of one replica and its bounded dispatch.
+
+    submit -> [queued ....... max_queued_requests] -> [dispatched .. max_ongoing_requests] -> ranks
+                  cancellable, dropped at deadline        in rank order; the head is RUNNING
+
+* Requests wait here, on the caller's side; at most `max_ongoing` are at the ranks at once (a short
+  pipeline: the ranks always have the next request, and never hold thousands of calls). A full
+  queue refuses at once with `EngineOverloadedError`; the dispatcher then tries another replica.
+* Control calls (`collective_rpc`) skip the queue: they are dispatched at once, so they run on the
+  ranks right after the requests already dispatched, in the same order on every rank.
+* Two clocks. A request's deadline is `submitted + limit`: past it the future fails with
+  `RequestTimeoutError` (a queued request is dropped and never reaches a rank; a dispatched one still
+  runs, because ranks that share collectives cannot skip it one-sidedly). The replica is judged
+  hung only when the head of the dispatched line has been RUNNING for its limit; running counts from
+  when its predecessor finished, or from its dispatch if later. Load alone never fails a replica.
+* `cancel()` of a queued request's future returns True and nothing reaches a rank; once dispatched
+  it returns False. Every exit path (result, error, cancel, deadline, overload, group failure,
+  close) keeps `queued`, `dispatched`, `served` and `errored` exact.
+
+Pure Python, no Ray: the executor supplies `launch(work)` (send to every rank, called in dispatch
+order under the scheduler's lock) and `on_hung(work, running_s)`. One timer thread per replica
+wakes only for the earliest deadline: queued requests share one limit, so the queue's head always
+has the earliest deadline of the queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+from phyai_ray.executors.delivery import CallbackThread, EngineFuture
+
+logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Work:
+    """One request ("step") or control call ("call") of one replica."""
+
+    kind: str
+    payload: Any
+    limit_s: float
+    future: EngineFuture
+    all_ranks: bool = False
+    submitted: float = field(default_factory=time.monotonic)
+    dispatched: float | None = None
+    ident: int = field(default_factory=lambda: next(_ids))
+    state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
+
+    @property
+    def deadline(self) -> float:
+        return self.submitted + self.limit_s
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Exact accounting of one replica's requests (control calls are not counted).
+
+    `dispatched` counts requests at the ranks whose future is unfinished, so a result in hand is
+    never still in flight; `in_flight` (queued + dispatched) is what routing compares.
+    """
+
+    queued: int
+    dispatched: int
+    served: int
+    errored: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.queued + self.dispatched
+
+
+class ReplicaScheduler:
+    """Queue, bounded dispatch, deadlines and accounting of one replica (thread-safe)."""
+
+    def __init__(self, index: int, *, max_ongoing: int | None, max_queued: int | None,
+                 launch: Callable[[Work], None], on_hung: Callable[[Work, float], None],
+                 delivery: CallbackThread) -> None:
+        self.index, self.max_ongoing, self.max_queued = index, max_ongoing, max_queued
+        self._launch, self._on_hung, self._delivery = launch, on_hung, delivery
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._queued: deque[Work] = deque()
+        self._dispatched: deque[Work] = deque()
+        self._head_since = 0.0
+        self._served = self._errored = 0
+        self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
+        self._timer: threading.Thread | None = None
+        self._wake_at = float("inf")
+
+    # -- admission ------------------------------------------------------------------------------
+    def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
+               control: bool = False) -> EngineFuture:
+        """Queue a request (or dispatch a control call at once); returns its future."""
+        future = EngineFuture(self._delivery, self._cancelled)
+        work = Work(kind, payload, limit_s, future, all_ranks)
+        future.work = work
+        with self._lock:
+            if self._refusal is not None:
+                raise self._refusal()
+            if control:
+                future.start()
+                self._dispatch(work)
+            else:
+                if self.max_queued is not None and len(self._queued) >= self.max_queued and not self._has_slot():
+                    raise self._overloaded()
+                self._queued.append(work)
+                self._pump()
+            self._arm(work.deadline)
+        return future
+
+    def has_room(self) -> bool:
+        """Whether a request submitted now would be admitted."""
+        with self._lock:
+            return self._refusal is None and (self.max_queued is None or len(self._queued) < self.max_queued
+                                              or self._has_slot())
+
+    def counts(self) -> Counts:
+        with self._lock:
+            running = sum(1 for w in self._dispatched if w.kind == "step" and not w.future.done())
+            return Counts(len(self._queued), running, self._served, self._errored)
+
+    def carry_counts(self, other: "ReplicaScheduler") -> None:
+        """Continue the served / errored totals of a replica this one replaces."""
+        counts = other.counts()
+        with self._lock:
+            self._served += counts.served
+            self._errored += counts.errored
+
+    def _has_slot(self) -> bool:
+        return self.max_ongoing is None or len(self._dispatched) < self.max_ongoing
+
+    def _overloaded(self) -> EngineOverloadedError:
+        return EngineOverloadedError(
+            f"replica {self.index} is full: {len(self._queued)} request(s) queued (max_queued_requests="
+            f"{self.max_queued}) behind {len(self._dispatched)} at the ranks (max_ongoing_requests="
+            f"{self.max_ongoing})", queued=len(self._queued), limit=self.max_queued)
+
+    # -- dispatch -------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Move queued requests to the ranks while there is a free slot (lock held)."""
+        while self._queued and self._has_slot() and self._refusal is None:
+            work = self._queued.popleft()
+            if work.future.start():  # False: cancelled while queued
+                self._dispatch(work)
+
+    def _dispatch(self, work: Work) -> None:
+        work.dispatched = time.monotonic()
+        self._dispatched.append(work)
+        if len(self._dispatched) == 1:
+            self._head_since = work.dispatched
+            self._arm(work.dispatched + work.limit_s)
+        self._launch(work)
+
+    # -- completion -----------------------------------------------------------------------------
+    def deliver(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
+        """Resolve `work`'s future (it may still be running on other ranks); requests are counted once."""
+        if _settle(work.future, value, error) and work.kind == "step":
+            with self._lock:
+                if error is None:
+                    self._served += 1
+                else:
+                    self._errored += 1
+
+    def finished(self, work: Work) -> None:
+        """Every rank is done with `work`: free its slot, start the next one's running clock."""
+        with self._lock:
+            was_head = bool(self._dispatched) and self._dispatched[0] is work
+            try:
+                self._dispatched.remove(work)
+            except ValueError:
+                return  # already failed out by a group failure or close
+            if was_head and self._dispatched:
+                self._head_since = time.monotonic()
+                self._arm(self._head_since + self._dispatched[0].limit_s)
+            self._pump()
+
+    def _cancelled(self, future: EngineFuture) -> None:
+        """A queued future was cancelled by its caller: it leaves the queue, nothing reaches a rank."""
+        with self._lock:
+            try:
+                self._queued.remove(future.work)
+            except ValueError:
+                pass
+
+    # -- stopping -------------------------------------------------------------------------------
+    def stop(self, refusal: Callable[[], BaseException], *, cancel_queued: bool,
+             fail_dispatched: bool = True) -> None:
+        """Refuse new work from now on; cancel or fail what is queued; fail what is dispatched."""
+        with self._lock:
+            self._refusal = refusal
+            queued, self._queued = list(self._queued), deque()
+            dispatched = list(self._dispatched) if fail_dispatched else []
+            if fail_dispatched:
+                self._dispatched.clear()
+            self._cond.notify_all()
+        for work in queued:
+            if not (cancel_queued and work.future.cancel()):
+                self.deliver(work, error=refusal())
+        for work in dispatched:
+            self.deliver(work, error=refusal())
+
+    def dispatched_work(self) -> list[Work]:
+        with self._lock:
+            return list(self._dispatched)
+
+    # -- clocks ---------------------------------------------------------------------------------
+    def _arm(self, when: float) -> None:
+        """Make the timer thread wake by `when` (lock held)."""
+        if when >= self._wake_at:
+            return
+        self._wake_at = when
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._clock, name=f"phyai-replica-{self.index}-clock", daemon=True)
+            self._timer.start()
+        else:
+            self._cond.notify_all()
+
+    def _clock(self) -> None:
+        while True:
+            with self._lock:
+                if self._refusal is not None:
+                    return
+                self._wake_at = self._next_deadline()
+                delay = self._wake_at - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(timeout=min(delay, 5.0))
+                    continue
+            self.expire(time.monotonic())
+
+    def expire(self, now: float) -> None:
+        """Fail the requests whose deadline is past `now`, or report the hung head (the clock's job)."""
+        with self._lock:
+            if self._refusal is not None:
+                return
+            expired, hung = self._expired(now)
+            running_s = now - self._head_since
+        for work in expired:
+            self.deliver(work, error=self._timeout_error(work, now))
+        if hung is not None:
+            self._on_hung(hung, running_s)
+
+    def _expired(self, now: float) -> tuple[list[Work], Work | None]:
+        """Requests past their deadline (queued ones leave the queue), and the hung head if any."""
+        head = self._dispatched[0] if self._dispatched else None
+        if head is not None and now - self._head_since >= head.limit_s:
+            return [], head
+        expired = []
+        while self._queued and self._queued[0].deadline <= now:
+            expired.append(self._queued.popleft())
+        expired += [w for w in self._dispatched if w.deadline <= now and not w.future.done()]
+        return expired, None
+
+    def _next_deadline(self) -> float:
+        times = [w.deadline for w in self._dispatched if not w.future.done()]
+        if self._queued:
+            times.append(self._queued[0].deadline)
+        if self._dispatched:
+            times.append(self._head_since + self._dispatched[0].limit_s)
+        return min(times, default=float("inf"))
+
+    def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
+        waited = now - work.submitted
+        where = ("it was still queued and never reached a rank" if work.dispatched is None else
+                 "it had been dispatched to the ranks, which finish it but its result is dropped")
+        what = "collective_rpc timeout" if work.kind == "call" else "execution_timeout_s"
+        return RequestTimeoutError(
+            f"replica {self.index}: no result {waited:.2f}s after submission ({what}={work.limit_s}); {where}. "
+            "The replica keeps serving; add replicas or lower the load if this repeats",
+            replica=self.index, waited_s=waited, dispatched=work.dispatched is not None)
+
+
+def _settle(future: Future, value: Any, error: BaseException | None) -> bool:
+    """Finish `future` unless it already is; True when this call finished it."""
+    if future.done():
+        return False
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except Exception:  # InvalidStateError: finished concurrently
+        return False
+    return True
