@@ -1,34 +1,18 @@
-"""Joining Ray and waiting on startup replies with one deadline, failing fast on the first error."""
+"""Joining Ray (`phyai_ray.raystart.ensure_ray`) and waiting on startup replies with one deadline,
+failing fast on the first error."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Sequence
 
 import ray
 
 from phyai_ray.errors import StartupError
+from phyai_ray.raystart import ensure_ray  # noqa: F401  (the one way to join or start Ray)
 
 logger = logging.getLogger(__name__)
-
-
-def ensure_ray(mode: str, deployment: Any, cpus_needed: float) -> None:
-    """Use the running Ray; else join `address` (cluster) or RAY_ADDRESS, or start a local instance.
-
-    A local instance gets at least `cpus_needed` logical CPUs: rank actors are processes, and a
-    small machine may still host several CPU ranks (they then share its cores).
-    """
-    if ray.is_initialized():
-        return
-    kwargs = dict(deployment.ray_init_kwargs or {})
-    address = deployment.address if mode == "cluster" else os.environ.get("RAY_ADDRESS")
-    if not address:
-        kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(cpus_needed + 0.999)))
-        kwargs.setdefault("include_dashboard", False)
-    logger.info("phyai-ray: %s Ray (%s)", "joining" if address else "starting a local", address or kwargs)
-    ray.init(address=address, **kwargs)
 
 
 def describe_exception(exc: BaseException) -> str:

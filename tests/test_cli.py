@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from phyai_ray import __version__
-from phyai_ray.cli import GENERATED, RENAMED, build_configs, build_parser, config_flags, main
+from phyai_ray.cli import build_parser, main
+from phyai_ray.flags import GENERATED, RENAMED, build_configs, config_flags
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
 
@@ -130,9 +131,9 @@ def test_build_configs_defaults_match_the_models() -> None:
 
 def test_serve_passes_configs_and_http_settings_to_run_server(monkeypatch) -> None:
     calls = []
-    fake_app = types.ModuleType("phyai_ray.serve.app")
-    fake_app.run_server = lambda engine, deployment, **kw: calls.append((engine, deployment, kw))
-    monkeypatch.setitem(sys.modules, "phyai_ray.serve.app", fake_app)
+    fake_server = types.ModuleType("phyai_ray.serve.server")
+    fake_server.run_server = lambda engine, deployment, **kw: calls.append((engine, deployment, kw))
+    monkeypatch.setitem(sys.modules, "phyai_ray.serve.server", fake_server)
     monkeypatch.setenv("PHYAI_RAY_API_KEY", "from-env")
     assert main(["serve", "tiny_tp", "--attention-cp-size", "2", "--port", "9001", "--max-body-bytes", "1000"]) == 0
     engine, deployment, kw = calls[0]

@@ -22,10 +22,9 @@ import pytest
 import requests
 import torch
 
-from phyai_ray.cli import API_KEY_ENV
 from phyai_ray.errors import ParallelConfigError
 from phyai_ray.serve import codec
-from phyai_ray.serve.options import ServeOptions, app_arg_keys, parse_app_args
+from phyai_ray.serve.options import API_KEY_ENV, ServeOptions, app_arg_keys, parse_app_args
 from tests.plugins.tiny import reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +87,73 @@ def test_build_app_binds_one_ingress_deployment() -> None:
 
     app = build_app({"plugin": PLUGIN, "dense_tp_size": "2", "replicas": "2", "device": "cpu"})
     assert isinstance(app, Application)
+
+
+def test_serve_never_imports_the_cli() -> None:
+    """`cli` sits above `serve`: every serve module, and building an app's configs, leave it unloaded."""
+    modules = sorted(f"phyai_ray.serve.{f.stem}" for f in (REPO / "phyai_ray" / "serve").glob("*.py"))
+    code = ("import importlib, sys; from phyai_ray.serve.options import parse_app_args; "
+            f"[importlib.import_module(m) for m in {modules!r}]; "
+            "parse_app_args({'plugin': 'p', 'dense_tp_size': '2', 'replicas': '2'}); "
+            "print('LOADED', 'phyai_ray.cli' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "LOADED False", done.stdout + done.stderr[-3000:]
+
+
+class FakeRay:
+    """Stands in for `ray.is_initialized` / `ray.init`, recording the calls."""
+
+    def __init__(self, initialized: bool = False) -> None:
+        self.initialized, self.calls = initialized, []
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, address: str | None = None, **kwargs: Any) -> None:
+        self.calls.append((address, kwargs))
+        self.initialized = True
+
+
+@pytest.fixture
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> FakeRay:
+    import ray
+
+    from phyai_ray import raystart
+
+    fake = FakeRay()
+    monkeypatch.setattr(ray, "is_initialized", fake.is_initialized)
+    monkeypatch.setattr(ray, "init", fake.init)
+    monkeypatch.setattr(raystart, "_running_local_instance", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return fake
+
+
+def test_the_server_starts_a_local_ray_sized_to_the_plan(fake_ray: FakeRay) -> None:
+    from phyai_ray.serve.server import _join_ray
+
+    engine, deployment, _ = parse_app_args({"plugin": "p", "dense_tp_size": "2", "attention_tp_size": "2",
+                                            "replicas": "2", "device": "cpu"})
+    assert _join_ray(engine, deployment) is True  # started here: the server shuts it down on exit
+    assert fake_ray.calls == [("local", {"num_cpus": max(os.cpu_count() or 1, 4), "include_dashboard": False})]
+    assert _join_ray(engine, deployment) is False and len(fake_ray.calls) == 1  # already initialized: reused
+
+
+@pytest.mark.parametrize("mode,env,running,expected", [
+    ("cluster", None, None, "10.0.0.1:6379"),
+    ("local", "10.0.0.2:6379", None, "10.0.0.2:6379"),
+    ("local", None, "127.0.0.1:6380", "127.0.0.1:6380"),
+])
+def test_ensure_ray_joins_a_cluster_as_it_is(fake_ray: FakeRay, monkeypatch: pytest.MonkeyPatch, mode: str,
+                                             env: str | None, running: str | None, expected: str) -> None:
+    from phyai_ray import DeploymentConfig, raystart
+
+    if env:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    monkeypatch.setattr(raystart, "_running_local_instance", lambda: running)
+    deployment = (DeploymentConfig.cluster(address="10.0.0.1:6379") if mode == "cluster"
+                  else DeploymentConfig.local(replica_count=2))
+    assert raystart.ensure_ray(mode, deployment, cpus_needed=64) is False
+    assert fake_ray.calls == [(expected, {})]  # never num_cpus: a joined cluster is taken as it is
 
 
 def free_port() -> int:

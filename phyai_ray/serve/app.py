@@ -27,7 +27,6 @@ from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.options import ServeOptions, parse_app_args
-from phyai_ray.serve.server import run_server  # noqa: F401  (what `phyai-ray serve` calls)
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,13 @@ from typing import Any, Mapping
 
 from pydantic import Field
 
-from phyai_ray.cli import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, build_configs, config_flags
 from phyai_ray.config.base import ConfigModel
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
+from phyai_ray.flags import build_configs, config_flags
+
+API_KEY_ENV = "PHYAI_RAY_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class ServeOptions(ConfigModel):

@@ -3,21 +3,24 @@
     phyai-ray serve reference_dit --dense-tp-size 2 --replicas 2 --device cpu --port 8000
     # Ctrl-C (SIGINT) or SIGTERM: the app, Serve and (if this process started it) Ray shut down
 
-Serve's HTTP proxy binds `host` (127.0.0.1 unless told otherwise) and `port`.
+Ray is joined or started by `phyai_ray.raystart.ensure_ray`, as `Engine` does: the running
+instance, the cluster (cluster mode, RAY_ADDRESS, a `ray start` on this machine), else a local
+instance with at least as many CPUs as the plan reserves (2 replicas x TP=2 -> 4, even on a
+2-core machine). Serve's HTTP proxy binds `host` (127.0.0.1 unless told otherwise) and `port`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from phyai_ray.cli import DEFAULT_MAX_BODY_BYTES
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
+from phyai_ray.raystart import ensure_ray, plan_cpus
+from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +117,6 @@ def _deploy(app: Any, host: str, port: int) -> None:
 
 
 def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig) -> bool:
-    """Join the cluster (cluster mode, or RAY_ADDRESS), else start a fresh local Ray; True when started here."""
-    import ray
-
-    if ray.is_initialized():
-        return False
+    """Join or start Ray as `Engine` does (a local instance sized to the plan); True when started here."""
     mode = deployment.resolve_mode(engine_args.config.parallel.infer_replica_world_size())
-    address = deployment.address if mode == "cluster" else os.environ.get("RAY_ADDRESS") or None
-    ray.init(address=address or "local", **(deployment.ray_init_kwargs or {}))
-    logger.info("phyai-ray: %s", f"joined Ray at {address}" if address else "started a local Ray instance")
-    return address is None
+    return ensure_ray(mode, deployment, plan_cpus(engine_args, deployment))
