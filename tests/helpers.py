@@ -26,6 +26,13 @@ _SIGINT_DEFAULT_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, si
                         "os.execv(sys.argv[1], sys.argv[1:])")
 
 
+def console_script(name: str) -> str:
+    """The path of this venv's console script `name` (installed by `pip install -e .`)."""
+    path = BIN / name
+    assert path.exists(), f"the {name} console script is not installed in this venv (pip install -e .)"
+    return str(path)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:

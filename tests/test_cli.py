@@ -5,11 +5,9 @@ Run: .venv/bin/pytest tests/test_cli.py -q
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +16,7 @@ from phyai_ray.cli import build_parser, main
 from phyai_ray.flags import GENERATED, RENAMED, build_configs, config_flags
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
+from tests.helpers import console_script
 
 
 def flat(text: str) -> str:
@@ -29,9 +28,7 @@ def group_line(out: str, name: str) -> str:
 
 
 def test_console_script_plans_8_ranks_tp2_pp4() -> None:
-    script = shutil.which("phyai-ray", path=str(Path(sys.executable).parent))
-    assert script is not None, "the phyai-ray console script is not installed in this venv (pip install -e .)"
-    done = subprocess.run([script, "plan", "--pp-size", "4", "--dense-tp-size", "2", "--device", "cpu"],
+    done = subprocess.run([console_script("phyai-ray"), "plan", "--pp-size", "4", "--dense-tp-size", "2", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert group_line(done.stdout, "dense_tp") == "dense_tp: [0,1] [2,3] [4,5] [6,7]"

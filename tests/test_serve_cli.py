@@ -1,33 +1,30 @@
 """`serve run` arguments and the `phyai-ray serve` command (a real server in a subprocess).
 
-Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_serve_cli.py -q
+Run: flock /tmp/phyai-ray-tests.lock .venv/bin/pytest tests/test_serve_cli.py -q
 
-The subprocess starts its own, separate local Ray instance (`ray.init(address="local")`); the
-test stops it with SIGTERM and checks that every process it started is gone.
+The subprocess starts its own local Ray instance (`phyai_ray.raystart.ensure_ray`; RAY_ADDRESS is
+removed from its environment); the test stops it with SIGTERM and checks that every process it
+started is gone.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 
 from phyai_ray.errors import ParallelConfigError
 from phyai_ray.serve import codec
 from phyai_ray.serve.options import API_KEY_ENV, ServeOptions, app_arg_keys, parse_app_args
+from tests.helpers import (REPO, console_script, free_port, kill_leftovers, post_step, stop_and_check, wait_for_log,
+                           wait_ready)
 from tests.plugins.tiny import reference
 
-REPO = Path(__file__).resolve().parents[1]
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
 
 
@@ -156,95 +153,29 @@ def test_ensure_ray_joins_a_cluster_as_it_is(fake_ray: FakeRay, monkeypatch: pyt
     assert fake_ray.calls == [(expected, {})]  # never num_cpus: a joined cluster is taken as it is
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid`, from /proc (no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"phyai-ray serve exited early ({proc.returncode}):\n{proc.stdout.read()}")
-        try:
-            if requests.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:  # not listening yet, or the proxy waits for the replica
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"phyai-ray serve did not become ready at {url} within {timeout_s}s")
-
-
-def start_server(tmp_path: Path, port: int) -> tuple[subprocess.Popen, Any]:
+def start_server(tmp_path: Path, port: int, *flags: str) -> tuple[subprocess.Popen, Path]:
     """`phyai-ray serve` of the test plugin (inline, one rank) in its own session, logging to a file."""
-    script = shutil.which("phyai-ray", path=str(Path(sys.executable).parent))
-    assert script is not None, "the phyai-ray console script is not installed in this venv (pip install -e .)"
     env = {**os.environ, "PYTHONPATH": str(REPO), API_KEY_ENV: "cli-key", "RAY_DEDUP_LOGS": "0"}
     env.pop("RAY_ADDRESS", None)
-    log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen([script, "serve", PLUGIN, "--device", "cpu", "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.stdout = log
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([console_script("phyai-ray"), "serve", PLUGIN, "--device", "cpu", "--port", str(port), *flags], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
-
-
-def wait_for_log(log: Any, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in Path(log.name).read_text():
-        assert time.monotonic() < deadline, f"{text!r} did not appear in the server log within {timeout_s}s"
-        time.sleep(0.2)
-
-
-def stop_and_check(proc: subprocess.Popen, started: set[int]) -> None:
-    """SIGTERM: exit status 0, and every process the server started is gone within 30 s."""
-    started |= descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=90) == 0
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in started if alive(p)], "the server's Ray processes outlived it"
 
 
 def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     proc, log = start_server(tmp_path, port)
     started: set[int] = set()
     try:
-        wait_ready(proc, f"http://127.0.0.1:{port}", 150)
+        wait_ready(proc, url, 150, log)
         x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
-        reply = requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": codec.encode(x)},
-                              headers={"Authorization": "Bearer cli-key"}, timeout=60)
+        reply = post_step(url, {"x": x}, key="cli-key")
         assert reply.status_code == 200, reply.text
         assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
-        assert requests.post(f"http://127.0.0.1:{port}/v1/step", json={"x": [[1.0] * 8]}, timeout=10).status_code == 401
+        assert post_step(url, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
         wait_for_log(log, "phyai-ray: serving", 60)  # serve.run returned: the steady-state signal path
         stop_and_check(proc, started)
     finally:
@@ -257,25 +188,15 @@ def test_sigterm_while_the_app_starts_still_shuts_down_cleanly(tmp_path: Path) -
     try:
         wait_for_log(log, "Started Serve", 120)  # Ray is up, serve.run is deploying the app
         stop_and_check(proc, started)
-        assert "phyai-ray: serving" not in Path(log.name).read_text()
+        assert "phyai-ray: serving" not in log.read_text()
     finally:
         _cleanup(proc, started, log)
 
 
-def _cleanup(proc: subprocess.Popen, started: set[int], log) -> None:
+def _cleanup(proc: subprocess.Popen, started: set[int], log: Path) -> None:
     """Kill what this test started and is still running (by pid), then show the log on failure."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
-    for pid in started | descendants(proc.pid):
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    log.seek(0)
-    sys.stdout.write(log.read()[-5000:])  # shown by pytest when the test failed
-    log.close()
+    kill_leftovers(proc, started)
+    sys.stdout.write(log.read_text()[-5000:])  # shown by pytest when the test failed
 
 
 def test_start_interruptible_gives_the_child_sigint_even_when_it_is_ignored_here() -> None:

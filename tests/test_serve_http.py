@@ -1,6 +1,6 @@
 """The Serve app over real HTTP: 2 replica groups x TP=2 of `serve_row_tp` (gloo on CPU).
 
-Run: flock /tmp/phyai-ray-test.lock .venv/bin/pytest tests/test_serve_http.py -q
+Run: flock /tmp/phyai-ray-tests.lock .venv/bin/pytest tests/test_serve_http.py -q
 
 One Serve app serves the whole module (starting it costs most of the runtime). The tests run in
 file order and the later ones break replica groups on purpose: a killed rank takes down group A
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +30,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.helpers import free_port, post_step, wait_until
 from tests.plugins.tiny import reference
 
 KEY = "test-key-123"
@@ -39,22 +38,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 * 1024
 EXECUTION_TIMEOUT_S = 4.0
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(check: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +66,7 @@ def url() -> str:
 
 
 def step(url: str, x: torch.Tensor, **extra: Any) -> requests.Response:
-    return requests.post(f"{url}/v1/step", json={"x": codec.encode(x), **extra}, headers=AUTH, timeout=60)
+    return post_step(url, {"x": x}, key=KEY, **extra)
 
 
 def assert_good_step(url: str) -> None:
