@@ -13,6 +13,7 @@ stack and joins or starts Ray through `phyai_ray.raystart.ensure_ray`, like `Eng
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -23,8 +24,8 @@ from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.config.parallel import ParallelConfig
 from phyai_ray.errors import PhyAIError
-from phyai_ray.flags import add_config_flags, build_configs
-from phyai_ray.serve.options import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+from phyai_ray.flags import ConfigFlagError, add_config_flags, build_configs
+from phyai_ray.serve.options import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -59,12 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve a plugin over HTTP (JSON in and out)")
     serve.add_argument("plugin", help="registered plugin name or 'package.module:Entry'")
     serve.add_argument("--plugin-args", type=_json_object, default=None, help="JSON object passed to Entry.create")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, local only)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: 127.0.0.1, local only); any other needs --api-key or --insecure")
     serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
-    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, else no key)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --host without an API key (anyone who reaches it may use it)")
     serve.add_argument("--max-body-bytes", type=_bounded_int(1, 2**40), default=DEFAULT_MAX_BODY_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
+    overload = ServeOptions.model_fields["overload_status"]
+    serve.add_argument("--overload-status", type=int, choices=OVERLOAD_STATUSES, default=overload.default,
+                       help=f"{overload.description} (default: {overload.default})")
     add_config_flags(serve)
     return parser
 
@@ -115,10 +122,28 @@ def _group_lines(parallel: ParallelConfig) -> list[str]:
     return lines
 
 
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse to serve without a key on an address other machines can reach, unless told `insecure`."""
+    if api_key or insecure or _is_loopback(host):
+        return
+    raise ConfigFlagError(f"--host {host} accepts connections from other machines, but no API key is set; pass "
+                          f"--api-key KEY (or set {API_KEY_ENV}), or bind --host 127.0.0.1, or add --insecure to "
+                          "serve without a key anyway")
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_body_bytes=ns.max_body_bytes)
+               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status)
     return 0
 
 
@@ -134,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         engine, deployment = build_configs(ns)
         deployment.resolve_mode(engine.config.parallel.infer_replica_world_size())
+        check_exposure(ns.host, ns.api_key, ns.insecure)
     except (PhyAIError, ValueError) as exc:  # configuration problems only; serving errors propagate
         print(f"phyai-ray {ns.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

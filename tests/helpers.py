@@ -142,3 +142,33 @@ def post_step(url: str, payload: Any, key: str | None = None, timeout_s: float =
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return requests.post(f"{url}/v1/step", json={**codec.encode(payload), **extra}, headers=headers,
                          timeout=timeout_s)
+
+
+def asgi_request(app: Any, method: str, path: str, json_body: Any = None,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    """One HTTP request straight into an ASGI app, no server or socket: (status, headers, JSON body)."""
+    import asyncio
+    import json
+
+    body = b"" if json_body is None else json.dumps(json_body).encode()
+    sent_headers = {k.lower(): v for k, v in (headers or {}).items()}
+    if body:
+        sent_headers.setdefault("content-type", "application/json")
+        sent_headers["content-length"] = str(len(body))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in sent_headers.items()],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=60))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    reply_headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", [])}
+    return start["status"], reply_headers, json.loads(data) if data else None

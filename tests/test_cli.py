@@ -126,16 +126,43 @@ def test_build_configs_defaults_match_the_models() -> None:
     assert deployment.model_dump() == type(deployment)().model_dump()
 
 
-def test_serve_passes_configs_and_http_settings_to_run_server(monkeypatch) -> None:
-    calls = []
+@pytest.fixture
+def run_server_calls(monkeypatch) -> list:
+    """Replaces `run_server` (nothing starts); each call's (engine, deployment, keywords)."""
+    calls: list = []
     fake_server = types.ModuleType("phyai_ray.serve.server")
     fake_server.run_server = lambda engine, deployment, **kw: calls.append((engine, deployment, kw))
     monkeypatch.setitem(sys.modules, "phyai_ray.serve.server", fake_server)
+    monkeypatch.delenv("PHYAI_RAY_API_KEY", raising=False)
+    return calls
+
+
+def test_serve_passes_configs_and_http_settings_to_run_server(run_server_calls, monkeypatch) -> None:
     monkeypatch.setenv("PHYAI_RAY_API_KEY", "from-env")
-    assert main(["serve", "tiny_tp", "--attention-cp-size", "2", "--port", "9001", "--max-body-bytes", "1000"]) == 0
-    engine, deployment, kw = calls[0]
+    assert main(["serve", "tiny_tp", "--attention-cp-size", "2", "--port", "9001", "--max-body-bytes", "1000",
+                 "--overload-status", "429"]) == 0
+    engine, deployment, kw = run_server_calls[0]
     assert engine.config.parallel.explicit_domains == {"attention"}
-    assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "from-env", "max_body_bytes": 1000}
+    assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "from-env", "max_body_bytes": 1000,
+                  "overload_status": 429}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_serve_on_loopback_needs_no_key(run_server_calls, host: str) -> None:
+    assert main(["serve", "tiny_tp", "--host", host]) == 0
+    assert run_server_calls[0][2]["api_key"] is None and run_server_calls[0][2]["overload_status"] == 503
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.org"])
+def test_serve_refuses_a_reachable_host_without_a_key_unless_insecure(run_server_calls, host: str, capsys) -> None:
+    assert main(["serve", "tiny_tp", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"phyai-ray serve: error: --host {host} accepts connections from other machines") and \
+        "--api-key" in err and "--insecure" in err, err
+    assert run_server_calls == []
+    assert main(["serve", "tiny_tp", "--host", host, "--insecure"]) == 0
+    assert main(["serve", "tiny_tp", "--host", host, "--api-key", "k"]) == 0
+    assert [kw["host"] for _, _, kw in run_server_calls] == [host, host]
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -163,6 +190,7 @@ def test_config_errors_exit_2_with_one_line(argv, fragment, capsys) -> None:
     (["serve", "p", "--plugin-args", "{bad"], "not valid JSON"),
     (["serve", "p", "--plugin-args", "[1]"], "must be a JSON object, got list"),
     (["serve", "p", "--port", "70000"], "70000 is outside [1, 65535]"),
+    (["serve", "p", "--overload-status", "500"], "invalid choice: 500 (choose from 503, 429)"),
     (["serve"], "required: plugin"),
     ([], "required: {plan,serve}"),
 ])

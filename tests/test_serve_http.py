@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -26,11 +26,11 @@ import torch
 from phyai_ray import DenseParallelConfig, DeploymentConfig, EngineArgs, EngineConfig, ParallelConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
 from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
-from tests.helpers import free_port, post_step, wait_until
+from tests.helpers import asgi_request, free_port, post_step, wait_until
 from tests.plugins.tiny import reference
 
 KEY = "test-key-123"
@@ -194,7 +194,7 @@ def test_timeouts_are_504_then_503_until_the_groups_are_restarted(url: str) -> N
         slow = [pool.submit(step, url, torch.ones(1, 8), sleep_s=EXECUTION_TIMEOUT_S + 6) for _ in range(2)]
         replies = [f.result() for f in slow]
     assert [r.status_code for r in replies] == [504, 504], [r.text for r in replies]
-    assert all(error_of(r)["reason"] == "timeout" for r in replies)
+    assert all(error_of(r)["reason"] in ("timeout", "request_timeout") for r in replies)  # hung group / deadline
     reply = step(url, torch.ones(1, 8))  # no group up: refused at once, nothing touched
     assert reply.status_code == 503 and error_of(reply)["type"] == "unavailable", reply.text
     assert requests.get(f"{url}/readyz", timeout=10).status_code == 503
@@ -263,3 +263,115 @@ class FakeEngine:
 
     def close(self) -> None:
         self.closed = True
+
+
+# -- the status of every engine error, in process: the ASGI app around a stand-in engine (no Ray) -----------
+
+class StepEntry:
+    """The plugin side the edge sees: no request model; the validator refuses a body with "bad"."""
+
+    request_model = None
+
+    def display_name(self) -> str:
+        return "step-entry"
+
+    def validate_request(self, request: Any) -> None:
+        if "bad" in request:
+            raise ValueError("x must be a list of 8 numbers")
+
+
+class StepEngine:
+    """`submit` raises `at_submit`; else its future fails with `in_future` (or holds a result)."""
+
+    mode = "local"
+
+    def __init__(self, at_submit: BaseException | None = None, in_future: BaseException | None = None,
+                 healthy: bool = True) -> None:
+        self.at_submit, self.in_future, self.healthy = at_submit, in_future, healthy
+        self.entry, self.submitted = StepEntry(), []
+
+    def submit(self, request: Any) -> Future:
+        if self.at_submit is not None:
+            raise self.at_submit
+        self.submitted.append(request)
+        future: Future = Future()
+        if self.in_future is not None:
+            future.set_exception(self.in_future)
+        else:
+            future.set_result({"ok": True})
+        return future
+
+    def replica_status(self) -> list[Any]:
+        from phyai_ray.executors.base import ReplicaStatus
+
+        return [ReplicaStatus(index=0, healthy=self.healthy, world_size=2, in_flight=0, served=0, errored=0,
+                              failure=None if self.healthy else "rank 1 exited on node 10.0.0.7 (secret-host)")]
+
+    def close(self) -> None:
+        pass
+
+
+def edge(engine: StepEngine, **options: Any) -> Any:
+    from phyai_ray.serve.http import create_api
+    from phyai_ray.serve.options import ServeOptions
+
+    return create_api(EngineHolder(lambda: engine), ServeOptions(api_key=KEY, **options), wait_s=10)
+
+
+ENGINE_ERRORS = {  # case: (engine, options, status, type, reason, Retry-After)
+    "overloaded": (dict(at_submit=EngineOverloadedError("all queues full", queued=8, limit=8)), {},
+                   503, "overloaded", None, True),
+    "overloaded as 429": (dict(at_submit=EngineOverloadedError("all queues full")), {"overload_status": 429},
+                          429, "overloaded", None, True),
+    "request timeout": (dict(in_future=RequestTimeoutError("no result after 4s", replica=0)), {},
+                        504, "timeout", "request_timeout", False),
+    "group hung": (dict(in_future=EngineUnavailableError("ran past 4s", reason="timeout")), {},
+                   504, "timeout", "timeout", False),
+    "plugin raised in a group": (dict(in_future=EngineUnavailableError("rank 0 raised", reason="exception")), {},
+                                 500, "execution_error", "exception", False),
+    "worker exited": (dict(in_future=EngineUnavailableError("rank 1 exited", reason="worker_exit")), {},
+                      503, "unavailable", "worker_exit", True),
+    "no healthy replica": (dict(at_submit=EngineUnavailableError("none", reason="no_healthy_replica")), {},
+                           503, "unavailable", "no_healthy_replica", True),
+    "server fault in submit": (dict(at_submit=KeyError("dispatcher bug")), {}, 500, "internal", None, False),
+    "plugin raised inline": (dict(in_future=ValueError("nan in layer 3")), {}, 500, "execution_error", None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_ERRORS))
+def test_each_engine_error_gets_its_status_type_and_retry_after(case: str) -> None:
+    engine_kw, options, status, kind, reason, retry = ENGINE_ERRORS[case]
+    got, headers, body = asgi_request(edge(StepEngine(**engine_kw), **options), "POST", "/v1/step",
+                                      {"x": [1.0] * 8}, AUTH)
+    assert (got, body["error"]["type"], body["error"].get("reason")) == (status, kind, reason), body
+    assert ("retry-after" in headers) == retry, headers
+
+
+def test_only_the_plugin_validator_makes_a_4xx_and_nothing_is_submitted() -> None:
+    engine = StepEngine()
+    status, _, body = asgi_request(edge(engine), "POST", "/v1/step", {"bad": 1}, AUTH)
+    assert status == 422 and body["error"]["type"] == "rejected" and "8 numbers" in body["error"]["message"]
+    assert engine.submitted == []
+    assert asgi_request(edge(engine), "POST", "/v1/step", {"x": [1.0] * 8}, AUTH)[:3:2] == (200, {"result": {"ok": True}})
+
+
+def test_readyz_says_ready_or_not_and_nothing_more() -> None:
+    assert asgi_request(edge(StepEngine()), "GET", "/readyz")[::2] == (200, {"ready": True})
+    status, headers, body = asgi_request(edge(StepEngine(healthy=False)), "GET", "/readyz")
+    assert status == 503 and "retry-after" in headers and body["error"]["type"] == "unavailable"
+    assert "exited" not in str(body) and "10.0.0.7" not in str(body) and "secret-host" not in str(body), body
+    status, _, body = asgi_request(edge(StepEngine(healthy=False)), "GET", "/v1/replicas", headers=AUTH)
+    assert status == 200 and "secret-host" in body["replicas"][0]["failure"]  # the details need the key
+
+
+@pytest.mark.parametrize("exc,status", [
+    (EngineOverloadedError("full"), 503), (RequestTimeoutError("late"), 504),
+    (EngineUnavailableError("hung", reason="timeout"), 504), (EngineUnavailableError("raised", reason="exception"), 500),
+    (EngineUnavailableError("closed", reason="closed"), 503), (RuntimeError("bug"), 500),
+])
+def test_from_engine_error_never_blames_the_client(exc: BaseException, status: int) -> None:
+    from phyai_ray.serve.errors import from_engine_error
+
+    assert from_engine_error(exc).status_code == status
+    assert from_engine_error(exc, overload_status=429).status_code == (429 if status == 503 and
+                                                                       isinstance(exc, EngineOverloadedError) else status)

@@ -2,7 +2,7 @@
 
     POST /v1/step       one request -> one result (JSON; tensors in the codec's encoding)
     GET  /healthz       liveness: the ingress process answers (no key needed)
-    GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed)
+    GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed, so no details)
     GET  /v1/replicas   health, in-flight, served, failures and failure cause per replica group
     GET  /metrics       Prometheus text
     GET  /docs, /openapi.json
@@ -26,10 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray import __version__
-from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.serve import codec
-from phyai_ray.serve.errors import (HttpError, describe, error_response, from_http_exception, from_unavailable,
-                                    from_validation_errors)
+from phyai_ray.serve.errors import (ENGINE_ERRORS, RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
+                                    from_http_exception, from_validation_errors)
 from phyai_ray.serve.guard import EdgeGuard
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.metrics import EdgeMetrics
@@ -40,7 +39,10 @@ ROUTES = ("/v1/step", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs"
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "the body is not JSON"), (401, "missing or wrong API key"), (413, "body over the size limit"),
     (415, "not application/json"), (422, "schema, codec or plugin validation failed; no rank was touched"),
-    (503, "no replica group can serve"), (504, "the request passed execution_timeout_s"))}
+    (429, "overloaded, when the server runs with overload_status=429; retry after Retry-After"),
+    (500, "the plugin failed on this request, or a server fault"),
+    (503, "overloaded, or no replica group can serve; retry after Retry-After"),
+    (504, "the request passed execution_timeout_s"))}
 
 
 def create_api(holder: EngineHolder, options: ServeOptions, *, wait_s: float) -> FastAPI:
@@ -51,7 +53,7 @@ def create_api(holder: EngineHolder, options: ServeOptions, *, wait_s: float) ->
     metrics = EdgeMetrics(lambda: holder.engine.replica_status())
     _add_error_handlers(api)
     _add_probe_routes(api, holder, metrics)
-    _add_step_route(api, holder, engine.entry.request_model, wait_s)
+    _add_step_route(api, holder, engine.entry.request_model, wait_s, options.overload_status)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
     api.state.metrics = metrics
@@ -87,12 +89,11 @@ def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) 
     @api.get("/readyz", tags=["health"], summary="Readiness: at least one replica group can serve",
              responses={503: ERRORS[503]})
     async def readyz() -> dict[str, Any]:
-        statuses = holder.engine.replica_status()
-        healthy = sum(s.healthy for s in statuses)
+        """Open to anyone, so it says ready or not and nothing more; /v1/replicas (keyed) has the causes."""
         if not holder.engine.healthy:
-            what = "replica groups are restarting" if holder.rebuilding else "no replica group can serve"
-            raise HttpError(503, f"{what}: {holder.failures()}", type="unavailable", reason="no_healthy_replica")
-        return {"ready": True, "healthy_replicas": healthy, "replicas": len(statuses)}
+            raise HttpError(503, "not ready: no replica group can serve now; GET /v1/replicas for the causes",
+                            type="unavailable", headers=dict(RETRY_AFTER))
+        return {"ready": True}
 
     @api.get("/v1/replicas", tags=["status"], summary="Health, load and failure cause of every replica group")
     async def replicas() -> dict[str, Any]:
@@ -107,14 +108,14 @@ def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) 
         return Response(text, media_type=content_type)
 
 
-def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: float) -> None:
+def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: float, overload_status: int) -> None:
     async def step(body: Any) -> JSONResponse:
         raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
         try:
             request = codec.decode(raw, root="request")
         except codec.CodecError as exc:
             raise HttpError(422, str(exc), type="invalid_request") from None
-        result = await _run(holder.engine, request, wait_s)
+        result = await _run(holder.engine, request, wait_s, overload_status)
         try:
             return JSONResponse({"result": codec.encode(result, root="result")})
         except codec.CodecError as exc:
@@ -131,14 +132,9 @@ def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: floa
                       responses={200: {"model": StepResponse}, **ERRORS}, response_class=JSONResponse)
 
 
-async def _run(engine: Any, request: Any, wait_s: float) -> Any:
-    """Submit (the plugin's validator runs here: 422) and wait without ever cancelling the request."""
-    try:
-        future = await asyncio.to_thread(engine.submit, request)
-    except EngineUnavailableError as exc:
-        raise from_unavailable(exc) from None
-    except Exception as exc:
-        raise HttpError(422, f"the plugin rejected the request: {describe(exc)}", type="rejected") from None
+async def _run(engine: Any, request: Any, wait_s: float, overload_status: int) -> Any:
+    """Admit the request, then wait for its result without ever cancelling it (statuses: serve/errors.py)."""
+    future = await asyncio.to_thread(_admit, engine, request, overload_status)
     waiting = asyncio.wrap_future(future)
     done, _ = await asyncio.wait({waiting}, timeout=wait_s)  # asyncio.wait never cancels what it waits on
     if not done:
@@ -146,10 +142,26 @@ async def _run(engine: Any, request: Any, wait_s: float) -> Any:
                         type="timeout")
     try:
         return waiting.result()
-    except EngineUnavailableError as exc:
-        raise from_unavailable(exc) from None
+    except ENGINE_ERRORS as exc:
+        raise from_engine_error(exc, overload_status=overload_status) from None
     except Exception as exc:
         raise HttpError(500, f"the plugin failed on this request: {describe(exc)}", type="execution_error") from None
+
+
+def _admit(engine: Any, request: Any, overload_status: int) -> Any:
+    """The plugin's validator (its error: 422, the client's fault), then `submit` (any error: 5xx).
+
+    The validator runs here as well as in `submit` so that only ITS errors become 4xx: whatever
+    else `submit` raises is the server's fault and must not look like a bad request.
+    """
+    try:
+        engine.entry.validate_request(request)
+    except Exception as exc:
+        raise HttpError(422, f"the plugin rejected the request: {describe(exc)}", type="rejected") from None
+    try:
+        return engine.submit(request)
+    except Exception as exc:
+        raise from_engine_error(exc, overload_status=overload_status) from None
 
 
 class _Measured:

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from phyai_ray.config.base import ConfigModel
 from phyai_ray.config.deployment import DeploymentConfig
@@ -25,6 +25,7 @@ from phyai_ray.flags import build_configs, config_flags
 
 API_KEY_ENV = "PHYAI_RAY_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+OVERLOAD_STATUSES = (503, 429)
 
 
 class ServeOptions(ConfigModel):
@@ -43,6 +44,16 @@ class ServeOptions(ConfigModel):
     max_ongoing_requests: int = Field(
         256, ge=1, description="Concurrent requests the ingress accepts; the engine's dispatcher queues them "
         "on replicas (fewest in flight first).")
+    overload_status: int = Field(
+        503, description="HTTP status of a request shed because every replica group's queue is full: 503 or 429 "
+        "(both with Retry-After).")
+
+    @field_validator("overload_status")
+    @classmethod
+    def _known_overload_status(cls, value: int) -> int:
+        if value not in OVERLOAD_STATUSES:
+            raise ValueError(f"overload_status must be one of {OVERLOAD_STATUSES}, got {value}")
+        return value
 
 
 def app_arg_keys() -> dict[str, tuple[str, str]]:

@@ -46,9 +46,11 @@ class StepResponse(BaseModel):
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="unauthorized, payload_too_large, unsupported_media_type, malformed_json, "
-                                  "invalid_request, rejected, unavailable, timeout, not_found, internal, ...")
+                                  "invalid_request, rejected, overloaded, unavailable, timeout, execution_error, "
+                                  "not_found, internal, ...")
     message: str = Field(description="What failed, with the values, and what to do.")
-    reason: str | None = Field(None, description="EngineUnavailableError.reason for unavailable/timeout errors.")
+    reason: str | None = Field(None, description="EngineUnavailableError.reason (worker_exit, timeout, exception, "
+                                                 "no_healthy_replica, closed, ...), or request_timeout.")
 
 
 class ErrorBody(BaseModel):
