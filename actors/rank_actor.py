@@ -35,6 +35,7 @@ class RankActor:
         self._turn: asyncio.Condition | None = None
         self._runner: Any = None
         self._rank: int | None = None
+        self._held = self._peak_held = 0  # execute calls this actor holds (arrived, not yet replied)
 
     @ray.method(concurrency_group=CONTROL)
     async def info(self) -> ActorInfo:
@@ -55,6 +56,11 @@ class RankActor:
         """Liveness, on the control lane: answers while a step runs and however many wait."""
         return os.getpid()
 
+    @ray.method(concurrency_group=CONTROL)
+    async def held(self) -> tuple[int, int]:
+        """(execute calls held now, the most ever held at once): the dispatch bound seen from the rank."""
+        return self._held, self._peak_held
+
     async def setup(self, spec: RankSpec) -> int:
         """Join the replica's process groups and build the plugin model (on the execution thread)."""
         self._rank = spec.rank
@@ -63,13 +69,18 @@ class RankActor:
 
     async def execute(self, seq: int, kind: str, payload: Any, reply_value: bool) -> RankReply:
         """Run request `seq` ("step" or "call") after every earlier one, on the execution thread."""
-        turn = self._condition()
-        async with turn:
-            await turn.wait_for(lambda: self._next_seq == seq)
-            job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, kind, payload)
-            self._next_seq += 1
-            turn.notify_all()
-        value, status = await job
+        self._held += 1
+        self._peak_held = max(self._peak_held, self._held)
+        try:
+            turn = self._condition()
+            async with turn:
+                await turn.wait_for(lambda: self._next_seq == seq)
+                job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, kind, payload)
+                self._next_seq += 1
+                turn.notify_all()
+            value, status = await job
+        finally:
+            self._held -= 1
         return RankReply(seq, self._rank, status, value if reply_value or status == MISSING else None)
 
     def _condition(self) -> asyncio.Condition:

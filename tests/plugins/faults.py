@@ -25,10 +25,16 @@ class RequestRejected(ValueError):
 class SlowTP:
     def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
         self.ctx = ctx
+        self.executed_tags: list[Any] = []
 
     def step(self, request: dict[str, Any]) -> torch.Tensor:
+        self.executed_tags.append(request.get("tag"))
         time.sleep(float(request.get("sleep", 0.0)))
         return P.all_reduce(torch.ones(2) * (self.ctx.rank + 1), group="dense_tp")
+
+    def executed(self) -> list[Any]:
+        """Tags of every request this rank ran, in order."""
+        return list(self.executed_tags)
 
     def nap(self, seconds: float) -> float:
         time.sleep(seconds)
