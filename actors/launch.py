@@ -36,6 +36,8 @@ def _plan(mode: str, args: Any, deployment: Any) -> tuple[str, list, list]:
                           replica_count=deployment.replica_count, use_gpu=device_type == "cuda",
                           cpus_per_rank=deployment.cpus_per_rank, strategy=deployment.placement_strategy,
                           devices=deployment.devices)
+    if deployment.placement is not None:  # the owner's placement groups: nothing to plan or check here
+        return device_type, plans, [None] * len(plans)
     if mode == "local":  # no autoscaler will add nodes: an impossible plan fails now, not at the deadline
         try:
             check_feasible(plans, alive_nodes())

@@ -22,6 +22,7 @@ class ActorInfo:
     ip: str
     pid: int
     gpu_ids: tuple[str, ...]
+    placement_group_id: str | None = None
 
 
 @dataclass(frozen=True)

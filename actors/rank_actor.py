@@ -42,7 +42,8 @@ class RankActor:
         """Where this actor landed: node id and address, process id, Ray-assigned GPUs."""
         ctx = ray.get_runtime_context()
         return ActorInfo(node_id=ctx.get_node_id(), ip=ray.util.get_node_ip_address(), pid=os.getpid(),
-                         gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()))
+                         gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+                         placement_group_id=ctx.get_placement_group_id())
 
     @ray.method(concurrency_group=CONTROL)
     async def free_port(self) -> int:

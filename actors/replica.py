@@ -34,7 +34,7 @@ from actors.placement_groups import create_replica_group, remove_group
 from actors.protocol import MISSING, ActorInfo, RankReply, RankSpec
 from actors.rank_actor import CONCURRENCY_GROUPS, RankActor
 from actors.startup import gather_within
-from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.errors import EngineUnavailableError, StartupError
 from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
 from placement.bundles import ReplicaPlan
@@ -69,6 +69,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         self._teardown_lock = threading.Lock()
         self._seq = 0
         self._pg, self._actors, self._infos = None, [], []
+        self._owned_pg = True  # False when the ranks run in a placement group someone else owns
         self._torn_down = False
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -83,13 +84,12 @@ class RayReplicaExecutor(ReplicaExecutor):
     # -- startup ----------------------------------------------------------------------------
     def _start(self, plan: ReplicaPlan, entry: Any, args: Any, deployment: Any, device_type: str,
                target_node: str | None, deadline: float) -> None:
-        name = f"phyai-{uuid.uuid4().hex[:8]}-replica{plan.index}"
-        self._pg = create_replica_group(plan, target_node=target_node, timeout_s=_left(deadline), name=name)
+        bundles = self._place(plan, deployment, target_node, deadline)
         bundle = plan.bundles[0]
         options = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
                        max_task_retries=0, runtime_env=deployment.runtime_env)
         actors = [RemoteRank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self._pg, placement_group_bundle_index=i), **options).remote() for i in range(plan.world_size)]
+            self._pg, placement_group_bundle_index=b), **options).remote() for b in bundles]
         self._actors = actors  # bundle order until ranks are assigned
         infos: list[ActorInfo] = gather_within([a.info.remote() for a in actors], deadline, self.index,
                                                "report where it landed")
@@ -102,6 +102,20 @@ class RayReplicaExecutor(ReplicaExecutor):
                       "start (process groups and plugin create)", nodes=[i.node_id for i in self._infos])
         logger.info("replica %d ready: %d rank(s) on node(s) %s, rendezvous %s:%d", self.index, plan.world_size,
                     sorted({i.node_id[:8] for i in self._infos}), self._infos[0].ip, port)
+
+    def _place(self, plan: ReplicaPlan, deployment: Any, target_node: str | None, deadline: float) -> list[int]:
+        """The placement group and bundle of each rank: our own group, or the owner's (PlacementSpec)."""
+        if deployment.placement is None:
+            name = f"phyai-{uuid.uuid4().hex[:8]}-replica{plan.index}"
+            self._pg = create_replica_group(plan, target_node=target_node, timeout_s=_left(deadline), name=name)
+            return list(range(plan.world_size))
+        spec = deployment.placements[plan.index]
+        ready, _ = ray.wait([spec.placement_group.ready()], timeout=_left(deadline))
+        if not ready:
+            raise StartupError(f"replica {plan.index}: the given placement group {spec.placement_group.id.hex()} "
+                               "was not ready before the startup deadline; check `ray status`", replica=plan.index)
+        self._owned_pg, self._pg = False, spec.placement_group
+        return list(spec.bundle_indices)
 
     def _spec(self, rank: int, plan: ReplicaPlan, entry: Any, args: Any, device_type: str, port: int,
               deadline: float) -> RankSpec:
@@ -249,7 +263,8 @@ class RayReplicaExecutor(ReplicaExecutor):
                 ray.kill(actor, no_restart=True)
             except Exception as exc:
                 logger.debug("kill rank actor: %s", exc)
-        remove_group(self._pg)
+        if self._owned_pg:
+            remove_group(self._pg)
 
     def nodes(self) -> tuple[str, ...]:
         return tuple(i.node_id for i in self._infos)

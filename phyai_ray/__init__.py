@@ -25,6 +25,7 @@ _EXPORTS = {
     "MoeParallelConfig": "phyai_ray.config.parallel",
     "DeploymentConfig": "phyai_ray.config.deployment",
     "WorkerSupervisorConfig": "phyai_ray.config.deployment",
+    "PlacementSpec": "phyai_ray.config.deployment",
     "Entry": "phyai_ray.plugins.entry",
     "register_plugin": "phyai_ray.plugins.registry",
     "P": "phyai_ray.collectives",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from phyai_ray.config.base import ConfigModel
 from phyai_ray.errors import DeploymentConfigError
@@ -52,6 +52,48 @@ class WorkerSupervisorConfig(ConfigModel):
         10.0, gt=0, description="Deadline for stopping workers and removing placement groups on close.")
 
 
+class PlacementSpec(ConfigModel):
+    """Run one replica's ranks in bundles of a placement group someone else owns.
+
+    `DeploymentConfig(placement=PlacementSpec(pg, bundle_indices=(1, 2)))` puts rank r in bundle
+    `bundle_indices[r]` of `pg` instead of reserving a placement group of the replica's own. The
+    owner (a Serve replica, an RL trainer) keeps the group: closing the engine kills the ranks and
+    leaves the placement group in place. This is how verl's rollout modes map: HYBRID = the
+    trainer's own bundles, COLOCATED = other bundles of the same group, STANDALONE = no spec.
+    Each bundle must hold one rank's demand (`cpus_per_rank` CPUs, and a GPU on CUDA).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    placement_group: Any = Field(description="A ray.util.placement_group.PlacementGroup (ready or not).")
+    bundle_indices: tuple[int, ...] = Field(description="Bundle of each rank, in rank order.")
+
+    def __init__(self, placement_group: Any = None, bundle_indices: Any = None, /, **data: Any) -> None:
+        if placement_group is not None:
+            data["placement_group"] = placement_group
+        if bundle_indices is not None:
+            data["bundle_indices"] = bundle_indices
+        super().__init__(**data)
+
+    @field_validator("placement_group")
+    @classmethod
+    def _check_group(cls, pg: Any) -> Any:
+        if pg is None or not hasattr(pg, "bundle_specs") or not hasattr(pg, "id"):
+            raise DeploymentConfigError(f"placement_group={pg!r} is not a Ray PlacementGroup; pass the object "
+                                        "returned by ray.util.placement_group(...)")
+        return pg
+
+    @model_validator(mode="after")
+    def _check_bundles(self) -> "PlacementSpec":
+        count = len(self.placement_group.bundle_specs)
+        bad = [b for b in self.bundle_indices if not 0 <= b < count]
+        if not self.bundle_indices or bad or len(set(self.bundle_indices)) != len(self.bundle_indices):
+            raise DeploymentConfigError(
+                f"bundle_indices={self.bundle_indices} must be distinct indices into the placement group's "
+                f"{count} bundle(s), one per rank, e.g. {tuple(range(min(count, 2)))}")
+        return self
+
+
 class DeploymentConfig(ConfigModel):
     """How many replicas, and where their ranks run. Topology of one replica is in ParallelConfig."""
 
@@ -72,6 +114,9 @@ class DeploymentConfig(ConfigModel):
     cpus_per_rank: float = Field(1.0, gt=0, le=1024, description="CPUs reserved per rank bundle.")
     runtime_env: dict[str, Any] | None = Field(
         None, description="Ray runtime_env for the rank actors (e.g. working_dir, pip, env_vars).")
+    placement: PlacementSpec | tuple[PlacementSpec, ...] | None = Field(
+        None, description="Run in placement groups someone else owns: one PlacementSpec per replica (a single "
+        "spec for one replica). None reserves a placement group per replica.")
     ray_init_kwargs: dict[str, Any] | None = Field(
         None, description="Extra ray.init() arguments used when the engine starts or joins Ray (local mode).")
 
@@ -92,6 +137,15 @@ class DeploymentConfig(ConfigModel):
         if self.mode in ("inline", "external") and self.devices is not None:
             raise DeploymentConfigError(
                 f"devices={self.devices} needs managed workers; mode={self.mode!r} runs in the caller's process(es)")
+        if self.placement is not None and self.mode in ("inline", "external"):
+            raise DeploymentConfigError(f"placement=... runs rank actors in a placement group; mode={self.mode!r} "
+                                        "has none (use mode='auto', 'local' or 'cluster')")
+        if self.placement is not None and len(self.placements) != self.replica_count:
+            raise DeploymentConfigError(
+                f"placement lists {len(self.placements)} PlacementSpec(s) but replica_count={self.replica_count}; "
+                "give one PlacementSpec per replica")
+        if self.placement is not None and self.devices is not None:
+            raise DeploymentConfigError("devices=... and placement=... both say where ranks run; give one of them")
         if self.mode in ("inline", "external") and self.replica_count != 1:
             raise DeploymentConfigError(
                 f"mode={self.mode!r} runs exactly one replica, got replica_count={self.replica_count}; use "
@@ -117,6 +171,13 @@ class DeploymentConfig(ConfigModel):
         """Ranks started by an external launcher (torchrun): each process is one rank of one replica."""
         return cls(mode="external", **kwargs)
 
+    @property
+    def placements(self) -> tuple[PlacementSpec, ...]:
+        """One PlacementSpec per replica, or () when every replica reserves its own group."""
+        if self.placement is None:
+            return ()
+        return self.placement if isinstance(self.placement, tuple) else (self.placement,)
+
     def resolve_mode(self, ranks_per_replica: int) -> str:
         """The mode `auto` stands for, by the module table."""
         if self.mode == "inline" and ranks_per_replica != 1:
@@ -124,11 +185,16 @@ class DeploymentConfig(ConfigModel):
                 f"mode='inline' runs one rank, but the parallel config needs {ranks_per_replica} ranks per replica; "
                 "use DeploymentConfig.local() or DeploymentConfig.external() under torchrun")
         self._check_device_count(ranks_per_replica)
+        for spec in self.placements:
+            if len(spec.bundle_indices) != ranks_per_replica:
+                raise DeploymentConfigError(
+                    f"PlacementSpec bundle_indices={spec.bundle_indices} name {len(spec.bundle_indices)} bundle(s) but "
+                    f"the parallel config needs {ranks_per_replica} rank(s) per replica; list one bundle per rank")
         if self.mode != "auto":
             return self.mode
         if self.address is not None:
             return "cluster"
-        if ranks_per_replica > 1 or self.replica_count > 1 or self.devices is not None:
+        if ranks_per_replica > 1 or self.replica_count > 1 or self.devices is not None or self.placement is not None:
             return "local"
         return "inline"
 
