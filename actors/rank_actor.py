@@ -31,6 +31,7 @@ class RankActor:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")
+        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control")
         self._next_seq = 0
         self._turn: asyncio.Condition | None = None
         self._runner: Any = None
@@ -61,6 +62,17 @@ class RankActor:
     async def held(self) -> tuple[int, int]:
         """(execute calls held now, the most ever held at once): the dispatch bound seen from the rank."""
         return self._held, self._peak_held
+
+    @ray.method(concurrency_group=CONTROL)
+    async def control(self, op: str, args: tuple) -> Any:
+        """A control operation (pause, sleep, weight update, ...) on the control lane's own thread.
+
+        The driver stops dispatch and drains the execution thread first, so the plugin is idle.
+        """
+        if self._runner is None:
+            raise RuntimeError(f"rank {self._rank} received control op {op!r} before setup finished")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._control_pool, self._runner.control, op, args)
 
     async def setup(self, spec: RankSpec) -> int:
         """Join the replica's process groups and build the plugin model (on the execution thread)."""

@@ -192,6 +192,20 @@ class RayReplicaExecutor(ReplicaExecutor):
         else:
             self.scheduler.deliver(work, sent.replies[self._output_rank].value)
 
+    def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
+        refs = [a.control.remote(op, self.rank_args(op, args, rank)) for rank, a in enumerate(self._actors)]
+        future: Future = Future()
+
+        def gather() -> None:
+            try:
+                future.set_result(ray.get(refs, timeout=timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                future.set_exception(TimeoutError(f"control op {op!r} got no reply from every rank in {timeout_s:.1f}s"))
+            except BaseException as exc:
+                future.set_exception(exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc)
+        threading.Thread(target=gather, name=f"phyai-replica-{self.index}-control", daemon=True).start()
+        return future
+
     # -- failure ----------------------------------------------------------------------------
     def _rank_error(self, rank: int, exc: BaseException) -> EngineUnavailableError:
         dead = isinstance(exc, ray.exceptions.RayActorError)

@@ -38,6 +38,13 @@ _EXPORTS = {
     "EngineUnavailableError": "phyai_ray.errors",
     "EngineOverloadedError": "phyai_ray.errors",
     "RequestTimeoutError": "phyai_ray.errors",
+    "RequestAbortedError": "phyai_ray.errors",
+    "ReplicaStateError": "phyai_ray.errors",
+    "ReplicaState": "phyai_ray.executors.control",
+    "ControlReport": "phyai_ray.executors.control",
+    "EngineActor": "phyai_ray.rl.actor",
+    "StepResult": "phyai_ray.rl.actor",
+    "WeightSender": "phyai_ray.rl.sender",
 }
 
 __all__ = sorted(_EXPORTS)

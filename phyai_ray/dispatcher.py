@@ -1,8 +1,9 @@
 """`RequestDispatcher`: sends each whole request to ONE healthy replica.
 
-Choice: among healthy replicas whose queue has room, the one with the fewest in-flight requests
-(queued in the engine + dispatched to its ranks); ties go to the replica chosen least recently, so
-idle replicas take turns. A replica that refuses a request before queueing it (it just failed, or
+Choice: among healthy replicas whose queue has room, a SERVING one before a paused, sleeping or
+updating one (whose queue holds requests until it serves again), then the fewest in-flight
+requests (queued in the engine + dispatched to its ranks); ties go to the replica chosen least
+recently, so idle replicas take turns. A replica that refuses a request before queueing it (it just failed, or
 its queue filled up meanwhile) is skipped and the next one is tried; a queued request is never
 moved or retried. When every healthy replica is full, `submit` raises `EngineOverloadedError` at
 once: overload sheds the new request and touches nothing else. When none is healthy it raises
@@ -12,6 +13,7 @@ once: overload sheds the new request and touches nothing else. When none is heal
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -31,13 +33,24 @@ class RequestDispatcher:
         self._lock = threading.Lock()
         self._reserved = [0] * n  # chosen but not yet queued: concurrent submits spread out
         self._last_chosen, self._tick = [-1] * n, 0
+        self._sessions: OrderedDict[Any, int] = OrderedDict()
+        self.max_sessions = 65536
 
-    def submit(self, request: Any) -> Future:
-        """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once."""
+    def submit(self, request: Any, session: Any = None) -> Future:
+        """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
+
+        With a `session` key, the request goes to the replica the session last used while that
+        replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
+        the session follows it. The map is a bounded LRU of `max_sessions` keys.
+        """
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
-            index = self._choose(refused, overloaded)
+            index = self._sticky(session, refused)
+            if index is None:
+                index = self._choose(refused, overloaded)
+            if session is not None:
+                self._remember(session, index)
             try:
                 return self.executors[index].submit(request)
             except EngineOverloadedError as exc:
@@ -49,6 +62,27 @@ class RequestDispatcher:
                 with self._lock:
                     self._reserved[index] -= 1
 
+    def _sticky(self, session: Any, refused: set[int]) -> int | None:
+        if session is None:
+            return None
+        with self._lock:
+            index = self._sessions.get(session)
+            if index is None or index in refused:
+                return None
+            e = self.executors[index]
+            if not (e.healthy and e.serving and e.has_room()):
+                return None
+            self._reserved[index] += 1
+            self._sessions.move_to_end(session)
+            return index
+
+    def _remember(self, session: Any, index: int) -> None:
+        with self._lock:
+            self._sessions[session] = index
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+
     def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
         with self._lock:
             healthy = [i for i, e in enumerate(self.executors) if e.healthy and i not in refused]
@@ -57,7 +91,7 @@ class RequestDispatcher:
                 if healthy or overloaded:
                     raise self._overloaded_error(len(healthy) + len(overloaded))
                 raise self._no_replica_error()
-            index = min(open_, key=lambda i: (self._load(i), self._last_chosen[i]))
+            index = min(open_, key=lambda i: (not self.executors[i].serving, self._load(i), self._last_chosen[i]))
             self._reserved[index] += 1
             self._last_chosen[index], self._tick = self._tick, self._tick + 1
             return index

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, wait
-from typing import Any
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Sequence
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.dispatcher import RequestDispatcher
-from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
+from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError, ReplicaStateError
 from phyai_ray.executors import ReplicaStatus, create_executors, restart_executor
+from phyai_ray.executors.control import ALL_TAGS, ControlReport
 from phyai_ray.plugins.registry import resolve_plugin
 from placement.topology import Topology
 
@@ -49,21 +51,24 @@ class Engine:
         self._closed = False
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, session: Any = None) -> Future:
         """Validate `request` (the plugin's validator raises here), queue it on one replica, return its future.
 
         Raises at once, losing nothing: the validator's error; `EngineOverloadedError` when every
         healthy replica's queue is full; `EngineUnavailableError` when none is healthy. The future
         fails with `RequestTimeoutError` if no result came `execution_timeout_s` after this call.
-        `future.cancel()` is True while the request still waits in the engine queue.
+        `future.cancel()` is True while the request still waits in the engine queue. The future
+        carries `replica` (where it was queued) and `weight_version` (of that replica when the
+        request reached its ranks). Requests with the same `session` key go to the same replica
+        while it serves (see `RequestDispatcher.submit`).
         """
         self._check_open()
         self.entry.validate_request(request)
-        return self._dispatcher.submit(request)
+        return self._dispatcher.submit(request, session)
 
-    def step(self, request: Any, timeout: float | None = None) -> Any:
+    def step(self, request: Any, timeout: float | None = None, session: Any = None) -> Any:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace)."""
-        future = self.submit(request)
+        future = self.submit(request, session)
         limit = timeout if timeout is not None else self._default_wait_s()
         try:
             return future.result(timeout=limit)
@@ -88,20 +93,122 @@ class Engine:
         replies = [self._rpc_reply(e, f, done, method) for e, f in zip(targets, futures)]
         return replies[0] if replica is not None else replies
 
-    def _rpc_targets(self, replica: int | None) -> list:
-        if replica is not None and not 0 <= replica < len(self._executors):
+    def _rpc_targets(self, replica: int | Sequence[int] | None) -> list:
+        chosen = [replica] if isinstance(replica, int) else (range(len(self._executors)) if replica is None
+                                                             else list(replica))
+        bad = [r for r in chosen if not 0 <= r < len(self._executors)]
+        if bad or not chosen:
             raise ValueError(f"replica={replica} is out of range; this engine has {len(self._executors)} replica(s)")
-        targets = self._executors if replica is None else [self._executors[replica]]
+        targets = [self._executors[r] for r in chosen]
         failed = [e for e in targets if not e.healthy]
         if failed:
             raise failed[0].unavailable_error()
-        return targets
+        return list(targets)
 
     @staticmethod
     def _rpc_reply(executor: Any, future: Future, done: set, method: str) -> Any:
         if future not in done:
             raise TimeoutError(f"collective_rpc({method!r}) on replica {executor.index} got no reply in time")
         return future.result()
+
+    # -- control (RL loops, operators): each call reaches EVERY rank of the chosen replicas -------
+    def pause(self, mode: str = "wait", replicas: Sequence[int] | None = None,
+              timeout: float | None = None) -> list[ControlReport]:
+        """Stop dispatching to the replicas (PAUSED); new requests queue there until `resume()`.
+
+        mode "wait": return once the requests at the ranks finished; "abort": also fail the queued
+        ones with `RequestAbortedError`; "keep": return at once, queued requests stay queued.
+        """
+        if mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause(mode={mode!r}): use 'wait' (drain the ranks), 'abort' (also drop the queued "
+                             "requests) or 'keep' (leave everything queued, do not wait)")
+        return self._control("pause", (mode,), replicas, timeout, mode=mode)
+
+    def resume(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
+        """PAUSED -> SERVING; what queued meanwhile is dispatched first."""
+        return self._control("resume", (), replicas, timeout)
+
+    def sleep(self, level: int = 1, replicas: Sequence[int] | None = None,
+              timeout: float | None = None) -> list[ControlReport]:
+        """Drain, then free the replicas' memory (level 1 keeps weights on the host, level 2 drops them)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}): level 1 keeps weights on the host, level 2 drops them")
+        return self._control("sleep", (level,), replicas, timeout)
+
+    def wake_up(self, tags: Sequence[str] | None = None, replicas: Sequence[int] | None = None,
+                timeout: float | None = None) -> list[ControlReport]:
+        """Bring back `tags` ("weights", "kv_cache"; None = all). Idempotent on awake replicas."""
+        unknown = sorted(set(tags or ()) - ALL_TAGS)
+        if unknown:
+            raise ValueError(f"wake_up(tags={list(tags)}): unknown tag(s) {unknown}; use {sorted(ALL_TAGS)}")
+        return self._control("wake_up", (tuple(tags) if tags else None,), replicas, timeout)
+
+    def reset_cache(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
+        """Drain, then call every rank's reset_cache() hook."""
+        return self._control("reset_cache", (), replicas, timeout)
+
+    def init_weight_transfer(self, backend: str = "object_store", *, master_addr: str | None = None,
+                             master_port: int | None = None, group_prefix: str = "phyai-weights",
+                             replicas: Sequence[int] | None = None, timeout: float | None = None,
+                             wait: bool = True) -> Any:
+        """Prepare the replicas to receive weights. gloo / nccl: every rank joins its replica's transfer
+        group (rank 0: the trainer, which hosts the store at master_addr:master_port and joins
+        concurrently, e.g. through `WeightSender`); with `wait=False` a Future of the reports."""
+        from phyai_ray.rl.transfer import TransferSpec, check_backend
+
+        check_backend(backend, self.device_type)
+        if backend != "object_store" and (master_addr is None or master_port is None):
+            raise ValueError(f"init_weight_transfer({backend!r}) needs the trainer's master_addr and master_port")
+        specs = {e.index: TransferSpec(backend, master_addr, master_port, f"{group_prefix}-r{e.index}",
+                                       self.deployment.process_config.collective_timeout_s)
+                 for e in self._rpc_targets(replicas)}
+        return self._control("init_weight_transfer", lambda e: (specs[e.index],), replicas, timeout, wait=wait)
+
+    def start_weight_update(self, version: Any, replicas: Sequence[int] | None = None,
+                            timeout: float | None = None) -> list[ControlReport]:
+        """UPDATING: dispatch stops and the ranks drain; requests queue until finish_weight_update()."""
+        return self._control("start_weight_update", (version,), replicas, timeout)
+
+    def update_weights(self, buckets: Sequence[Any], replicas: Sequence[int] | None = None,
+                       timeout: float | None = None, wait: bool = True) -> Any:
+        """Every rank receives `buckets` (from `WeightSender`) and loads them; runs concurrently with
+        the trainer's send (`wait=False` returns a Future of the reports). A failure fails that replica."""
+        return self._control("update_weights", (tuple(buckets),), replicas, timeout, wait=wait)
+
+    def finish_weight_update(self, replicas: Sequence[int] | None = None,
+                             timeout: float | None = None) -> list[ControlReport]:
+        """Reset caches, publish the new weight version, return to the state before the update."""
+        return self._control("finish_weight_update", lambda e: (e._life.pending_version,), replicas, timeout)
+
+    def _control(self, op: str, args: Any, replicas: Sequence[int] | None, timeout: float | None, *,
+                 mode: str = "wait", wait: bool = True) -> Any:
+        """Check every target first (an illegal call changes nothing), then run `op` on all at once."""
+        self._check_open()
+        targets = self._rpc_targets(replicas)
+        for e in targets:
+            e.check_transition(op)
+        timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
+        started = time.monotonic()
+
+        def one(e: Any) -> ControlReport:
+            try:
+                return e.control(op, args(e) if callable(args) else args, timeout_s=timeout_s, mode=mode)
+            except (ReplicaStateError, ValueError):
+                raise
+            except Exception as exc:  # the replica failed on the way; the others carry on
+                return e.failed_report(op, exc, started)
+
+        pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix=f"phyai-{op}")
+        futures = [pool.submit(one, e) for e in targets]
+        pool.shutdown(wait=False)
+        gathered: Future = Future()
+        threading.Thread(target=_gather, args=(futures, gathered), daemon=True).start()
+        return gathered.result(timeout=timeout_s + _WAIT_GRACE_S) if wait else gathered
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda: where the ranks compute."""
+        return self.args.config.device.resolve_target()
 
     # -- status -----------------------------------------------------------------------------
     def replica_status(self) -> list[ReplicaStatus]:
@@ -115,6 +222,7 @@ class Engine:
             out.append(ReplicaStatus(
                 index=e.index, healthy=e.healthy, world_size=e.world_size, in_flight=counts.in_flight,
                 served=counts.served, errored=counts.errored, queued=counts.queued, dispatched=counts.dispatched,
+                state=e.state.value, weight_version=e.weight_version,
                 failure=str(f) if f else None, failure_reason=f.reason if f else None,
                 failed_rank=f.rank if f else None, nodes=e.nodes(), pids=e.pids()))
         return out
@@ -179,3 +287,11 @@ class Engine:
 
     def _default_wait_s(self) -> float:
         return self.deployment.process_config.execution_timeout_s + _WAIT_GRACE_S
+
+
+def _gather(futures: list[Future], out: Future) -> None:
+    """Resolve `out` with every future's result in order, or the first exception."""
+    try:
+        out.set_result([f.result() for f in futures])
+    except BaseException as exc:
+        out.set_exception(exc)

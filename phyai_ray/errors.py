@@ -13,8 +13,10 @@ like, so callers may catch either:
     ├── EngineOverloadedError(RuntimeError)
     │                                     every healthy replica's queue is full; the request was
     │                                     not admitted (nothing else is affected): retry later
-    └── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
-                                          from submission); the replica keeps serving
+    ├── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
+    │                                     from submission); the replica keeps serving
+    ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
+    └── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
 """
 
 from __future__ import annotations
@@ -107,3 +109,37 @@ def _rebuild_overloaded(message, queued, limit) -> EngineOverloadedError:
 
 def _rebuild_request_timeout(message, replica, waited_s, dispatched) -> RequestTimeoutError:
     return RequestTimeoutError(message, replica=replica, waited_s=waited_s, dispatched=dispatched)
+
+
+class RequestAbortedError(PhyAIError, RuntimeError):
+    """A queued request was dropped by `pause(mode="abort")` before it reached a rank; resubmit it."""
+
+    def __init__(self, message: str, *, replica: int | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):
+        return (_rebuild_aborted, (str(self), self.replica))
+
+
+class ReplicaStateError(PhyAIError, RuntimeError):
+    """A control call (pause, sleep, weight update, ...) that the replica's state does not allow.
+
+    Nothing was changed; `state` is the replica's state and `op` the refused call.
+    """
+
+    def __init__(self, message: str, *, replica: int | None = None, state: str | None = None,
+                 op: str | None = None) -> None:
+        super().__init__(message)
+        self.replica, self.state, self.op = replica, state, op
+
+    def __reduce__(self):
+        return (_rebuild_state_error, (str(self), self.replica, self.state, self.op))
+
+
+def _rebuild_aborted(message, replica) -> RequestAbortedError:
+    return RequestAbortedError(message, replica=replica)
+
+
+def _rebuild_state_error(message, replica, state, op) -> ReplicaStateError:
+    return ReplicaStateError(message, replica=replica, state=state, op=op)

@@ -57,6 +57,7 @@ class RankRunner:
 
     def __init__(self, entry: Entry, plugin_args: dict[str, Any], ctx: RankContext) -> None:
         self.entry, self.ctx = entry, ctx
+        self._control: Any = None
         with ctx.groups.activate():
             self.model = entry.create(plugin_args, ctx)
         if not callable(getattr(self.model, "step", None)):
@@ -65,9 +66,21 @@ class RankRunner:
 
     def step(self, request: Any) -> Any:
         """Run one request; the output rank returns the result, the others None."""
+        if self._control is not None and self._control.asleep_level:
+            raise RuntimeError(f"rank {self.ctx.rank} received a request while asleep (level "
+                               f"{self._control.asleep_level}); wake_up() must come first")
         with self.ctx.groups.activate():
             out = self.model.step(request)
         return out if self.ctx.is_output_rank else None
+
+    def control(self, op: str, args: tuple = ()) -> Any:
+        """A control-lane operation (pause, sleep, weight update, ...; see `phyai_ray.rl.hooks`)."""
+        if self._control is None:
+            from phyai_ray.rl.hooks import RankControl
+
+            self._control = RankControl(self.model, self.ctx)
+        with self.ctx.groups.activate():
+            return self._control.run(op, args)
 
     def call(self, method: str, args: tuple = (), kwargs: dict | None = None) -> Any:
         """Call a public method of the per-rank model (collective_rpc)."""

@@ -86,7 +86,7 @@ def live_placement_groups() -> list[dict]:
 
 def _ours(actor: dict) -> bool:
     name = actor.get("ActorClassName", "") or ""
-    return "phyai" in name.lower() or "Rank" in name or "Probe" in name
+    return "phyai" in name.lower() or "Rank" in name or "Probe" in name or "EngineActor" in name
 
 
 def wait_for_no_leaks(timeout_s: float = 15.0) -> tuple[list, list]:

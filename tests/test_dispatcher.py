@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from phyai_ray.dispatcher import RequestDispatcher
-from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, ReplicaStateError, RequestAbortedError,
+                              RequestTimeoutError)
 from phyai_ray.executors.base import ReplicaExecutor
 
 
@@ -48,6 +49,11 @@ class ManualExecutor(ReplicaExecutor):
             self.scheduler.deliver(work, error=ValueError("plugin rejected the payload"))
         self.scheduler.finished(work)
 
+    def _control_ranks(self, op, args, timeout_s):
+        future: Future = Future()
+        future.set_result([(op, args)])
+        return future
+
     def _teardown(self) -> None:
         self.at_ranks.clear()
 
@@ -57,6 +63,16 @@ class ManualExecutor(ReplicaExecutor):
     def close(self) -> None:
         if self._set_failure(self._closed_error()):
             self.scheduler.stop(self.unavailable_error, cancel_queued=True)
+
+
+class _Fixed:
+    """A `data` stand-in that always draws the given executor (for finishing on one replica)."""
+
+    def __init__(self, executor: ManualExecutor) -> None:
+        self.executor = executor
+
+    def draw(self, strategy):
+        return self.executor
 
 
 def _states(executor: ManualExecutor, futures: list[Future]) -> tuple[int, int]:
@@ -82,7 +98,8 @@ class DispatcherMachine(RuleBasedStateMachine):
     def _room(self, i: int) -> bool:
         e = self.executors[i]
         queued, _ = _states(e, self.futures[i])
-        return len(e.at_ranks) < e.scheduler.max_ongoing or queued < e.scheduler.max_queued
+        free_now = len(e.at_ranks) < e.scheduler.max_ongoing and e.serving and not queued
+        return free_now or queued < e.scheduler.max_queued
 
     @rule()
     def submit(self):
@@ -92,7 +109,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             with pytest.raises(EngineOverloadedError if healthy else EngineUnavailableError):
                 self.dispatcher.submit("x")
             return
-        best = min(open_, key=lambda i: (self._in_flight(i), self.last[i]))
+        best = min(open_, key=lambda i: (not self.executors[i].serving, self._in_flight(i), self.last[i]))
         future = self.dispatcher.submit(("req", self.tick))
         assert future.work in self.executors[best].at_ranks or future.work in self.executors[best].scheduler._queued
         self.futures[best].append(future)
@@ -141,6 +158,45 @@ class DispatcherMachine(RuleBasedStateMachine):
         for f in unfinished:
             assert isinstance(f.exception(timeout=0), EngineUnavailableError)
         self.errored[e.index] += len(unfinished)
+
+    @rule(data=st.data(), op=st.sampled_from(["pause", "resume", "sleep", "wake_up", "start_weight_update",
+                                              "finish_weight_update"]), mode=st.sampled_from(["wait", "abort", "keep"]))
+    def control(self, data, op, mode):
+        """A control call: allowed ones move the state as the table says, illegal ones change nothing."""
+        e = data.draw(st.sampled_from(self.executors))
+        if not e.healthy:
+            return
+        while e.at_ranks and not (op == "pause" and mode == "keep"):
+            self.finish(data=_Fixed(e), how="result")  # the ranks finish what they hold (drain)
+        before = e.state.value
+        allowed = {"pause": {"SERVING", "PAUSED"}, "resume": {"SERVING", "PAUSED"},
+                   "sleep": {"SERVING", "PAUSED", "SLEEPING"}, "wake_up": {"SERVING", "PAUSED", "SLEEPING"},
+                   "start_weight_update": {"SERVING", "PAUSED", "SLEEPING"},
+                   "finish_weight_update": {"UPDATING"}}[op]
+        args = {"sleep": (1,), "wake_up": (None,), "start_weight_update": (self.tick,),
+                "finish_weight_update": (getattr(e._life, "pending_version", None),)}.get(op, (mode,))
+        if before not in allowed:
+            with pytest.raises(ReplicaStateError, match=f"is {before}: {op}"):
+                e.control(op, args, timeout_s=1, mode=mode)
+            assert e.state.value == before
+            return
+        queued = [f for f in self.futures[e.index] if not f.done() and not f.running()]
+        report = e.control(op, args, timeout_s=1, mode=mode)
+        if op == "pause" and mode == "abort":
+            assert report.aborted == len(queued)
+            assert all(isinstance(f.exception(timeout=0), RequestAbortedError) for f in queued)
+            self.errored[e.index] += len(queued)
+        assert report.state == e.state.value
+        if op == "finish_weight_update":
+            assert e.weight_version == args[0]
+
+    @invariant()
+    def only_serving_replicas_dispatch(self):
+        for e in self.executors:  # a replica that is not SERVING keeps its queue: nothing moves to the ranks
+            if e.healthy and e.state.value != "SERVING":
+                assert e.scheduler._held
+            elif e.healthy:
+                assert not e.scheduler.counts().queued or len(e.at_ranks) == e.scheduler.max_ongoing
 
     @invariant()
     def counts_match_futures(self):

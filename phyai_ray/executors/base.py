@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.executors.control import ReplicaControl, ReplicaState
 from phyai_ray.executors.delivery import CallbackThread
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
 
@@ -28,6 +29,8 @@ class ReplicaStatus:
     errored: int
     queued: int = 0
     dispatched: int = 0
+    state: str = "SERVING"
+    weight_version: Any = None
     failure: str | None = None
     failure_reason: str | None = None
     failed_rank: int | None = None
@@ -38,7 +41,7 @@ class ReplicaStatus:
         return dict(self.__dict__)
 
 
-class ReplicaExecutor(abc.ABC):
+class ReplicaExecutor(ReplicaControl, abc.ABC):
     """One WHOLE model replica (one rank or many), fed by its own `ReplicaScheduler`.
 
     Subclasses supply `_launch(work)` (hand one dispatched request to every rank, in order),
@@ -54,6 +57,7 @@ class ReplicaExecutor(abc.ABC):
         self._step_limit_s = step_limit_s
         self._failure: EngineUnavailableError | None = None
         self._failure_lock = threading.Lock()
+        self._init_control()
         self.scheduler = ReplicaScheduler(index, max_ongoing=max_ongoing, max_queued=max_queued,
                                           launch=self._launch, on_hung=self._on_hung,
                                           delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
@@ -89,6 +93,10 @@ class ReplicaExecutor(abc.ABC):
         """Send dispatched `work` to every rank (called in dispatch order, under the scheduler lock)."""
 
     @abc.abstractmethod
+    def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
+        """Run control op `op(*args)` on every rank's control lane; the future holds the replies in rank order."""
+
+    @abc.abstractmethod
     def _teardown(self) -> None:
         """Stop the ranks and release what the replica holds. Idempotent."""
 
@@ -112,6 +120,12 @@ class ReplicaExecutor(abc.ABC):
             f"replica {self.index}: a {work.kind} has been running on its ranks for {running_s:.1f}s, past {limit}; "
             f"{waiting}, so the replica was stopped (a request waiting behind others is not counted: only running "
             "time is)", reason="timeout", replica=self.index, rank=rank, node=node))
+
+    def rank_args(self, op: str, args: tuple, rank: int) -> tuple:
+        """A control op's arguments for one rank (a transfer group needs each rank's place in it)."""
+        if op == "init_weight_transfer":
+            return (*args, rank + 1, self.world_size + 1)  # group rank 0 is the trainer
+        return args
 
     def _hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
         """(first rank that had not replied, its node, a phrase naming the ranks)."""

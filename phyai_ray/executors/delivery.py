@@ -54,13 +54,18 @@ class EngineFuture(Future):
     """A `concurrent.futures.Future` of one engine request; see the module docstring.
 
     `cancel()` is True only while the request waits in the engine queue; the scheduler then
-    removes it, so nothing reaches a rank.
+    removes it, so nothing reaches a rank. `replica` is the replica it was queued on, and
+    `weight_version` the weight version of that replica when the request was dispatched to its
+    ranks (weights change only while nothing is dispatched, so it is the version that produced
+    the result; None before dispatch and for replicas that never had a versioned update).
     """
 
     def __init__(self, delivery: CallbackThread, on_cancel: Callable[["EngineFuture"], None]) -> None:
         super().__init__()
         self._delivery, self._on_cancel = delivery, on_cancel
         self.work: Any = None
+        self.replica: int | None = None
+        self.weight_version: Any = None
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         if self.done():  # as concurrent.futures does: a finished future calls back at once, here

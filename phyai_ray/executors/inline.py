@@ -12,6 +12,7 @@ fails the replica (a stuck plugin cannot be interrupted), and every later reques
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineUnavailableError
@@ -73,6 +74,10 @@ class InlineExecutor(ReplicaExecutor):
         method, args, kwargs = work.payload
         value = self._runner.call(method, args, kwargs)
         return [value] if work.all_ranks else value
+
+    def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
+        """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""
+        return self._worker.call(lambda: [self._runner.control(op, self.rank_args(op, args, 0))])
 
     def _teardown(self) -> None:
         self._worker.stop()

@@ -96,6 +96,8 @@ class ReplicaScheduler:
         self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
         self._timer: threading.Thread | None = None
         self._wake_at = float("inf")
+        self._held = False  # paused, asleep or updating: requests queue but nothing is dispatched
+        self.weight_version: Any = None  # stamped on every future at dispatch
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
@@ -103,7 +105,7 @@ class ReplicaScheduler:
         """Queue a request (or dispatch a control call at once); returns its future."""
         future = EngineFuture(self._delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
-        future.work = work
+        future.work, future.replica = work, self.index
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
@@ -111,7 +113,7 @@ class ReplicaScheduler:
                 future.start()
                 self._dispatch(work)
             else:
-                if self.max_queued is not None and len(self._queued) >= self.max_queued and not self._has_slot():
+                if self.max_queued is not None and len(self._queued) >= self.max_queued and not self._free_now():
                     raise self._overloaded()
                 self._queued.append(work)
                 self._pump()
@@ -122,7 +124,7 @@ class ReplicaScheduler:
         """Whether a request submitted now would be admitted."""
         with self._lock:
             return self._refusal is None and (self.max_queued is None or len(self._queued) < self.max_queued
-                                              or self._has_slot())
+                                              or self._free_now())
 
     def counts(self) -> Counts:
         with self._lock:
@@ -136,6 +138,10 @@ class ReplicaScheduler:
             self._served += counts.served
             self._errored += counts.errored
 
+    def _free_now(self) -> bool:
+        """A request submitted now would go straight to the ranks."""
+        return self._has_slot() and not self._held and not self._queued
+
     def _has_slot(self) -> bool:
         return self.max_ongoing is None or len(self._dispatched) < self.max_ongoing
 
@@ -148,13 +154,14 @@ class ReplicaScheduler:
     # -- dispatch -------------------------------------------------------------------------------
     def _pump(self) -> None:
         """Move queued requests to the ranks while there is a free slot (lock held)."""
-        while self._queued and self._has_slot() and self._refusal is None:
+        while self._queued and self._has_slot() and self._refusal is None and not self._held:
             work = self._queued.popleft()
             if work.future.start():  # False: cancelled while queued
                 self._dispatch(work)
 
     def _dispatch(self, work: Work) -> None:
         work.dispatched = time.monotonic()
+        work.future.weight_version = self.weight_version
         self._dispatched.append(work)
         if len(self._dispatched) == 1:
             self._head_since = work.dispatched
@@ -183,6 +190,8 @@ class ReplicaScheduler:
                 self._head_since = time.monotonic()
                 self._arm(self._head_since + self._dispatched[0].limit_s)
             self._pump()
+            if not self._dispatched:
+                self._cond.notify_all()  # wake drain()
 
     def _cancelled(self, future: EngineFuture) -> None:
         """A queued future was cancelled by its caller: it leaves the queue, nothing reaches a rank."""
@@ -191,6 +200,37 @@ class ReplicaScheduler:
                 self._queued.remove(future.work)
             except ValueError:
                 pass
+
+    # -- holding (pause, sleep, weight update) -----------------------------------------------------
+    def hold(self) -> None:
+        """Stop dispatching requests; they keep queueing (within their deadlines)."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        """Dispatch again, starting with what queued meanwhile."""
+        with self._lock:
+            self._held = False
+            self._pump()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is at the ranks (call after `hold`); False when `timeout_s` ran out."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._dispatched and self._refusal is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=left)
+            return True
+
+    def abort_queued(self, error: Callable[[], BaseException]) -> int:
+        """Fail every queued request with `error()`; returns how many."""
+        with self._lock:
+            queued, self._queued = list(self._queued), deque()
+        for work in queued:
+            self.deliver(work, error=error())
+        return len(queued)
 
     # -- stopping -------------------------------------------------------------------------------
     def stop(self, refusal: Callable[[], BaseException], *, cancel_queued: bool,

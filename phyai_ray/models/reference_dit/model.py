@@ -53,10 +53,29 @@ class ReferenceDiT:
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def _block(self, index: int) -> list:
-        w = W.block_weights(self.cfg, index)
+    def _block(self, index: int, w: W.Weights | None = None) -> list:
+        w = w if w is not None else W.block_weights(self.cfg, index)
         mlp = MoeMLP if self.cfg.is_moe_block(index) else DenseMLP
         return [Attention(self.cfg, w, self.ctx, self.to), mlp(self.cfg, w, self.ctx, self.to)]
+
+    @torch.inference_mode()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Replace this rank's parts from FULL tensors named as `weights.full_weights` names them.
+
+        Each part (the embeddings, a block, the head) is replaced whole, so a part must come with
+        all of its tensors; parts that live on other pipeline stages are skipped.
+        """
+        parts = W.split_names(dict(weights))
+        new_blocks = dict(zip(self.block_ids, self.blocks))
+        for part, w in parts.items():
+            if part == "embed" and self.stage == 0:
+                self.embed = {k: v.to(**self.to) for k, v in _complete(part, w, W.embedding_weights(self.cfg)).items()}
+            elif part == "head" and self.is_last:
+                self.head = {k: v.to(**self.to) for k, v in _complete(part, w, W.head_weights(self.cfg)).items()}
+            elif part.startswith("blocks.") and int(part[7:]) in new_blocks:
+                index = int(part[7:])
+                new_blocks[index] = self._block(index, _complete(part, w, W.block_weights(self.cfg, index)))
+        self.blocks = [new_blocks[i] for i in self.block_ids]
 
     @torch.inference_mode()
     def step(self, request: Any) -> torch.Tensor | None:
@@ -99,3 +118,13 @@ class ReferenceDiT:
     def _receive(self, req: ParsedRequest) -> torch.Tensor:
         buf = torch.empty(req.batch, req.seq, self.cfg.dim, **self.to)
         return P.recv(buf, self.stage - 1, group="pp")
+
+
+def _complete(part: str, given: W.Weights, reference: W.Weights) -> W.Weights:
+    """`given` when it holds exactly the part's tensors with their shapes; a clear error otherwise."""
+    missing, extra = sorted(set(reference) - set(given)), sorted(set(given) - set(reference))
+    bad = [k for k in given if k in reference and tuple(given[k].shape) != tuple(reference[k].shape)]
+    if missing or extra or bad:
+        raise ValueError(f"reference_dit load_weights: part {part!r} needs exactly {sorted(reference)} with the "
+                         f"model's shapes; missing {missing}, unknown {extra}, wrong shape {bad}")
+    return {k: v.float() for k, v in given.items()}

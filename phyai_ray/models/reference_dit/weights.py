@@ -65,6 +65,30 @@ def head_weights(cfg: ReferenceDiTConfig) -> Weights:
     return {"w": draw.weight(cfg.vocab, cfg.dim), "b": draw.bias(cfg.vocab)}
 
 
+def full_weights(cfg: ReferenceDiTConfig) -> Weights:
+    """Every tensor of the model, named as `load_weights` expects: `embed.tokens`, `embed.positions`,
+    `embed.labels`, `blocks.{i}.{wq,wk,wv,wo,bo,w1,b1,w2,b2[,router]}`, `head.w`, `head.b`.
+
+    This is the trainer's view (one process, no sharding); every rank slices its own shards.
+    """
+    out = {f"embed.{k}": v for k, v in embedding_weights(cfg).items()}
+    for i in range(cfg.layers):
+        out.update({f"blocks.{i}.{k}": v for k, v in block_weights(cfg, i).items()})
+    out.update({f"head.{k}": v for k, v in head_weights(cfg).items()})
+    return out
+
+
+def split_names(weights: Weights) -> dict[str, Weights]:
+    """{"embed": {...}, "blocks.3": {...}, "head": {...}} from full names; unknown prefixes raise."""
+    parts: dict[str, Weights] = {}
+    for name, tensor in weights.items():
+        head, _, key = name.rpartition(".")
+        if not key or not (head in ("embed", "head") or (head.startswith("blocks.") and head[7:].isdigit())):
+            raise KeyError(f"reference_dit: weight name {name!r} is not embed.*, blocks.<i>.* or head.*")
+        parts.setdefault(head, {})[key] = tensor
+    return parts
+
+
 def shard(tensor: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
     """Contiguous chunk `index` of `count` equal chunks along `dim` (a copy, so the full tensor can go)."""
     size = tensor.shape[dim] // count

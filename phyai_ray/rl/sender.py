@@ -1,0 +1,153 @@
+"""`WeightSender`: the trainer's side of the four-phase weight sync, for any backend.
+
+    sender = WeightSender("gloo")                       # or "object_store" (no group), "nccl" (GPU)
+    sender.init_transfer(target)                        # once: ranks (and this process) join groups
+    reports = sender.update(target, model.named_parameters(), version=step)
+
+`target` is an `Engine` in this process or an `EngineActor` handle. `update` runs
+`start_weight_update(version)`, then `update_weights(buckets)` on the replicas while this process
+sends the buckets, then `finish_weight_update()` on the replicas that received everything. A
+replica that fails on the way is FAILED (reported, never served half-updated); the others finish.
+
+vLLM-style code can call the phases itself: `engine.update_weights(sender.prepare(params),
+wait=False)`, then `sender.send()`, then wait and `engine.finish_weight_update()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable
+
+from phyai_ray.rl.transfer import DEFAULT_BUCKET_BYTES, Bucket, check_backend, flatten, plan_buckets
+
+logger = logging.getLogger(__name__)
+
+
+class _Target:
+    """An Engine, or an EngineActor handle, behind one calling convention."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.remote = hasattr(getattr(target, "replica_status", None), "remote")
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-sender")
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.start(name, *args, **kwargs).result()
+
+    def start(self, name: str, *args: Any, **kwargs: Any) -> Future:
+        if self.remote:
+            return getattr(self.target, name).remote(*args, **kwargs).future()
+        return self._pool.submit(getattr(self.target, name), *args, **kwargs)
+
+
+class WeightSender:
+    """Flattens `named_parameters()` into size-capped buckets and delivers them to rollout replicas."""
+
+    def __init__(self, backend: str = "object_store", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 master_addr: str | None = None, timeout_s: float = 120.0) -> None:
+        check_backend(backend, "cuda" if backend == "nccl" else "cpu")
+        self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
+        self.master_addr = master_addr
+        self._store: Any = None
+        self._groups: dict[int, Any] = {}  # replica -> this process's member (rank 0) of its group
+        self._pending: list[tuple[Bucket, list[Any]]] = []
+
+    # -- phase 0 ---------------------------------------------------------------------------------
+    def init_transfer(self, target: Any, replicas: list[int] | None = None) -> list:
+        """Prepare the replicas (and, for gloo / nccl, join one group per replica as its rank 0)."""
+        t = _Target(target)
+        if self.backend == "object_store":
+            return t.call("init_weight_transfer", "object_store", replicas=replicas, timeout=self.timeout_s)
+        import torch.distributed as dist
+
+        sizes = {s.index: s.world_size for s in _statuses(t) if replicas is None or s.index in replicas}
+        self.master_addr = self.master_addr or _node_ip()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._store = dist.TCPStore(self.master_addr, 0, 1 + sum(sizes.values()), True, timeout=timeout,
+                                    wait_for_workers=False)
+        prefix = f"phyai-weights-{uuid.uuid4().hex[:8]}"
+        pending = t.start("init_weight_transfer", self.backend, master_addr=self.master_addr,
+                          master_port=self._store.port, group_prefix=prefix, replicas=list(sizes),
+                          timeout=self.timeout_s)
+        with ThreadPoolExecutor(max_workers=len(sizes)) as pool:
+            joins = {i: pool.submit(self._join, prefix, i, n + 1) for i, n in sizes.items()}
+        reports = pending.result(timeout=self.timeout_s + 30)
+        for i, join in joins.items():
+            if join.exception() is None:
+                self._groups[i] = join.result()
+            else:
+                logger.error("weight transfer group of replica %d: %s", i, join.exception())
+        return reports
+
+    def _join(self, prefix: str, replica: int, size: int) -> Any:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(f"{prefix}-r{replica}", self._store)
+        if self.backend == "nccl":
+            return dist.ProcessGroupNCCL(store, 0, size)
+        return dist.ProcessGroupGloo(store, 0, size, datetime.timedelta(seconds=self.timeout_s))
+
+    # -- phases 1-3 --------------------------------------------------------------------------------
+    def update(self, target: Any, named_parameters: Iterable[tuple[str, Any]], version: Any,
+               replicas: list[int] | None = None) -> list:
+        """start_weight_update(version) -> update_weights while sending -> finish_weight_update."""
+        t = _Target(target)
+        started = t.call("start_weight_update", version, replicas=replicas, timeout=self.timeout_s)
+        chosen = [r.replica for r in started if r.error is None]
+        buckets = self.prepare(named_parameters)
+        receiving = t.start("update_weights", buckets, replicas=chosen, timeout=self.timeout_s)
+        unreached = self.send(chosen)
+        received = receiving.result(timeout=self.timeout_s + 30)
+        done = [r.replica for r in received if r.error is None and r.replica not in unreached]
+        finished = t.call("finish_weight_update", replicas=done, timeout=self.timeout_s) if done else []
+        by_replica = {r.replica: r for r in [*started, *received, *finished]}
+        return [by_replica[i] for i in sorted(by_replica)]
+
+    def prepare(self, named_parameters: Iterable[tuple[str, Any]]) -> list[Bucket]:
+        """Plan the buckets; object_store puts each one now (one copy, shared by every rank)."""
+        self._pending = plan_buckets(named_parameters, self.bucket_bytes)
+        if self.backend != "object_store":
+            return [b for b, _ in self._pending]
+        import ray
+
+        return [Bucket(b.dtype, b.numel, b.tensors, ray.put(flatten(ts))) for b, ts in self._pending]
+
+    def send(self, replicas: list[int] | None = None) -> set[int]:
+        """Broadcast the prepared buckets to each replica's group (gloo / nccl); returns the replicas
+        whose group broke on the way (their update fails on the replica side too)."""
+        broken: set[int] = set()
+        if self.backend == "object_store":
+            return broken
+        targets = sorted(self._groups) if replicas is None else [r for r in replicas if r in self._groups]
+        broken |= set(replicas or ()) - set(targets)
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        for _, tensors in self._pending:
+            flat = flatten(tensors, device)
+            for replica in targets:
+                if replica in broken:
+                    continue
+                try:
+                    self._groups[replica].broadcast(flat, 0).wait()
+                except Exception as exc:  # that replica's rank died or timed out: only it fails
+                    logger.error("weight broadcast to replica %d failed: %s", replica, exc)
+                    broken.add(replica)
+                    self._groups.pop(replica, None)
+        return broken
+
+
+def _statuses(t: _Target) -> list:
+    return t.call("replica_status")
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
