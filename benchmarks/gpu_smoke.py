@@ -1,8 +1,12 @@
-"""GPU smoke check: one replica with NCCL groups over every visible GPU, CUDA tensors back to the caller.
+"""GPU smoke check: NCCL groups over every visible GPU, CUDA tensors back to the caller, GPU weight sync.
 
 Run on a machine with CUDA GPUs: `.venv/bin/python benchmarks/gpu_smoke.py`
-Exits 0 when the TP result equals a single-GPU reference and a CUDA tensor reached the caller;
-exits 2 (and says so) when no GPU is visible.
+1. one replica with NCCL groups over every visible GPU: the TP result equals a CPU reference and
+   arrives as a CUDA tensor;
+2. RL weight sync on GPU: `cuda_ipc` (trainer and rank on GPU 0) and, with 2+ GPUs, `nccl` (rank on
+   GPU 1); the rank's output equals the trainer's module; `sleep(level=2)` frees the rank's weight
+   memory and a weight update refills it.
+Exits 0 when every check passes; exits 2 (and says so) when no GPU is visible.
 """
 
 from __future__ import annotations
@@ -67,8 +71,58 @@ def main() -> int:
         print(f"step latency median {times[len(times) // 2] * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms; "
               f"relative error vs CPU reference {error:.2e}")
     ok = y.is_cuda and error < 1e-3
+    ok = check_weight_sync("cuda_ipc", device=0) and ok
+    if gpus > 1:
+        ok = check_weight_sync("nccl", device=1) and ok
     print("gpu_smoke:", "OK" if ok else "FAILED")
     return 0 if ok else 1
+
+
+class CudaPolicy(torch.nn.Module):
+    """A plain nn.Module on the rank's GPU: the default sleep / wake / load_weights hooks apply."""
+
+    def __init__(self, plugin_args: dict, ctx: Any) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1024, 1024).to(ctx.device)
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(self.linear.weight.device))
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+
+class PolicyEntry(Entry):
+    name = "gpu_smoke_policy"
+
+    def create(self, plugin_args: dict, ctx: Any) -> CudaPolicy:
+        return CudaPolicy(plugin_args, ctx)
+
+
+def check_weight_sync(backend: str, device: int) -> bool:
+    """Sleep level 2, sync new weights with `backend` from this process (on GPU 0), wake, compare."""
+    from phyai_ray import WeightSender
+
+    trainer = torch.nn.Linear(1024, 1024).cuda(0)
+    x = torch.randn(8, 1024, device="cuda:0")
+    args = EngineArgs(plugin=PolicyEntry, config=EngineConfig(device=DeviceConfig(target="cuda")))
+    with Engine(args, DeploymentConfig.local(devices=(device,))) as engine:
+        before = engine.collective_rpc("allocated", replica=0)
+        engine.sleep(level=2)
+        asleep = engine.collective_rpc("allocated", replica=0)
+        sender = WeightSender(backend)
+        sender.init_transfer(engine)
+        params = [(f"linear.{k}", v) for k, v in trainer.state_dict().items()]
+        reports = sender.update(engine, params, version=1)
+        engine.wake_up()
+        y = engine.step(x)
+        with torch.no_grad():
+            error = (y.to("cuda:0") - trainer(x)).abs().max().item()
+    ok = asleep < before and all(r.error is None for r in reports) and error < 1e-5
+    print(f"weight sync {backend} (rank on GPU {device}): allocated {before} -> asleep {asleep} bytes, "
+          f"max error {error:.2e}, reports {[r.state for r in reports]}: {'OK' if ok else 'FAILED'}")
+    return ok
 
 
 if __name__ == "__main__":

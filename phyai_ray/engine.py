@@ -157,7 +157,7 @@ class Engine:
         from phyai_ray.rl.transfer import TransferSpec, check_backend
 
         check_backend(backend, self.device_type)
-        if backend != "object_store" and (master_addr is None or master_port is None):
+        if backend in ("gloo", "nccl") and (master_addr is None or master_port is None):
             raise ValueError(f"init_weight_transfer({backend!r}) needs the trainer's master_addr and master_port")
         specs = {e.index: TransferSpec(backend, master_addr, master_port, f"{group_prefix}-r{e.index}",
                                        self.deployment.process_config.collective_timeout_s)

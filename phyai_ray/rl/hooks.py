@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from phyai_ray.rl.transfer import Bucket, TransferSpec, empty_flat, join_group, unflatten
+from phyai_ray.rl.transfer import Bucket, TransferSpec, empty_flat, join_group, open_cuda, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RankControl:
         """Join this replica's transfer group (gloo / nccl): blocks until the trainer joins too."""
         self._close_group()
         self._spec = spec
-        if spec is not None and spec.backend != "object_store":
+        if spec is not None and spec.backend in ("gloo", "nccl"):
             self._group = join_group(spec, group_rank, group_size)
         return self.ctx.rank
 
@@ -95,7 +95,12 @@ class RankControl:
         for bucket in buckets:
             weights += unflatten(bucket, self._receive(bucket))
         self._load(weights)
-        return len(weights)
+        if any(b.ipc for b in buckets):
+            import torch
+
+            del weights
+            torch.cuda.ipc_collect()  # drop this process's mappings of the trainer's memory
+        return len(buckets)
 
     def finish_weight_update(self, version: Any) -> int:
         self.version = version
@@ -103,6 +108,8 @@ class RankControl:
         return self.ctx.rank
 
     def _receive(self, bucket: Bucket) -> Any:
+        if bucket.ipc is not None:
+            return open_cuda(bucket, self.ctx.device)
         if bucket.ref is not None:
             import ray
 

@@ -1,6 +1,6 @@
 """`WeightSender`: the trainer's side of the four-phase weight sync, for any backend.
 
-    sender = WeightSender("gloo")                       # or "object_store" (no group), "nccl" (GPU)
+    sender = WeightSender("gloo")      # or "object_store" (no group), "nccl", "cuda_ipc" (same GPU, GPU only)
     sender.init_transfer(target)                        # once: ranks (and this process) join groups
     reports = sender.update(target, model.named_parameters(), version=step)
 
@@ -21,7 +21,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from phyai_ray.rl.transfer import DEFAULT_BUCKET_BYTES, Bucket, check_backend, flatten, plan_buckets
+from phyai_ray.rl.transfer import DEFAULT_BUCKET_BYTES, Bucket, check_backend, flatten, plan_buckets, share_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,20 @@ class WeightSender:
 
     def __init__(self, backend: str = "object_store", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  master_addr: str | None = None, timeout_s: float = 120.0) -> None:
-        check_backend(backend, "cuda" if backend == "nccl" else "cpu")
+        check_backend(backend, "cuda" if backend in ("nccl", "cuda_ipc") else "cpu")
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
         self.master_addr = master_addr
         self._store: Any = None
         self._groups: dict[int, Any] = {}  # replica -> this process's member (rank 0) of its group
         self._pending: list[tuple[Bucket, list[Any]]] = []
+        self._shared: list[Any] = []  # cuda_ipc: flat buckets that must outlive the ranks' copies
 
     # -- phase 0 ---------------------------------------------------------------------------------
     def init_transfer(self, target: Any, replicas: list[int] | None = None) -> list:
         """Prepare the replicas (and, for gloo / nccl, join one group per replica as its rank 0)."""
         t = _Target(target)
-        if self.backend == "object_store":
-            return t.call("init_weight_transfer", "object_store", replicas=replicas, timeout=self.timeout_s)
+        if self.backend in ("object_store", "cuda_ipc"):
+            return t.call("init_weight_transfer", self.backend, replicas=replicas, timeout=self.timeout_s)
         import torch.distributed as dist
 
         sizes = {s.index: s.world_size for s in _statuses(t) if replicas is None or s.index in replicas}
@@ -103,12 +104,19 @@ class WeightSender:
         received = receiving.result(timeout=self.timeout_s + 30)
         done = [r.replica for r in received if r.error is None and r.replica not in unreached]
         finished = t.call("finish_weight_update", replicas=done, timeout=self.timeout_s) if done else []
+        self._shared.clear()  # every rank copied its weights: the shared buckets may go
         by_replica = {r.replica: r for r in [*started, *received, *finished]}
         return [by_replica[i] for i in sorted(by_replica)]
 
     def prepare(self, named_parameters: Iterable[tuple[str, Any]]) -> list[Bucket]:
         """Plan the buckets; object_store puts each one now (one copy, shared by every rank)."""
         self._pending = plan_buckets(named_parameters, self.bucket_bytes)
+        if self.backend == "cuda_ipc":
+            import torch
+
+            self._shared = [flatten(ts, torch.device("cuda", torch.cuda.current_device())) for _, ts in self._pending]
+            return [Bucket(b.dtype, b.numel, b.tensors, ipc=share_cuda(flat))
+                    for (b, _), flat in zip(self._pending, self._shared)]
         if self.backend != "object_store":
             return [b for b, _ in self._pending]
         import ray
@@ -119,7 +127,7 @@ class WeightSender:
         """Broadcast the prepared buckets to each replica's group (gloo / nccl); returns the replicas
         whose group broke on the way (their update fails on the replica side too)."""
         broken: set[int] = set()
-        if self.backend == "object_store":
+        if self.backend in ("object_store", "cuda_ipc"):
             return broken
         targets = sorted(self._groups) if replicas is None else [r for r in replicas if r in self._groups]
         broken |= set(replicas or ()) - set(targets)

@@ -9,6 +9,9 @@ hundreds of small ones. Backends:
     gloo / nccl   the trainer broadcasts each bucket over a transfer group of its own with the ranks
                   of ONE replica (group rank 0 = trainer), so a replica that dies mid-sync breaks
                   only its own group
+    cuda_ipc      same node, same GPU (HYBRID / COLOCATED): the trainer shares each flat CUDA
+                  bucket by a CUDA IPC handle keyed by the GPU's physical id (its UUID); a rank maps
+                  the handle of its own GPU and copies from it, then `torch.cuda.ipc_collect()`
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-BACKENDS = ("object_store", "gloo", "nccl")
+BACKENDS = ("object_store", "gloo", "nccl", "cuda_ipc")
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -35,6 +38,7 @@ class Bucket:
     numel: int
     tensors: tuple[TensorMeta, ...]
     ref: Any = None  # object_store: the ObjectRef of the flat tensor
+    ipc: Any = None  # cuda_ipc: {physical GPU UUID: (rebuild function, its arguments)}
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,8 @@ class TransferSpec:
 def check_backend(backend: str, device_type: str = "cpu") -> None:
     if backend not in BACKENDS:
         raise ValueError(f"weight transfer backend {backend!r} is unknown; use one of {BACKENDS}")
-    if backend == "nccl" and device_type != "cuda":
-        raise ValueError("the nccl weight transfer needs CUDA ranks; use 'gloo' or 'object_store' on CPU")
+    if backend in ("nccl", "cuda_ipc") and device_type != "cuda":
+        raise ValueError(f"the {backend} weight transfer needs CUDA ranks; use 'gloo' or 'object_store' on CPU")
 
 
 def plan_buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -102,3 +106,28 @@ def join_group(spec: TransferSpec, rank: int, world_size: int) -> Any:
     if spec.backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, world_size)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+
+def gpu_uuid(device: Any) -> str:
+    """The physical id of a CUDA device (the same in every process, whatever CUDA_VISIBLE_DEVICES says)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def share_cuda(flat: Any) -> dict[str, Any]:
+    """{GPU UUID: IPC handle} of a CUDA tensor; the sender keeps `flat` alive until the update finishes."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {gpu_uuid(flat.device): reduce_tensor(flat)}
+
+
+def open_cuda(bucket: Bucket, device: Any) -> Any:
+    """Map the bucket's IPC handle for this rank's GPU (a view of the sender's memory: copy from it)."""
+    handle = (bucket.ipc or {}).get(gpu_uuid(device))
+    if handle is None:
+        raise RuntimeError(f"cuda_ipc: the trainer shared the weights on GPU(s) {sorted(bucket.ipc or {})}, not on "
+                           f"this rank's GPU {gpu_uuid(device)}; cuda_ipc needs trainer and rank on one GPU "
+                           "(HYBRID / COLOCATED), use nccl otherwise")
+    rebuild, args = handle
+    return rebuild(*args)
