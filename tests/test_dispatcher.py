@@ -314,3 +314,20 @@ def test_concurrent_submits_keep_exact_counts():
 def test_dispatcher_needs_an_executor():
     with pytest.raises(ValueError, match="at least one replica executor"):
         RequestDispatcher([])
+
+
+def test_a_session_sticks_to_its_replica_while_it_serves():
+    executors = [ManualExecutor(i, max_ongoing=8, max_queued=None) for i in range(3)]
+    d = RequestDispatcher(executors)
+    first = d.submit("a", session="episode-1")
+    home = first.replica
+    for k in range(5):  # other traffic makes `home` the busiest replica; the session stays anyway
+        d.submit(k)
+    assert all(d.submit(f"turn{t}", session="episode-1").replica == home for t in range(4))
+    executors[home].control("pause", ("keep",), timeout_s=1, mode="keep")
+    moved = d.submit("after pause", session="episode-1")
+    assert moved.replica != home and d.submit("next", session="episode-1").replica == moved.replica
+    d.max_sessions = 2
+    for key in ("s2", "s3"):
+        d.submit("x", session=key)
+    assert "episode-1" not in d._sessions and list(d._sessions) == ["s2", "s3"]  # bounded LRU
