@@ -45,6 +45,7 @@ _EXPORTS = {
     "EngineActor": "phyai_ray.rl.actor",
     "StepResult": "phyai_ray.rl.actor",
     "WeightSender": "phyai_ray.rl.sender",
+    "TokenOutput": "phyai_ray.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -104,6 +104,8 @@ class RankControl:
 
     def finish_weight_update(self, version: Any) -> int:
         self.version = version
+        if hasattr(self.model, "weight_version"):  # a plugin that stamps its outputs (e.g. TokenOutput)
+            self.model.weight_version = version
         self._hook("reset_cache")
         return self.ctx.rank
 

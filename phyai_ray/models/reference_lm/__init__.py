@@ -1,0 +1,14 @@
+"""`reference_lm`: a small causal transformer that generates tokens, tensor-parallel, seeded weights.
+
+    config.py   plugin_args, topology checks, the request model
+    model.py    causal attention with a KV cache (the reference model's layers), generation, sampling
+    score.py    the trainer side: log-probs of a completion in plain torch (no engine, no cache)
+    entry.py    the plugin entry
+"""
+
+from phyai_ray.models.reference_lm.config import ReferenceLMConfig
+from phyai_ray.models.reference_lm.entry import ReferenceLMEntry
+from phyai_ray.models.reference_lm.model import ReferenceLM
+from phyai_ray.models.reference_lm.score import full_weights, score
+
+__all__ = ["ReferenceLM", "ReferenceLMConfig", "ReferenceLMEntry", "full_weights", "score"]

@@ -1,0 +1,94 @@
+"""Plugin arguments and requests of `reference_lm`.
+
+    plugin_args  {"seed": 0, "dim": 64, "heads": 4, "layers": 2, "vocab": 128, "max_seq": 256}
+    request      {"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 16, "temperature": 0.0, "top_k": 0,
+                  "top_p": 1.0, "seed": 0, "stop_token_ids": [0]}
+
+Topology: dense TP and attention TP (heads % tp == 0, hidden % tp == 0); dp is replication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phyai_ray.errors import ParallelConfigError
+from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
+
+
+class ReferenceLMConfig(BaseModel):
+    """Shape and seed of the reference LM (the `plugin_args` of `reference_lm`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = Field(0, ge=0, description="Seed of the deterministic weights.")
+    dim: int = Field(64, ge=1, le=8192, description="Model width.")
+    heads: int = Field(4, ge=1, le=512, description="Attention heads; dim must divide into them.")
+    layers: int = Field(2, ge=1, le=512, description="Transformer blocks.")
+    mlp_ratio: int = Field(4, ge=1, le=64, description="MLP hidden size = mlp_ratio * dim.")
+    vocab: int = Field(128, ge=2, le=1 << 20, description="Token vocabulary.")
+    max_seq: int = Field(256, ge=2, le=1 << 16, description="Longest prompt + completion.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReferenceLMConfig":
+        if self.dim % self.heads:
+            raise ValueError(f"dim={self.dim} does not split into heads={self.heads}; pick a multiple of heads")
+        return self
+
+    @classmethod
+    def from_args(cls, plugin_args: dict[str, Any] | None) -> "ReferenceLMConfig":
+        try:
+            return cls(**(plugin_args or {}))
+        except ValidationError as exc:
+            raise ValueError(f"invalid plugin_args for reference_lm: {exc}") from None
+
+    def blocks_config(self) -> ReferenceDiTConfig:
+        """The reference model's config whose dense blocks this LM reuses (same seeded draws)."""
+        return ReferenceDiTConfig(seed=self.seed, dim=self.dim, heads=self.heads, layers=self.layers,
+                                  mlp_ratio=self.mlp_ratio, moe_every=0, vocab=self.vocab, max_seq=self.max_seq,
+                                  classes=1)
+
+
+def check_topology(cfg: ReferenceLMConfig, parallel: Any) -> None:
+    tp = {d: getattr(parallel, d).tp_size for d in ("dense", "attention")}
+    rules = [(cfg.heads % tp["attention"] == 0, f"heads={cfg.heads} % attention.tp={tp['attention']}"),
+             ((cfg.mlp_ratio * cfg.dim) % tp["dense"] == 0, f"hidden={cfg.mlp_ratio * cfg.dim} % dense.tp={tp['dense']}"),
+             (parallel.outer.pp_size == 1 and parallel.outer.cfg_size == 1, "pp and cfg must be 1"),
+             (getattr(parallel.attention, "cp_size", 1) == 1, "attention.cp must be 1 (decode is one token)"),
+             (all(getattr(parallel, d).dp_size == 1 for d in ("dense", "attention") if d in parallel.explicit_domains),
+              "an explicit dp must be 1 (the batch is not split)")]
+    bad = [why for ok, why in rules if not ok]
+    if bad:
+        raise ParallelConfigError(f"reference_lm cannot run {parallel.describe()}: {'; '.join(bad)}")
+
+
+class GenerateRequest(BaseModel):
+    """A batch of prompts (token ids, any lengths) and how to continue them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: list[list[int]] = Field(min_length=1, max_length=1024, description="Prompt token ids, one list each.")
+    max_tokens: int = Field(16, ge=1, le=1 << 16, description="Most tokens generated per prompt.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
+    seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Generation of a prompt ends at any of these.")
+
+    @classmethod
+    def parse(cls, request: Any, cfg: ReferenceLMConfig) -> "GenerateRequest":
+        try:
+            req = cls.model_validate(request)
+        except ValidationError as exc:
+            raise ValueError(f"reference_lm request: {exc}") from None
+        bad = [t for p in req.prompts for t in p if not 0 <= t < cfg.vocab] + \
+              [t for t in req.stop_token_ids if not 0 <= t < cfg.vocab]
+        if bad or any(not p for p in req.prompts):
+            raise ValueError(f"reference_lm request: prompts must be non-empty and every id in [0, {cfg.vocab}); "
+                             f"got out-of-range ids {bad[:5]}")
+        longest = max(len(p) for p in req.prompts) + req.max_tokens
+        if longest > cfg.max_seq:
+            raise ValueError(f"reference_lm request: longest prompt + max_tokens = {longest} exceeds max_seq="
+                             f"{cfg.max_seq}; shorten it or lower max_tokens")
+        return req

@@ -1,0 +1,39 @@
+"""The `reference_lm` plugin entry.
+
+    from phyai_ray import Engine, EngineArgs
+    with Engine(EngineArgs(plugin="reference_lm", plugin_args={"seed": 0})) as engine:
+        [out] = engine.step({"prompts": [[1, 2, 3]], "max_tokens": 8})   # TokenOutput
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
+from phyai_ray.models.reference_lm.model import ReferenceLM
+from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.registry import register_plugin
+
+
+@register_plugin
+class ReferenceLMEntry(Entry):
+    """Small causal transformer: dense + attention TP, KV cache, greedy and seeded sampling."""
+
+    name = "reference_lm"
+    parallel_domains = frozenset({"dense", "attention"})
+    generates_tokens = True
+
+    def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
+        self.config = ReferenceLMConfig.from_args(plugin_args) if plugin_args is not None else ReferenceLMConfig()
+
+    def configure(self, plugin_args: dict[str, Any] | None) -> None:
+        self.config = ReferenceLMConfig.from_args(plugin_args)
+
+    def validate_parallel(self, parallel: Any) -> None:
+        check_topology(self.config, parallel)
+
+    def validate_request(self, request: Any) -> None:
+        GenerateRequest.parse(request, self.config)
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> ReferenceLM:
+        return ReferenceLM(ReferenceLMConfig.from_args(plugin_args), ctx)

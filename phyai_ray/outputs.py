@@ -1,0 +1,49 @@
+"""`TokenOutput`: what a token-generating plugin returns for one prompt (verl's rollout output).
+
+    TokenOutput(token_ids=[17, 4, 99], log_probs=[-0.31, -1.2, -0.05], stop_reason="completed")
+
+`log_probs[i]` is the log-probability of `token_ids[i]` under the model's own distribution (raw
+logits: no temperature, top-k or top-p), the number an RL trainer recomputes and compares.
+`stop_reason` is "completed" (a stop token, included in `token_ids`), "length" (max_tokens) or
+"aborted". `extra_info` is accepted as an alias of `extra_fields` (the name in verl's notes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+STOP_REASONS = ("completed", "length", "aborted")
+
+
+@dataclass
+class TokenOutput:
+    token_ids: list[int]
+    log_probs: list[float]
+    routed_experts: Any = None  # per token, the experts an MoE variant routed it to; None without MoE
+    stop_reason: str = "length"
+    num_preempted: int = 0
+    weight_version: Any = None
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, token_ids: list[int], log_probs: list[float], routed_experts: Any = None,
+                 stop_reason: str = "length", num_preempted: int = 0, weight_version: Any = None,
+                 extra_fields: dict[str, Any] | None = None, extra_info: dict[str, Any] | None = None) -> None:
+        if stop_reason not in STOP_REASONS:
+            raise ValueError(f"stop_reason={stop_reason!r} must be one of {STOP_REASONS}")
+        if len(log_probs) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} token id(s) but {len(log_probs)} log-prob(s); give one per token")
+        if extra_fields is not None and extra_info is not None:
+            raise ValueError("give extra_fields or its alias extra_info, not both")
+        self.token_ids, self.log_probs, self.routed_experts = list(token_ids), list(log_probs), routed_experts
+        self.stop_reason, self.num_preempted, self.weight_version = stop_reason, num_preempted, weight_version
+        self.extra_fields = dict(extra_fields if extra_fields is not None else extra_info or {})
+
+    @property
+    def extra_info(self) -> dict[str, Any]:
+        return self.extra_fields
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "log_probs": self.log_probs, "routed_experts": self.routed_experts,
+                "stop_reason": self.stop_reason, "num_preempted": self.num_preempted,
+                "weight_version": self.weight_version, "extra_fields": self.extra_fields}

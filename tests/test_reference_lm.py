@@ -1,0 +1,92 @@
+"""`reference_lm`: generation, sampling, TokenOutput, and rollout log-probs equal to the trainer's.
+
+Run: `.venv/bin/pytest tests/test_reference_lm.py` (the TP=2 test starts the session's Ray instance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
+                       EngineArgs, EngineConfig, ParallelConfig, ParallelConfigError, TokenOutput)
+from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7}
+
+
+def _engine(tp: int = 1, **deploy) -> Engine:
+    parallel = (ParallelConfig(dense=DenseParallelConfig(tp_size=tp), attention=AttentionParallelConfig(tp_size=tp))
+                if tp > 1 else ParallelConfig())
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0},
+                      config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
+    return Engine(args, DeploymentConfig(**deploy))
+
+
+def _check_log_probs(outs: list[TokenOutput], prompts: list[list[int]]) -> None:
+    weights = full_weights(ReferenceLMConfig(seed=0))
+    for prompt, out in zip(prompts, outs):
+        want = score(weights, prompt, out.token_ids)
+        assert (want - torch.tensor(out.log_probs)).abs().max().item() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def single():
+    with _engine() as engine:
+        yield engine
+
+
+def test_batched_prompts_of_different_lengths_equal_one_at_a_time(single):
+    outs = single.step({"prompts": PROMPTS, "max_tokens": 10})
+    assert [o.token_ids for o in outs] == [single.step({"prompts": [p], "max_tokens": 10})[0].token_ids
+                                           for p in PROMPTS]
+    assert all(len(o.token_ids) == 10 and o.stop_reason == "length" and o.routed_experts is None for o in outs)
+    _check_log_probs(outs, PROMPTS)
+
+
+def test_sampling_is_seeded_and_its_log_probs_match_the_trainer(single):
+    a = single.step({"prompts": PROMPTS, "max_tokens": 12, **SAMPLED})
+    b = single.step({"prompts": PROMPTS, "max_tokens": 12, **SAMPLED})
+    c = single.step({"prompts": PROMPTS, "max_tokens": 12, **{**SAMPLED, "seed": 8}})
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] != [o.token_ids for o in c]
+    greedy = single.step({"prompts": PROMPTS, "max_tokens": 12})
+    assert [o.token_ids for o in a] != [o.token_ids for o in greedy]
+    _check_log_probs(a, PROMPTS)
+
+
+def test_stop_tokens_end_a_prompt_with_completed(single):
+    free = single.step({"prompts": [PROMPTS[0]], "max_tokens": 8})[0].token_ids
+    [out] = single.step({"prompts": [PROMPTS[0]], "max_tokens": 8, "stop_token_ids": [free[3]]})
+    assert out.token_ids == free[: free.index(free[3]) + 1] and out.stop_reason == "completed"
+
+
+def test_bad_requests_and_topologies_are_clear_errors(single):
+    with pytest.raises(ValueError, match=r"out-of-range ids \[999\]"):
+        single.submit({"prompts": [[1, 999]]})
+    with pytest.raises(ValueError, match="exceeds max_seq=256"):
+        single.submit({"prompts": [[1] * 250], "max_tokens": 10})
+    with pytest.raises(ParallelConfigError, match=r"heads=4 % attention.tp=3"):
+        Engine(EngineArgs(plugin="reference_lm", config=EngineConfig(parallel=ParallelConfig(
+            dense=DenseParallelConfig(tp_size=3), attention=AttentionParallelConfig(tp_size=3)))))
+
+
+def test_token_output_fields_and_alias():
+    out = TokenOutput([1, 2], [-0.1, -0.2], stop_reason="completed", extra_info={"k": 1})
+    assert out.extra_fields == out.extra_info == {"k": 1} and out.num_preempted == 0
+    with pytest.raises(ValueError, match="2 token id"):
+        TokenOutput([1, 2], [-0.1])
+    with pytest.raises(ValueError, match="stop_reason='done'"):
+        TokenOutput([1], [-0.1], stop_reason="done")
+
+
+@pytest.mark.ray
+def test_tp2_on_ray_equals_tp1_token_for_token_and_log_probs_match(ray_session, single):
+    greedy = {"prompts": PROMPTS, "max_tokens": 12}
+    sampled = {**greedy, **SAMPLED}
+    with _engine(tp=2, mode="local", cpus_per_rank=0.5) as tp2:
+        g2, s2, s2b = tp2.step(greedy), tp2.step(sampled), tp2.step(sampled)
+    assert [o.token_ids for o in g2] == [o.token_ids for o in single.step(greedy)]
+    assert [o.token_ids for o in s2] == [o.token_ids for o in s2b]
+    _check_log_probs(g2, PROMPTS)
+    _check_log_probs(s2, PROMPTS)
