@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from actors.protocol import MISSING, OK, ActorInfo, RankReply, RankSpec
+from phyai_ray.streams import ChunkSink
 
 CONTROL = "control"
 CONCURRENCY_GROUPS = {CONTROL: 4}
@@ -32,6 +33,8 @@ class RankActor:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")
         self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control")
+        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream")
+        self._streams: dict[int, ChunkSink] = {}  # seq -> chunks of a streamed request (output rank)
         self._next_seq = 0
         self._turn: asyncio.Condition | None = None
         self._runner: Any = None
@@ -74,6 +77,24 @@ class RankActor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._control_pool, self._runner.control, op, args)
 
+    @ray.method(concurrency_group=CONTROL)
+    async def read_stream(self, seq: int, max_items: int, timeout_s: float) -> tuple[list, bool]:
+        """Chunks of streamed request `seq` (output rank); True once it finished and all were read."""
+        sink = self._streams.get(seq)
+        if sink is None:  # not started yet
+            await asyncio.sleep(min(timeout_s, 0.02))
+            return [], False
+        loop = asyncio.get_running_loop()
+        chunks, done = await loop.run_in_executor(self._stream_pool, sink.take, max_items, timeout_s)
+        if done:
+            self._streams.pop(seq, None)
+        return chunks, done
+
+    @ray.method(concurrency_group=CONTROL)
+    async def cancel_stream(self, seq: int) -> None:
+        """The consumer stopped: the next emit returns False on every rank (also before it started)."""
+        self._streams.setdefault(seq, ChunkSink()).cancel()
+
     async def setup(self, spec: RankSpec) -> int:
         """Join the replica's process groups and build the plugin model (on the execution thread)."""
         self._rank = spec.rank
@@ -88,7 +109,7 @@ class RankActor:
             turn = self._condition()
             async with turn:
                 await turn.wait_for(lambda: self._next_seq == seq)
-                job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, kind, payload)
+                job = asyncio.get_running_loop().run_in_executor(self._pool, self._run, seq, kind, payload)
                 self._next_seq += 1
                 turn.notify_all()
             value, status = await job
@@ -101,11 +122,17 @@ class RankActor:
             self._turn = asyncio.Condition()
         return self._turn
 
-    def _run(self, kind: str, payload: Any) -> tuple[Any, str]:
+    def _run(self, seq: int, kind: str, payload: Any) -> tuple[Any, str]:
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
         if kind == "step":
             return self._runner.step(payload), OK
+        if kind == "stream":
+            request, max_buffered = payload
+            sink = None
+            if self._runner.ctx.is_output_rank:
+                sink = self._streams.setdefault(seq, ChunkSink(max_buffered))
+            return self._runner.stream(request, sink), OK
         method, args, kwargs = payload
         if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
             return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", MISSING

@@ -148,6 +148,10 @@ class RayReplicaExecutor(ReplicaExecutor):
         for rank, reply in enumerate(replies):
             reply.future().add_done_callback(partial(self._post_reply, work, rank))
 
+    def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+        future = self.scheduler.submit("stream", self._prepare((request, max_buffered)), self._step_limit_s)
+        return future, RemoteReader(self, future.work)
+
     def _post_reply(self, work: Work, rank: int, reply: Future) -> None:
         self._inbox.put((work, rank, reply))  # on Ray's thread: hand over, never block or call back
 
@@ -175,7 +179,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind == "step" and rank == self._output_rank:
+        if work.kind in ("step", "stream") and rank == self._output_rank:
             self.scheduler.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == "call":
@@ -291,6 +295,33 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _node(self, rank: int) -> str:
         return self._infos[rank].node_id if rank < len(self._infos) else "?"
+
+
+class RemoteReader:
+    """The consumer's end of a stream produced by the output rank of a Ray replica (its control lane)."""
+
+    def __init__(self, executor: RayReplicaExecutor, work: Work) -> None:
+        self.executor, self.work = executor, work
+        self._sink = executor.actor(executor._output_rank)
+
+    def read(self, timeout_s: float) -> tuple[list, bool]:
+        if self.work.future.cancelled():
+            return [], True
+        sent = self.work.state
+        if sent is None:  # still queued in the engine
+            time.sleep(min(timeout_s, 0.01))
+            return [], False
+        try:
+            return ray.get(self._sink.read_stream.remote(sent.seq, 64, timeout_s), timeout=timeout_s + 10)
+        except Exception:  # the replica failed: the future says why
+            return [], self.work.future.done()
+
+    def cancel(self) -> None:
+        if self.work.future.cancel():
+            return
+        sent = self.work.state
+        if sent is not None and self.executor.healthy:
+            self._sink.cancel_stream.remote(sent.seq)
 
 
 def _left(deadline: float) -> float:

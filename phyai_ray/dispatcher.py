@@ -43,6 +43,10 @@ class RequestDispatcher:
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
         the session follows it. The map is a bounded LRU of `max_sessions` keys.
         """
+        return self.route(lambda executor: executor.submit(request), session)
+
+    def route(self, send: Any, session: Any = None) -> Any:
+        """`send(executor)` on the replica `submit` would choose (retrying refusals); its return value."""
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
@@ -52,7 +56,7 @@ class RequestDispatcher:
             if session is not None:
                 self._remember(session, index)
             try:
-                return self.executors[index].submit(request)
+                return send(self.executors[index])
             except EngineOverloadedError as exc:
                 overloaded.append(exc)
                 refused.add(index)

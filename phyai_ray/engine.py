@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
@@ -24,6 +24,7 @@ from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError, Repl
 from phyai_ray.executors import ReplicaStatus, create_executors, restart_executor
 from phyai_ray.executors.control import ALL_TAGS, ControlReport
 from phyai_ray.plugins.registry import resolve_plugin
+from phyai_ray.streams import DEFAULT_MAX_BUFFERED
 from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,34 @@ class Engine:
                 raise
             raise TimeoutError(f"step() waited {limit:.1f}s for a result; the request keeps its place and "
                                "its future still resolves (use submit() to keep it)") from None
+
+    def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
+               timeout: float | None = None) -> Iterator[Any]:
+        """Yield the output rank's partial outputs as the plugin produces them (its `stream(request, emit)`).
+
+        The generator's return value (`StopIteration.value`) is the request's final result. Leaving
+        the loop early (break, close(), garbage collection) cancels: every rank stops at the same
+        step and the replica is free for the next request. At most `max_buffered` chunks wait
+        unread. `timeout` bounds the whole stream (default: execution_timeout_s plus a grace).
+        """
+        self._check_open()
+        self.entry.validate_request(request)
+        future, reader = self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)
+        deadline = time.monotonic() + (timeout if timeout is not None else self._default_wait_s())
+        done = False
+        try:
+            while not done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"stream() passed its {timeout or self._default_wait_s():.1f}s deadline")
+                chunks, done = reader.read(min(left, 0.5))
+                yield from chunks
+                if not done and future.done() and future.exception() is not None:
+                    raise future.exception()
+            return future.result(timeout=max(deadline - time.monotonic(), 0.1))
+        finally:
+            if not done:
+                reader.cancel()
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, replica: int | None = None,
                        all_ranks: bool = False, **kwargs: Any) -> Any:

@@ -73,6 +73,22 @@ class RankRunner:
             out = self.model.step(request)
         return out if self.ctx.is_output_rank else None
 
+    def stream(self, request: Any, sink: Any) -> Any:
+        """Run one request with the model's `stream(request, emit)`, chunks going to `sink` (output rank)."""
+        fn = getattr(self.model, "stream", None)
+        if not callable(fn):
+            raise TypeError(f"plugin {self.entry.display_name()}: per-rank model {type(self.model).__name__} has no "
+                            "stream(request, emit) method; use step() for this plugin")
+        from phyai_ray.streams import collective_emit
+
+        try:
+            with self.ctx.groups.activate():
+                out = fn(request, collective_emit(sink, self.ctx))
+        finally:
+            if sink is not None:
+                sink.close()
+        return out if self.ctx.is_output_rank else None
+
     def control(self, op: str, args: tuple = ()) -> Any:
         """A control-lane operation (pause, sleep, weight update, ...; see `phyai_ray.rl.hooks`)."""
         if self._control is None:

@@ -5,6 +5,8 @@ Run: `.venv/bin/pytest tests/test_reference_lm.py` (the TP=2 test starts the ses
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -90,3 +92,54 @@ def test_tp2_on_ray_equals_tp1_token_for_token_and_log_probs_match(ray_session, 
     assert [o.token_ids for o in s2] == [o.token_ids for o in s2b]
     _check_log_probs(g2, PROMPTS)
     _check_log_probs(s2, PROMPTS)
+
+
+def _tokens(chunks: list[dict], prompts: int) -> list[list[int]]:
+    return [[c["token_ids"][b] for c in chunks if c["token_ids"][b] is not None] for b in range(prompts)]
+
+
+def test_stream_yields_the_tokens_of_a_plain_call_and_cancel_frees_the_replica(single):
+    request = {"prompts": PROMPTS, "max_tokens": 10, "stop_token_ids": [3]}
+    chunks = list(single.stream(request))
+    assert _tokens(chunks, 3) == [o.token_ids for o in single.step(request)]
+    long = single.stream({"prompts": [[1, 2]], "max_tokens": 250})
+    assert len([next(long) for _ in range(3)]) == 3
+    long.close()
+    started = time.monotonic()
+    assert single.step({"prompts": [[1]], "max_tokens": 2})[0].token_ids
+    assert time.monotonic() - started < 0.5
+    status = single.replica_status()[0]
+    assert status.healthy and status.in_flight == 0
+
+
+def test_a_plugin_without_stream_says_so():
+    with Engine(EngineArgs(plugin="tests.plugins.tiny:TinyRowTPEntry", config={"device": {"target": "cpu"}})) as engine:
+        with pytest.raises(TypeError, match="has no stream"):
+            list(engine.stream({"x": [[1.0] * 8]}))
+        assert engine.healthy
+
+
+@pytest.mark.ray
+def test_tp2_stream_cancel_stops_every_rank_and_engine_actor_streams(ray_session, single):
+    import ray
+
+    from phyai_ray import EngineActor
+
+    request = {"prompts": PROMPTS, "max_tokens": 8}
+    with _engine(tp=2, mode="local", cpus_per_rank=0.5) as tp2:
+        assert _tokens(list(tp2.stream(request)), 3) == [o.token_ids for o in single.step(request)]
+        long = tp2.stream({"prompts": [[1, 2]], "max_tokens": 250})
+        assert len([next(long) for _ in range(3)]) == 3
+        long.close()
+        started = time.monotonic()
+        assert tp2.step({"prompts": [[1]], "max_tokens": 2})[0].token_ids
+        assert time.monotonic() - started < 2.0  # the 250-token generation stopped on both ranks
+        assert tp2.replica_status()[0].healthy
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config=EngineConfig(device=DeviceConfig(target="cpu")))
+    actor = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(mode="local", cpus_per_rank=0.5))
+    try:
+        chunks = [ray.get(ref, timeout=30) for ref in actor.stream.remote(request)]
+        assert _tokens(chunks, 3) == [o.token_ids for o in single.step(request)]
+    finally:
+        ray.get(actor.close.remote(), timeout=60)
+        ray.kill(actor)

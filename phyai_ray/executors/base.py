@@ -72,6 +72,14 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self._check_healthy()
         return self.scheduler.submit("step", self._prepare(request), self._step_limit_s)
 
+    def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+        """Queue a streamed request; returns its future (the final result) and a chunk reader."""
+        self._check_healthy()
+        return self._submit_stream(request, max_buffered)
+
+    def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+        raise TypeError(f"{type(self).__name__} cannot stream")
+
     def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
                        all_ranks: bool = False) -> Future:
         """Call `method` of the per-rank model on every rank, right after the dispatched requests."""

@@ -19,6 +19,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
 from phyai_ray.executors.serial import SerialWorker
+from phyai_ray.streams import ChunkSink
 from phyai_ray.worker import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,16 @@ class InlineExecutor(ReplicaExecutor):
         finally:
             self.scheduler.finished(work)
 
+    def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+        sink = ChunkSink(max_buffered)
+        future = self.scheduler.submit("stream", (request, sink), self._step_limit_s)
+        return future, LocalReader(sink, future)
+
     def _execute(self, work: Work) -> Any:
         if work.kind == "step":
             return self._runner.step(work.payload)
+        if work.kind == "stream":
+            return self._runner.stream(*work.payload)
         method, args, kwargs = work.payload
         value = self._runner.call(method, args, kwargs)
         return [value] if work.all_ranks else value
@@ -94,6 +102,23 @@ class InlineExecutor(ReplicaExecutor):
         if not self._worker.current:
             self._worker.join(self._shutdown_s)
         self.scheduler.stop(self.unavailable_error, cancel_queued=True)
+
+
+class LocalReader:
+    """The consumer's end of a stream whose producing rank runs in this process."""
+
+    def __init__(self, sink: ChunkSink, future: Future) -> None:
+        self.sink, self.future = sink, future
+
+    def read(self, timeout_s: float) -> tuple[list, bool]:
+        if self.future.cancelled():
+            return [], True
+        chunks, done = self.sink.take(64, timeout_s)
+        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
+
+    def cancel(self) -> None:
+        if not self.future.cancel():
+            self.sink.cancel()
 
 
 def build_inline_runner(entry: Any, plugin_args: dict[str, Any], parallel: Any, device_config: Any) -> RankRunner:

@@ -40,6 +40,7 @@ from phyai_ray.executors.delivery import CallbackThread, EngineFuture
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
+REQUEST_KINDS = ("step", "stream")  # counted as requests; "call" (collective_rpc) is not
 
 
 @dataclass(eq=False)
@@ -128,7 +129,7 @@ class ReplicaScheduler:
 
     def counts(self) -> Counts:
         with self._lock:
-            running = sum(1 for w in self._dispatched if w.kind == "step" and not w.future.done())
+            running = sum(1 for w in self._dispatched if w.kind in REQUEST_KINDS and not w.future.done())
             return Counts(len(self._queued), running, self._served, self._errored)
 
     def carry_counts(self, other: "ReplicaScheduler") -> None:
@@ -171,7 +172,7 @@ class ReplicaScheduler:
     # -- completion -----------------------------------------------------------------------------
     def deliver(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
         """Resolve `work`'s future (it may still be running on other ranks); requests are counted once."""
-        if _settle(work.future, value, error) and work.kind == "step":
+        if _settle(work.future, value, error) and work.kind in REQUEST_KINDS:
             with self._lock:
                 if error is None:
                     self._served += 1

@@ -3,6 +3,7 @@
     from phyai_ray import EngineActor
     rollout = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(replica_count=2))
     out = await rollout.step.remote(request)              # or ray.get(...); from any actor or task
+    for ref in rollout.stream.remote(request): chunk = await ref        # token plugins: partial outputs
     info = await rollout.submit.remote(request, session="episode-7")   # StepResult(value, replica, weight_version)
     ray.get(rollout.pause.remote(mode="wait"))            # control calls: their own concurrency group
 
@@ -21,6 +22,7 @@ from typing import Any
 import ray
 
 CONTROL = {"concurrency_group": "control"}
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,19 @@ class _EngineActor:
         future = self.engine.submit(request, session)
         value = await asyncio.wrap_future(future)
         return StepResult(value, future.replica, future.weight_version)
+
+    async def stream(self, request: Any, session: Any = None, max_buffered: int = 64) -> Any:
+        """Async generator of the output rank's chunks (`engine.stream`); `ray.cancel` it to stop early:
+        every rank stops at the same step."""
+        chunks = self.engine.stream(request, session=session, max_buffered=max_buffered)
+        try:
+            while True:
+                chunk = await asyncio.to_thread(next, chunks, _END)
+                if chunk is _END:
+                    return
+                yield chunk
+        finally:
+            await asyncio.to_thread(chunks.close)
 
     @ray.method(**CONTROL)
     async def pause(self, mode: str = "wait", replicas: Any = None, timeout: float | None = None) -> list:

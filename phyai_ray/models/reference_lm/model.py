@@ -73,6 +73,13 @@ class ReferenceLM:
         outputs = self.generate(req)
         return outputs if self.ctx.is_output_rank else None
 
+    @torch.inference_mode()
+    def stream(self, request: Any, emit: Any) -> list[TokenOutput]:
+        """Like step, emitting {"index": t, "token_ids": [...], "log_probs": [...]} per token step
+        (None for prompts already finished); stops on every rank when `emit` returns False."""
+        req = GenerateRequest.parse(request, self.cfg)
+        return self.generate(req, on_token=emit)
+
     def generate(self, req: GenerateRequest, on_token: Any = None) -> list[TokenOutput]:
         """Greedy or seeded sampling for every prompt; `on_token(step, tokens)` may return False to stop."""
         width = max(len(p) for p in req.prompts)
@@ -88,15 +95,18 @@ class ReferenceLM:
             logits = logits.float().cpu()
             logp = logits.log_softmax(-1)
             chosen = _sample(logits, req, gen)
+            was_alive = list(alive)
             for b in range(len(outs)):
                 if alive[b]:
                     self._record(outs, alive, b, int(chosen[b]), float(logp[b, chosen[b]]), req, t)
-            if not any(alive) or (on_token is not None and on_token(t, chosen.tolist()) is False):
+            if on_token is not None and on_token(_chunk(t, chosen, logp, was_alive)) is False:
+                break
+            if not any(alive):
                 break
             key_mask = torch.cat([key_mask, torch.ones(len(outs), 1, dtype=torch.bool)], 1)
             positions = (width + t - pads)[:, None]
             logits = self._forward(chosen[:, None].to(self.ctx.device), positions, key_mask, caches)[:, -1]
-        stopped = on_token is not None and any(alive) and t + 1 < req.max_tokens
+        stopped = on_token is not None and any(alive)
         return [TokenOutput(ids, lps, stop_reason=reason or ("aborted" if stopped else "length"),
                             weight_version=self.weight_version) for ids, lps, reason in outs]
 
@@ -116,6 +126,12 @@ class ReferenceLM:
         for (attention, mlp), cache in zip(self.blocks, caches):
             x = mlp(attention.forward(x, cache, key_mask.to(self.ctx.device)))
         return norm(x) @ self.head["w"].T + self.head["b"]
+
+
+def _chunk(t: int, chosen: torch.Tensor, logp: torch.Tensor, alive: list[bool]) -> dict[str, Any]:
+    ids = [int(c) if a else None for c, a in zip(chosen, alive)]
+    lps = [float(logp[b, c]) if a else None for b, (c, a) in enumerate(zip(chosen, alive))]
+    return {"index": t, "token_ids": ids, "log_probs": lps}
 
 
 def full_weights_names(cfg: ReferenceLMConfig) -> list[str]:

@@ -1,0 +1,79 @@
+"""Streaming partial outputs from the output rank while a request runs.
+
+    for chunk in engine.stream({"prompts": [[1, 2, 3]], "max_tokens": 64}):   # one chunk per token step
+        ...                       # leaving the loop early cancels: every rank stops at the same step
+
+A plugin streams by defining `stream(request, emit)` on its per-rank model: it calls `emit(chunk)`
+as partial outputs appear and stops when `emit` returns False; its return value is the request's
+result. `emit` is collective: every rank of the replica calls it the same number of times, and it
+returns the same answer on every rank (the output rank's "consumer stopped" flag is all-reduced
+over the replica), so ranks that share collectives stop together. Only the output rank's chunks
+are kept. At most `max_buffered` chunks wait unread; past that the plugin blocks in `emit` until
+the consumer reads (a consumer that stops reading for `execution_timeout_s` makes the replica hang
+and fail, as any request running that long would).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+DEFAULT_MAX_BUFFERED = 64
+
+
+class ChunkSink:
+    """A bounded, cancellable queue of chunks between a producing rank and one consumer."""
+
+    def __init__(self, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
+        self.max_buffered = max_buffered
+        self._chunks: deque = deque()
+        self._cond = threading.Condition()
+        self.cancelled = self.closed = False
+
+    def put(self, chunk: Any) -> bool:
+        """Add a chunk, waiting while the buffer is full; False once the consumer cancelled."""
+        with self._cond:
+            while len(self._chunks) >= self.max_buffered and not self.cancelled:
+                self._cond.wait(timeout=1.0)
+            if self.cancelled:
+                return False
+            self._chunks.append(chunk)
+            self._cond.notify_all()
+            return True
+
+    def take(self, max_items: int, timeout_s: float) -> tuple[list, bool]:
+        """Up to `max_items` chunks (waiting up to `timeout_s` for the first); True once closed and drained."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._chunks and not self.closed and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            items = [self._chunks.popleft() for _ in range(min(max_items, len(self._chunks)))]
+            self._cond.notify_all()
+            return items, self.closed and not self._chunks
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
+            self._chunks.clear()
+            self._cond.notify_all()
+
+
+def collective_emit(sink: ChunkSink | None, ctx: Any) -> Any:
+    """The `emit(chunk) -> bool` a plugin's `stream` gets on one rank (see the module docstring)."""
+    def emit(chunk: Any) -> bool:
+        stop = sink is not None and ctx.is_output_rank and not sink.put(chunk)
+        if ctx.world_size > 1:
+            import torch
+
+            from phyai_ray.collectives import P
+
+            stop = bool(P.all_reduce(torch.tensor([int(stop)]), "world", op="max").item())
+        return not stop
+    return emit
