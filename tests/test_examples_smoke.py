@@ -32,3 +32,13 @@ def test_benchmark_prints_ratios_and_names_the_machine(ray_session, capsys, monk
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "2-rank replica vs bare 2-actor put" in out
     assert "1 replica(s) x 10 ms sleep" in out and "ratio" in out
+
+
+def test_rl_loop_learns_and_every_rollout_carries_the_pushed_version(ray_session, capsys):
+    # main() raises if any rollout's weight version differs from the one just pushed. Chance level
+    # of the reward is 1/32 (vocab 32); with the fixed seeds the policy gradient moves most of the
+    # mass to the target token within three updates, so the last of four iterations is far above
+    # the first (0.05 -> ~0.97 in a 12-iteration run; a margin of 0.3 leaves room for float noise).
+    curve = _load("examples/rl_loop.py").main(iterations=4)
+    assert curve[0] < 0.2 and curve[-1] > curve[0] + 0.3, curve
+    assert "pushed version 4" in capsys.readouterr().out
