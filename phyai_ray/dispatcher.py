@@ -32,14 +32,19 @@ class RequestDispatcher:
         self._reserved = [0] * n  # chosen but not yet queued: concurrent submits spread out
         self._last_chosen, self._tick = [-1] * n, 0
 
-    def submit(self, request: Any) -> Future:
-        """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once."""
+    def submit(self, request: Any, *, caller_runs: bool = False) -> Future:
+        """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
+
+        `caller_runs` is passed on to the chosen executor (see `ReplicaExecutor.submit`).
+        """
+        if len(self.executors) == 1:
+            return self._submit_single(request, caller_runs)
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
             index = self._choose(refused, overloaded)
             try:
-                return self.executors[index].submit(request)
+                return self.executors[index].submit(request, caller_runs=caller_runs)
             except EngineOverloadedError as exc:
                 overloaded.append(exc)
                 refused.add(index)
@@ -48,6 +53,16 @@ class RequestDispatcher:
             finally:
                 with self._lock:
                     self._reserved[index] -= 1
+
+    def _submit_single(self, request: Any, caller_runs: bool) -> Future:
+        """One replica: nothing to choose, the same errors as the general path (no lock, no lists)."""
+        executor = self.executors[0]
+        try:
+            return executor.submit(request, caller_runs=caller_runs)
+        except EngineOverloadedError:
+            raise self._overloaded_error(1) from None
+        except EngineUnavailableError:
+            raise self._no_replica_error() from None
 
     def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
         with self._lock:
