@@ -37,6 +37,19 @@ from actors.protocol import CompiledRequest
 
 logger = logging.getLogger(__name__)
 
+
+class _KilledRankNoise(logging.Filter):
+    """Ray's graph teardown logs a traceback for each rank it cannot cancel because it was killed;
+    the lane kills ranks before tearing the graph down on purpose (a rank may be stuck in a step)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == "Error cancelling worker task"
+                    and isinstance(exc, ray.exceptions.RayActorError))
+
+
+logging.getLogger("ray.dag.compiled_dag_node").addFilter(_KilledRankNoise())
+
 _BUFFER_BYTES = 1 << 20  # initial size of each channel buffer; a larger message grows its buffer
 _STOP = object()
 

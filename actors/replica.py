@@ -1,7 +1,8 @@
 """`RayReplicaExecutor`: one replica = one placement group of rank actors forming a process group.
 
-Request path (`WorkerSupervisorConfig.request_transport`). Compiled (the default where every rank
-is on the engine's node): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`); a
+Request path (`WorkerSupervisorConfig.request_transport`). Compiled (`auto` picks it where every
+rank is on the engine's node and the node has a core for each polling channel reader, see
+`_compiled_fits`): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`); a
 dispatched request is written once into a shared-memory channel every rank reads, replies come
 back through one channel per rank, read in order by the lane's reader thread. Actor calls (the
 fallback, e.g. across nodes): the request is serialized once (`ray.put`, in the caller's thread,
@@ -74,6 +75,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         super().__init__(plan.index, plan.world_size, max_ongoing=self._proc.max_ongoing_requests,
                          max_queued=self._proc.max_queued_requests, step_limit_s=self._proc.execution_timeout_s)
         self._output_rank = Topology.from_parallel(args.config.parallel).output_rank
+        self._replica_count = deployment.replica_count
         self._teardown_lock = threading.Lock()
         self._seq = 0
         self._pg, self._actors, self._infos = None, [], []
@@ -133,8 +135,7 @@ class RayReplicaExecutor(ReplicaExecutor):
     def _compiled_lane(self) -> CompiledLane | None:
         """The compiled graph of this replica, or None for actor calls (see `request_transport`)."""
         choice = self._proc.request_transport
-        here = ray.get_runtime_context().get_node_id()
-        if choice == "actor_calls" or (choice == "auto" and any(i.node_id != here for i in self._infos)):
+        if choice == "actor_calls" or (choice == "auto" and not self._compiled_fits()):
             return None
         try:
             return CompiledLane(self._actors, capacity=self._proc.max_ongoing_requests + _CONTROL_HEADROOM,
@@ -146,6 +147,17 @@ class RayReplicaExecutor(ReplicaExecutor):
             logger.warning("replica %d: compiling its request graph failed (%s: %s); using actor calls",
                            self.index, type(exc).__name__, exc)
             return None
+
+    def _compiled_fits(self) -> bool:
+        """`auto`: every rank on this node, and a core for each spinning reader of every replica.
+
+        A compiled graph's channel readers poll: each idle rank, and each replica's reply reader in
+        the engine, keeps one CPU core busy (measured: ~100% per idle rank). Where the node lacks
+        those cores, the spinning slows everything, so `auto` uses actor calls there.
+        """
+        here = ray.get_runtime_context().get_node_id()
+        spinning = self._replica_count * (self.world_size + 1)
+        return all(i.node_id == here for i in self._infos) and (os.cpu_count() or 1) >= spinning + 2
 
     # -- requests ---------------------------------------------------------------------------
     def _prepare(self, payload: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The two request transports of a Ray replica: a compiled graph (default on one node) and actor calls.
+"""The two request transports of a Ray replica: a compiled graph and actor calls (the fallback), forced each way.
 
 Run: `.venv/bin/pytest tests/test_transport.py` (starts one local Ray instance for the session).
 """
@@ -20,18 +20,18 @@ pytestmark = pytest.mark.ray
 THREE = torch.full((2,), 3.0)
 
 
-def _engine(transport: str = "auto", **proc) -> Engine:
+def _engine(transport: str = "compiled", **proc) -> Engine:
     args = EngineArgs(plugin=SlowTPEntry, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     config = WorkerSupervisorConfig(request_transport=transport, **proc)
     return Engine(args, DeploymentConfig(mode="local", process_config=config))
 
 
-@pytest.mark.parametrize("transport", ["auto", "actor_calls"])
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
 def test_both_transports_serve_in_order_with_large_requests_and_rpcs(ray_session, transport):
     big = torch.ones(2 ** 20)  # 4 MB: the compiled lane sends it as one ray.put reference
     with _engine(transport) as engine:
-        expected = "compiled" if transport == "auto" else "actor_calls"
+        expected = transport
         assert engine._executors[0].transport == expected
         futures = [engine.submit({"sleep": 0, "tag": i, "big": big if i % 5 == 0 else None}) for i in range(40)]
         assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
@@ -41,7 +41,7 @@ def test_both_transports_serve_in_order_with_large_requests_and_rpcs(ray_session
     assert (status.served, status.in_flight, status.healthy) == (40, 0, True)
 
 
-@pytest.mark.parametrize("transport", ["auto", "actor_calls"])
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
 def test_a_rank_exception_fails_the_replica_naming_rank_and_cause(ray_session, transport):
     with _engine(transport) as engine:
         with pytest.raises(EngineUnavailableError) as info:
@@ -52,7 +52,7 @@ def test_a_rank_exception_fails_the_replica_naming_rank_and_cause(ray_session, t
         assert not engine.healthy
 
 
-@pytest.mark.parametrize("transport", ["auto", "actor_calls"])
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
 def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, transport):
     import ray
 
@@ -88,3 +88,13 @@ def test_control_calls_beyond_the_graph_capacity_wait_in_order(ray_session):
         assert torch.equal(first.result(timeout=10), THREE)
         assert engine.step({"sleep": 0, "tag": "after"}) is not None
         assert engine.collective_rpc("executed", replica=0) == ["slow", "after"]
+
+
+def test_auto_uses_the_compiled_graph_only_where_its_polling_readers_get_a_core(ray_session):
+    import os
+
+    with _engine("auto") as engine:
+        spinning = 1 * (2 + 1)  # one replica: two polling ranks and the engine's reply reader
+        want = "compiled" if (os.cpu_count() or 1) >= spinning + 2 else "actor_calls"
+        assert engine._executors[0].transport == want
+        assert torch.equal(engine.step({"sleep": 0}), THREE)
