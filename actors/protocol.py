@@ -2,7 +2,8 @@
 
     driver --RankSpec--> RankActor.setup        where and how one rank starts
     driver <--ActorInfo-- RankActor.info        where the actor landed (before ranks are assigned)
-    driver --(seq, kind, payload, reply_value)--> RankActor.execute --RankReply--> driver
+    driver --(seq, kind, payload, reply_value)--> RankActor.execute --RankReply--> driver   (actor calls)
+    driver --CompiledRequest--> RankActor.run_compiled --RankReply--> driver              (compiled graph)
 
 A non-output rank replies with `value=None` unless the driver asked for every rank's value
 (`collective_rpc(..., all_ranks=True)`), so nothing large travels back from it.
@@ -13,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OK, MISSING = "ok", "missing"  # RankReply.status: ran, or the per-rank model lacks the method
+# RankReply.status: ran; the per-rank model lacks the method; raised (compiled graph only: `value` is the
+# exception, since a compiled graph's channel carries replies, not Ray task errors)
+OK, MISSING, ERROR = "ok", "missing", "error"
 
 
 @dataclass(frozen=True)
@@ -49,4 +52,21 @@ class RankReply:
     value: Any = None
 
     def matches(self, seq: int, rank: int) -> bool:
-        return self.seq == seq and self.rank == rank and self.status in (OK, MISSING)
+        return self.seq == seq and self.rank == rank and self.status in (OK, MISSING, ERROR)
+
+
+@dataclass(frozen=True)
+class CompiledRequest:
+    """One request or rpc on a replica's compiled graph (every rank reads the same message).
+
+    `payload` travels by value through the shared-memory channel (written once, read by every
+    rank), or as one `ray.put` reference when large. `window` is how many messages the driver had
+    sent and not yet seen answered when it sent this one (this one included): a rank's input
+    channel holds them, so the rank reports it as the calls it held (`RankActor.held`).
+    """
+
+    seq: int
+    kind: str
+    payload: Any
+    reply_ranks: frozenset[int]
+    window: int

@@ -3,24 +3,27 @@
 Two phases, as vLLM's Ray workers: a cheap constructor, then `setup()` after the driver has seen
 where every actor landed and assigned ranks (torch.distributed init, named groups, plugin load).
 
-Two lanes. Requests and collective_rpc calls (`execute`) run in the default concurrency group, on
-ONE dedicated execution thread, in the order of the sequence numbers the driver gives them (Ray
-does not promise execution order for async actors, so the actor restores it itself). Liveness
+Two lanes. Requests and collective_rpc calls reach a rank in one of two ways, never both for one
+replica: `execute` actor calls run in the default concurrency group, on ONE dedicated execution
+thread, in the order of the sequence numbers the driver gives them (Ray does not promise execution
+order for async actors, so the actor restores it itself); or, with a compiled graph, `run_compiled`
+is called by Ray's graph loop on the actor's own "_ray_system" thread, in channel order. Liveness
 pings and other control calls run in the "control" concurrency group, on an event loop of their
-own, so they answer within the liveness interval however many calls wait in the default group.
+own, so they answer within the liveness interval however many calls wait in either lane.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 
-from actors.protocol import MISSING, OK, ActorInfo, RankReply, RankSpec
+from actors.protocol import ERROR, MISSING, OK, ActorInfo, CompiledRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
 
 CONTROL = "control"
@@ -40,6 +43,7 @@ class RankActor:
         self._runner: Any = None
         self._rank: int | None = None
         self._held = self._peak_held = 0  # execute calls this actor holds (arrived, not yet replied)
+        self._compiled_thread: bool | None = None
 
     @ray.method(concurrency_group=CONTROL)
     async def info(self) -> ActorInfo:
@@ -117,6 +121,28 @@ class RankActor:
             self._held -= 1
         return RankReply(seq, self._rank, status, value if reply_value or status == MISSING else None)
 
+    def run_compiled(self, request: CompiledRequest) -> RankReply:
+        """One request of the replica's compiled graph, on the graph's thread (channel order is the order).
+
+        Never raises: an exception goes back in the reply (status ERROR), so the driver names this
+        rank and its cause, as a failed actor call would.
+        """
+        if self._compiled_thread is None:
+            self._compiled_thread = _bind_thread(self._runner)
+        self._held = 1
+        self._peak_held = max(self._peak_held, request.window)
+        try:
+            payload = request.payload
+            if isinstance(payload, ray.ObjectRef):  # a large request, put once by the driver
+                payload = ray.get(payload)
+            value, status = self._run(request.seq, request.kind, payload)
+        except BaseException as exc:
+            return RankReply(request.seq, self._rank, ERROR, _portable(exc))
+        finally:
+            self._held = 0
+        wanted = self._rank in request.reply_ranks or status == MISSING
+        return RankReply(request.seq, self._rank, status, value if wanted else None)
+
     def _condition(self) -> asyncio.Condition:
         if self._turn is None:
             self._turn = asyncio.Condition()
@@ -160,3 +186,24 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
                        node_id=ray.get_runtime_context().get_node_id())
     actor._runner = RankRunner(spec.entry, spec.plugin_args, ctx)
     return os.getpid()
+
+
+def _bind_thread(runner: Any) -> bool:
+    """Prepare the compiled graph's thread to run the plugin: the rank's CUDA device (set per thread);
+    its blocking `ray.get` of a large request is fine (it is not the actor's event loop)."""
+    os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"  # read by ray.get at each call
+    device = getattr(getattr(runner, "ctx", None), "device", None)
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    return True
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it pickles, else a RuntimeError with its type and message (it must cross the channel)."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -1,11 +1,17 @@
 """`RayReplicaExecutor`: one replica = one placement group of rank actors forming a process group.
 
-Request path: the request is serialized once (`ray.put`, in the caller's thread, before it is
-queued), waits in the replica's engine-side scheduler, and when a slot is free the same reference
-goes to every rank with the next sequence number; every rank runs requests in sequence order, and
-the output rank's reply resolves the future. Replies are handed from Ray's threads to this
-replica's reply thread, which never runs user code (done-callbacks run on the engine's callback
-thread), so a callback may call the engine again.
+Request path (`WorkerSupervisorConfig.request_transport`). Compiled (`auto` picks it where every
+rank is on the engine's node and the node has a core for each polling channel reader, see
+`_compiled_fits`): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`); a
+dispatched request is written once into a shared-memory channel every rank reads, replies come
+back through one channel per rank, read in order by the lane's reader thread. Actor calls (the
+fallback, e.g. across nodes): the request is serialized once (`ray.put`, in the caller's thread,
+before it is queued) and the same reference goes to every rank with the next sequence number;
+every rank runs requests in sequence order; replies are handed from Ray's threads to this
+replica's reply thread. Either way the request waits in the replica's engine-side scheduler until
+a slot is free, the output rank's reply resolves the future, and no thread of the request path
+runs user code (done-callbacks run on the engine's callback thread), so a callback may call the
+engine again. Liveness pings always use normal actor calls on the ranks' control lane.
 
 Fail-fast: a rank that dies (noticed by its pending replies or a ping on the control lane every
 `liveness_interval_s`), raises, replies malformed, runs one request past its limit, or cannot be
@@ -30,8 +36,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.compiled import CompiledLane
 from actors.placement_groups import create_replica_group, remove_group
-from actors.protocol import MISSING, ActorInfo, RankReply, RankSpec
+from actors.protocol import ERROR, MISSING, ActorInfo, CompiledRequest, RankReply, RankSpec
 from actors.rank_actor import CONCURRENCY_GROUPS, RankActor
 from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError, StartupError
@@ -44,6 +51,8 @@ from placement.topology import Topology
 logger = logging.getLogger(__name__)
 RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
 _STOP = object()
+_BY_REFERENCE_BYTES = 1 << 20  # compiled lane: requests with more tensor bytes go as one ray.put reference
+_CONTROL_HEADROOM = 8  # compiled graph slots beyond max_ongoing_requests, for collective_rpc calls
 
 
 @dataclass
@@ -66,6 +75,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         super().__init__(plan.index, plan.world_size, max_ongoing=self._proc.max_ongoing_requests,
                          max_queued=self._proc.max_queued_requests, step_limit_s=self._proc.execution_timeout_s)
         self._output_rank = Topology.from_parallel(args.config.parallel).output_rank
+        self._replica_count = deployment.replica_count
         self._teardown_lock = threading.Lock()
         self._seq = 0
         self._pg, self._actors, self._infos = None, [], []
@@ -73,13 +83,21 @@ class RayReplicaExecutor(ReplicaExecutor):
         self._torn_down = False
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lane: CompiledLane | None = None
         try:
             self._start(plan, entry, args, deployment, device_type, target_node, deadline)
+            self._lane = self._compiled_lane()
         except BaseException:
             self._teardown()
             raise
-        for target, what in ((self._reply_loop, "replies"), (self._liveness_loop, "liveness")):
+        loops = [(self._liveness_loop, "liveness")] + ([] if self._lane else [(self._reply_loop, "replies")])
+        for target, what in loops:
             threading.Thread(target=target, name=f"phyai-replica-{plan.index}-{what}", daemon=True).start()
+
+    @property
+    def transport(self) -> str:
+        """How requests reach the ranks: "compiled" (a Ray Compiled Graph) or "actor_calls"."""
+        return "compiled" if self._lane is not None else "actor_calls"
 
     # -- startup ----------------------------------------------------------------------------
     def _start(self, plan: ReplicaPlan, entry: Any, args: Any, deployment: Any, device_type: str,
@@ -128,15 +146,53 @@ class RayReplicaExecutor(ReplicaExecutor):
                         master_port=port, startup_timeout_s=max(_left(deadline), 1.0),
                         collective_timeout_s=self._proc.collective_timeout_s)
 
+    def _compiled_lane(self) -> CompiledLane | None:
+        """The compiled graph of this replica, or None for actor calls (see `request_transport`)."""
+        choice = self._proc.request_transport
+        if choice == "actor_calls" or (choice == "auto" and not self._compiled_fits()):
+            return None
+        try:
+            return CompiledLane(self._actors, capacity=self._proc.max_ongoing_requests + _CONTROL_HEADROOM,
+                                name=f"phyai-replica-{self.index}", on_replies=self._on_compiled_replies,
+                                on_broken=self._on_lane_broken, on_unsent=self._on_unsent)
+        except Exception as exc:
+            if choice == "compiled":
+                raise
+            logger.warning("replica %d: compiling its request graph failed (%s: %s); using actor calls",
+                           self.index, type(exc).__name__, exc)
+            return None
+
+    def _compiled_fits(self) -> bool:
+        """`auto`: every rank on this node, and a core for each spinning reader of every replica.
+
+        A compiled graph's channel readers poll: each idle rank, and each replica's reply reader in
+        the engine, keeps one CPU core busy (measured: ~100% per idle rank). Where the node lacks
+        those cores, the spinning slows everything, so `auto` uses actor calls there.
+        """
+        here = ray.get_runtime_context().get_node_id()
+        spinning = self._replica_count * (self.world_size + 1)
+        return all(i.node_id == here for i in self._infos) and (os.cpu_count() or 1) >= spinning + 2
+
     # -- requests ---------------------------------------------------------------------------
     def _prepare(self, payload: Any) -> Any:
-        return ray.put(payload)  # once, before a slot or sequence number is taken: a bad payload loses nothing
+        """Actor calls: `ray.put` once, before a slot or sequence number is taken (a bad payload loses
+        nothing). Compiled: small payloads go by value through the channel (written once for every
+        rank); large ones as one `ray.put` reference, put here outside the scheduler's lock."""
+        if self._lane is None or _tensor_bytes(payload) > _BY_REFERENCE_BYTES:
+            return ray.put(payload)
+        return payload
 
     def _launch(self, work: Work) -> None:
         """Send `work` to every rank with the next sequence number, or fail the replica at once."""
         sent = _Sent(self._seq, set(range(self.world_size)))
         self._seq += 1
         work.state = sent
+        if self._lane is not None:
+            reply_ranks = frozenset(range(self.world_size)) if work.kind == "call" and work.all_ranks else \
+                frozenset((self._output_rank,))
+            window = min(self._lane.in_flight + 1, self._lane.capacity)
+            self._lane.send(work, CompiledRequest(sent.seq, work.kind, work.payload, reply_ranks, window))
+            return
         replies = []
         try:
             for rank, actor in enumerate(self._actors):
@@ -171,7 +227,46 @@ class RayReplicaExecutor(ReplicaExecutor):
         except BaseException as exc:
             self._fail(self._rank_error(rank, exc))
             return
+        self._on_envelope(work, rank, envelope)
+
+    def _on_compiled_replies(self, work: Work, replies: list) -> None:
+        """Every rank's reply to one compiled-graph message (the lane's reader thread)."""
+        for rank, envelope in enumerate(replies):
+            if self._failure is not None:
+                return
+            self._on_envelope(work, rank, envelope)
+
+    def _on_unsent(self, work: Work, exc: BaseException) -> None:
+        """The request did not serialize: nothing reached a rank, so it fails alone."""
+        self.scheduler.deliver(work, error=exc)
+        self.scheduler.finished(work)
+
+    def _on_lane_broken(self, exc: BaseException) -> None:
+        """The compiled graph stopped (a rank died, or it was torn down): fail with the rank's cause."""
+        if self._failure is not None:
+            return
+        self._fail(self._dead_rank_error() or EngineUnavailableError(
+            f"replica {self.index}: its compiled request graph failed ({type(exc).__name__}: "
+            f"{str(exc).strip()[:300]}); the replica was stopped", reason="exception", replica=self.index,
+            detail=str(exc)[:2000]))
+
+    def _dead_rank_error(self) -> EngineUnavailableError | None:
+        """The error of the first rank that does not answer a ping on its control lane, if any."""
+        pings = [actor.ping.remote() for actor in self._actors]
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=2.0)
+            except ray.exceptions.RayActorError as exc:
+                return self._rank_error(rank, exc)
+            except Exception:
+                continue
+        return None
+
+    def _on_envelope(self, work: Work, rank: int, envelope: Any) -> None:
         sent: _Sent = work.state
+        if isinstance(envelope, RankReply) and envelope.status == ERROR and envelope.matches(sent.seq, rank):
+            self._fail(self._rank_error(rank, envelope.value))
+            return
         if not isinstance(envelope, RankReply) or not envelope.matches(sent.seq, rank):
             self._fail(EngineUnavailableError(
                 f"replica {self.index} rank {rank} sent a malformed reply to request {sent.seq}: {envelope!r:.200}",
@@ -281,6 +376,8 @@ class RayReplicaExecutor(ReplicaExecutor):
                 ray.kill(actor, no_restart=True)
             except Exception as exc:
                 logger.debug("kill rank actor: %s", exc)
+        if self._lane is not None:
+            self._lane.close()  # after the kills: a rank stuck in a step cannot hold the teardown up
         if self._owned_pg:
             remove_group(self._pg)
 
@@ -322,6 +419,17 @@ class RemoteReader:
         sent = self.work.state
         if sent is not None and self.executor.healthy:
             self._sink.cancel_stream.remote(sent.seq)
+
+
+def _tensor_bytes(payload: Any) -> int:
+    """Bytes of the tensors in `payload` and in the values of its top-level dict / list / tuple."""
+    items = payload.values() if isinstance(payload, dict) else payload if isinstance(payload, (list, tuple)) else ()
+    total = 0
+    for value in (payload, *items):
+        nbytes = getattr(value, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+    return total
 
 
 def _left(deadline: float) -> float:

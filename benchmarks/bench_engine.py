@@ -1,11 +1,14 @@
-"""Step latency and throughput of phyai-ray against the bare baselines, measured side by side.
+"""Step latency, throughput and large tensors of phyai-ray against bare baselines, side by side in one run.
 
-Run: `.venv/bin/python benchmarks/bench_engine.py [--requests 300] [--max-replicas 4]`
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_engine.py [--requests 300] [--max-replicas 4]`
 
-1. Inline engine vs calling the plugin's step() directly (no-op plugin).
-2. One 2-rank Ray replica vs a bare pair of Ray actors receiving the same `ray.put` reference.
-3. Throughput of N = 1..max replicas of a 10 ms sleep plugin vs N bare Ray actors fed round robin.
-Prints median and p99 of each and the ratio (phyai-ray / baseline), plus the machine it ran on.
+1. Inline `Engine.step` vs calling the plugin's step() directly: a no-op and a 200 us busy loop.
+2. One 2-rank Ray replica (no-op step, compiled and actor-call transports) vs a bare `ray.put` + 2-actor
+   broadcast + `ray.get`, and vs the Ray Compiled Graph floor: two actors receiving the same request.
+3. Throughput of N = 1..max replicas of a 10 ms sleep plugin vs the ideal N x 100 req/s.
+4. A 64 MB CPU tensor: as a result (vs a bare `ray.get` of it from an actor) and as a request to a
+   TP=2 replica (vs a bare `ray.put` + 2-actor broadcast).
+Prints median and p99, each ratio with its target, and the machine it ran on.
 """
 
 from __future__ import annotations
@@ -19,18 +22,34 @@ from typing import Any, Callable
 
 import ray
 import torch
+from ray.dag import InputNode, MultiOutputNode
 
 from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
-                       Entry, ParallelConfig)
+                       Entry, ParallelConfig, WorkerSupervisorConfig)
+
+BIG = 64 * 2 ** 20 // 4  # float32 elements of a 64 MB tensor
+REQUEST = {"x": torch.zeros(16)}
 
 
 class Noop:
+    """Returns the request (or a stored 64 MB tensor); sleeps or busy-waits when asked."""
+
     def __init__(self, plugin_args: dict, ctx: Any) -> None:
         self.sleep_s = float(plugin_args.get("sleep_s", 0.0))
+        self.busy_s = float(plugin_args.get("busy_s", 0.0))
+        self.big = torch.ones(BIG) if plugin_args.get("big_result") else None
 
     def step(self, request: Any) -> Any:
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        if self.busy_s:
+            end = time.perf_counter() + self.busy_s
+            while time.perf_counter() < end:
+                pass
+        if self.big is not None:
+            return self.big
+        if isinstance(request, dict) and "big" in request:
+            return float(request["big"][0])
         return request
 
 
@@ -44,28 +63,29 @@ class NoopEntry(Entry):
 
 @ray.remote(num_cpus=1)
 class BareActor:
-    def __init__(self, sleep_s: float = 0.0) -> None:
-        self.sleep_s = sleep_s
+    def __init__(self, big_result: bool = False) -> None:
+        self.big = torch.ones(BIG) if big_result else None
 
     def step(self, request: Any) -> Any:
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
+        if self.big is not None:
+            return self.big
+        if isinstance(request, dict) and "big" in request:
+            return float(request["big"][0])
         return request
 
 
-def args(tp: int = 1, sleep_s: float = 0.0) -> EngineArgs:
+def args(tp: int = 1, **plugin_args: Any) -> EngineArgs:
     parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=tp)) if tp > 1 else ParallelConfig()
-    return EngineArgs(plugin=NoopEntry, plugin_args={"sleep_s": sleep_s},
+    return EngineArgs(plugin=NoopEntry, plugin_args=plugin_args,
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
 
 
-def bare_step(actors: list, request: Any) -> list:
-    """The baseline request path: one `ray.put`, the same reference to every actor."""
-    ref = ray.put(request)
-    return ray.get([a.step.remote(ref) for a in actors], timeout=60)
+def local(replicas: int = 1, transport: str = "auto") -> DeploymentConfig:
+    return DeploymentConfig(mode="local", replica_count=replicas,
+                            process_config=WorkerSupervisorConfig(request_transport=transport))
 
 
-def latencies(fn: Callable[[], Any], n: int, warmup: int = 10) -> list[float]:
+def latencies(fn: Callable[[], Any], n: int, warmup: int = 20) -> list[float]:
     for _ in range(warmup):
         fn()
     out = []
@@ -76,75 +96,131 @@ def latencies(fn: Callable[[], Any], n: int, warmup: int = 10) -> list[float]:
     return out
 
 
-def p(values: list[float], q: float) -> float:
+def p99(values: list[float]) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def row(name: str, ours: list[float], base: list[float]) -> str:
-    m_o, m_b = statistics.median(ours), statistics.median(base)
-    p_o, p_b = p(ours, 0.99), p(base, 0.99)
-    return (f"{name:<34} {m_o * 1e6:>10.1f} {m_b * 1e6:>10.1f} {m_o / m_b:>7.2f}x "
-            f"{p_o * 1e6:>10.1f} {p_b * 1e6:>10.1f} {p_o / p_b:>7.2f}x")
+def row(name: str, values: list[float]) -> str:
+    return f"  {name:<44} p50 {statistics.median(values) * 1e6:>9.1f} us   p99 {p99(values) * 1e6:>9.1f} us"
 
 
-def bench_latency(n: int) -> list[str]:
-    request = {"x": torch.zeros(16)}
+def verdict(name: str, value: float, target: float, lower_is_better: bool = True, unit: str = "x") -> str:
+    met = value <= target if lower_is_better else value >= target
+    sign = "<=" if lower_is_better else ">="
+    return f"  {name:<44} {value:>8.2f}{unit}  target {sign} {target}{unit}  {'met' if met else 'NOT MET'}"
+
+
+def bench_inline(n: int) -> list[str]:
     lines = []
-    with Engine(args()) as engine:
-        direct = engine._executors[0]._runner.model
-        lines.append(row("inline step vs direct call", latencies(lambda: engine.step(request), n),
-                         latencies(lambda: direct.step(request), n)))
-    with Engine(args(tp=2), DeploymentConfig.local()) as engine:
-        ours = latencies(lambda: engine.step(request), n)
+    for busy_s, label in ((0.0, "no-op"), (200e-6, "200 us busy")):
+        with Engine(args(busy_s=busy_s)) as engine:
+            model = engine._executors[0]._runner.model
+            direct = latencies(lambda: model.step(REQUEST), 5 * n)
+            ours = latencies(lambda: engine.step(REQUEST), 5 * n)
+        lines += [row(f"direct model.step ({label})", direct), row(f"inline Engine.step ({label})", ours)]
+        if busy_s:
+            lines.append(verdict("inline 200 us step / direct (p50)", statistics.median(ours) / statistics.median(direct),
+                                 1.05))
+        else:
+            overhead = (statistics.median(ours) - statistics.median(direct)) * 1e6
+            lines.append(verdict("inline no-op overhead (p50)", overhead, 10, unit=" us"))
+    return lines
+
+
+def compiled_floor(actors: list, n: int) -> list[float]:
+    """Ray Compiled Graph: the same request to two actors, both replies back."""
+    with InputNode() as request:
+        graph = MultiOutputNode([a.step.bind(request) for a in actors])
+    dag = graph.experimental_compile()
+    try:
+        return latencies(lambda: ray.get(dag.execute(REQUEST)), n)
+    finally:
+        dag.teardown()
+
+
+def bench_ray_latency(n: int) -> list[str]:
     pair = [BareActor.remote() for _ in range(2)]
-    base = latencies(lambda: bare_step(pair, request), n)
+    bare = latencies(lambda: ray.get([a.step.remote(ref) for ref in [ray.put(REQUEST)] for a in pair]), n)
+    floor = compiled_floor(pair, n)
     for actor in pair:
         ray.kill(actor)
-    lines.append(row("2-rank replica vs bare 2-actor put", ours, base))
-    return lines
+    ours = {}
+    for transport in ("compiled", "actor_calls"):
+        with Engine(args(tp=2), local(transport=transport)) as engine:
+            ours[transport] = latencies(lambda: engine.step(REQUEST), n)
+    floor50, floor99 = statistics.median(floor), p99(floor)
+    return [row("bare put + 2-actor broadcast + get", bare), row("Ray Compiled Graph 2-actor floor", floor),
+            row("Engine TP=2 no-op step (compiled)", ours["compiled"]),
+            row("Engine TP=2 no-op step (actor calls)", ours["actor_calls"]),
+            verdict("compiled step / floor (p50)", statistics.median(ours["compiled"]) / floor50, 2),
+            verdict("compiled step / floor (p99)", p99(ours["compiled"]) / floor99, 3),
+            f"  {'actor-call step / bare Ray (p50, no target)':<44} "
+            f"{statistics.median(ours['actor_calls']) / statistics.median(bare):>8.2f}x"]
 
 
-def throughput(submit: Callable[[], Any], wait_all: Callable[[list], Any], n: int) -> float:
-    start = time.perf_counter()
-    wait_all([submit() for _ in range(n)])
-    return n / (time.perf_counter() - start)
-
-
-def bench_throughput(max_replicas: int, n: int, sleep_s: float = 0.01) -> list[str]:
+def bench_throughput(max_replicas: int, per_replica: int, sleep_s: float = 0.01) -> list[str]:
     lines = []
     for replicas in range(1, max_replicas + 1):
-        with Engine(args(sleep_s=sleep_s), DeploymentConfig(mode="local", replica_count=replicas)) as engine:
-            engine.step({})
-            ours = throughput(lambda: engine.submit({}), lambda fs: [f.result(60) for f in fs], n)
-        actors = [BareActor.remote(sleep_s) for _ in range(replicas)]
-        ray.get([a.step.remote({}) for a in actors], timeout=120)
-        turn = iter(range(10 ** 9))
-        base = throughput(lambda: actors[next(turn) % replicas].step.remote({}),
-                          lambda refs: ray.get(refs, timeout=120), n)
-        for actor in actors:
-            ray.kill(actor)
+        with Engine(args(sleep_s=sleep_s), local(replicas)) as engine:
+            for f in [engine.submit(REQUEST) for _ in range(2 * replicas)]:
+                f.result(60)
+            n = per_replica * replicas
+            start = time.perf_counter()
+            for f in [engine.submit(REQUEST) for _ in range(n)]:
+                f.result(120)
+            rate = n / (time.perf_counter() - start)
         ideal = replicas / sleep_s
-        lines.append(f"{replicas} replica(s) x 10 ms sleep          {ours:>8.1f} req/s  bare {base:>8.1f} req/s  "
-                     f"ratio {ours / base:>5.2f}x  (ideal {ideal:.0f} req/s)")
+        lines.append(verdict(f"{replicas} replica(s) x 10 ms: {rate:6.1f} req/s / ideal {ideal:.0f}", rate / ideal, 0.9,
+                             lower_is_better=False))
     return lines
+
+
+def bench_large(n: int) -> list[str]:
+    actor = BareActor.remote(big_result=True)
+    bare = latencies(lambda: ray.get(actor.step.remote(None)), n, warmup=2)
+    ray.kill(actor)
+    with Engine(args(big_result=True), local()) as engine:
+        ours = latencies(lambda: engine.step({}), n, warmup=2)
+    request = {"big": torch.ones(BIG)}
+    pair = [BareActor.remote() for _ in range(2)]
+    bare_in = latencies(lambda: ray.get([a.step.remote(ref) for ref in [ray.put(request)] for a in pair]), n, warmup=2)
+    for a in pair:
+        ray.kill(a)
+    with Engine(args(tp=2), local()) as engine:
+        ours_in = latencies(lambda: engine.step(request), n, warmup=2)
+    return [row("bare ray.get of a 64 MB tensor from an actor", bare), row("Engine step returning 64 MB", ours),
+            verdict("64 MB result speed / bare ray.get", statistics.median(bare) / statistics.median(ours), 0.8,
+                    lower_is_better=False),
+            row("bare put + 2-actor broadcast of 64 MB", bare_in), row("Engine TP=2 step with a 64 MB request", ours_in),
+            verdict("64 MB request speed / bare broadcast", statistics.median(bare_in) / statistics.median(ours_in), 0.8,
+                    lower_is_better=False)]
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    return (f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cpu(s), {mem:.0f} GiB, "
+            f"{platform.processor() or platform.system()}; python {platform.python_version()}, "
+            f"torch {torch.__version__}, ray {ray.__version__}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--max-replicas", type=int, default=4)
+    parser.add_argument("--large", type=int, default=8, help="repetitions of each 64 MB transfer")
     opts = parser.parse_args(argv)
-    ray.init(num_cpus=max(8, 2 * opts.max_replicas), include_dashboard=False, log_to_driver=False)
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpu(s), python "
-          f"{platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}")
-    print(f"{'latency (us)':<34} {'ours p50':>10} {'base p50':>10} {'ratio':>8} {'ours p99':>10} "
-          f"{'base p99':>10} {'ratio':>8}")
-    for line in bench_latency(opts.requests):
-        print(line)
-    print("throughput")
-    for line in bench_throughput(opts.max_replicas, opts.requests):
-        print(line)
+    ray.init(num_cpus=max(8, 2 * opts.max_replicas), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    print(machine())
+    sections = [("inline", lambda: bench_inline(opts.requests)),
+                ("Ray request path (2 ranks)", lambda: bench_ray_latency(opts.requests)),
+                ("throughput", lambda: bench_throughput(opts.max_replicas, 100)),
+                ("64 MB CPU tensors", lambda: bench_large(opts.large))]
+    for title, run in sections:
+        print(title)
+        for line in run():
+            print(line, flush=True)
     ray.shutdown()
 
 

@@ -36,14 +36,17 @@ class RequestDispatcher:
         self._sessions: OrderedDict[Any, int] = OrderedDict()
         self.max_sessions = 65536
 
-    def submit(self, request: Any, session: Any = None) -> Future:
+    def submit(self, request: Any, session: Any = None, *, caller_runs: bool = False) -> Future:
         """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
 
         With a `session` key, the request goes to the replica the session last used while that
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
-        the session follows it. The map is a bounded LRU of `max_sessions` keys.
+        the session follows it. The map is a bounded LRU of `max_sessions` keys. `caller_runs` is
+        passed on to the chosen executor (see `ReplicaExecutor.submit`).
         """
-        return self.route(lambda executor: executor.submit(request), session)
+        if len(self.executors) == 1 and session is None:
+            return self._submit_single(request, caller_runs)
+        return self.route(lambda executor: executor.submit(request, caller_runs=caller_runs), session)
 
     def route(self, send: Any, session: Any = None) -> Any:
         """`send(executor)` on the replica `submit` would choose (retrying refusals); its return value."""
@@ -86,6 +89,16 @@ class RequestDispatcher:
             self._sessions.move_to_end(session)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
+
+    def _submit_single(self, request: Any, caller_runs: bool) -> Future:
+        """One replica: nothing to choose, the same errors as the general path (no lock, no lists)."""
+        executor = self.executors[0]
+        try:
+            return executor.submit(request, caller_runs=caller_runs)
+        except EngineOverloadedError:
+            raise self._overloaded_error(1) from None
+        except EngineUnavailableError:
+            raise self._no_replica_error() from None
 
     def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
         with self._lock:

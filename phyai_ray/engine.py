@@ -68,8 +68,17 @@ class Engine:
         return self._dispatcher.submit(request, session)
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None) -> Any:
-        """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace)."""
-        future = self.submit(request, session)
+        """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
+
+        An inline replica with nothing queued or running runs the request on this thread (no
+        hand-off); it still counts as running, so other threads queue behind it and the hang clock
+        fails it (and them) past execution_timeout_s even though this thread stays in the plugin.
+        """
+        self._check_open()
+        self.entry.validate_request(request)
+        future = self._dispatcher.submit(request, session, caller_runs=True)
+        if future.done():
+            return future.result()
         limit = timeout if timeout is not None else self._default_wait_s()
         try:
             return future.result(timeout=limit)

@@ -11,10 +11,9 @@ one), then per process (a rank actor or torchrun process installs its set once).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 from placement.topology import GROUP_NAMES, Topology
 
@@ -100,18 +99,29 @@ class GroupSet:
         except KeyError:
             raise KeyError(f"unknown group {name!r}; known groups: {', '.join(GROUP_NAMES)}") from None
 
-    @contextlib.contextmanager
-    def activate(self) -> Iterator["GroupSet"]:
-        """Make this set the one `P` uses in the current context."""
-        token = _ACTIVE.set(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.reset(token)
+    def activate(self) -> "_Activation":
+        """Make this set the one `P` uses in the current context (`with groups.activate(): ...`)."""
+        return _Activation(self)
 
     def install(self) -> None:
         """Make this set the process-wide default (one rank per process)."""
         _PROCESS[0] = self
+
+
+class _Activation:
+    """The context manager of `GroupSet.activate` (a class, not a generator: it runs on every step)."""
+
+    __slots__ = ("groups", "token")
+
+    def __init__(self, groups: GroupSet) -> None:
+        self.groups = groups
+
+    def __enter__(self) -> GroupSet:
+        self.token = _ACTIVE.set(self.groups)
+        return self.groups
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.reset(self.token)
 
 
 def active() -> GroupSet:

@@ -274,3 +274,77 @@ def test_inline_engine_does_not_import_ray():
          "    assert e.mode == 'inline'\n"
          "    assert e.step({'x': [[1.0] * 8]}).shape == (1, 4)\n"
          "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n")
+
+
+def test_step_runs_on_the_callers_thread_when_idle_and_submit_keeps_the_worker():
+    with probe_engine() as engine:
+        assert engine.step({"op": "thread"}) == threading.current_thread().name
+        assert engine.submit({"op": "thread"}).result(timeout=10) == "phyai-inline-0"
+        status = engine.replica_status()[0]
+    assert (status.served, status.in_flight) == (2, 0)
+
+
+def test_step_behind_running_work_waits_its_turn(gate):
+    started = threading.Event()
+    with probe_engine(gate=gate, started=started) as engine:
+        running = engine.submit({"op": "block", "tag": "a"})
+        assert started.wait(10)
+        threading.Timer(0.2, gate.set).start()
+        assert engine.step({"op": "thread"}) == "phyai-inline-0"  # something was running: the worker ran it
+        assert running.result(timeout=5)["tag"] == "a"
+        assert engine.collective_rpc("history", replica=0) == ["a", None]
+
+
+def test_a_step_stuck_on_the_callers_thread_still_fails_the_replica_in_time(gate):
+    deadline, started = 0.5, threading.Event()
+    with probe_engine(timeout_s=deadline, gate=gate, started=started) as engine:
+        outcome: list[BaseException] = []
+
+        def caller() -> None:
+            try:
+                engine.step({"op": "block", "tag": "stuck"})
+            except BaseException as exc:
+                outcome.append(exc)
+
+        stuck = threading.Thread(target=caller)
+        stuck.start()
+        assert started.wait(10)
+        assert engine.replica_status()[0].dispatched == 1  # counted as running while on the caller's thread
+        start = time.monotonic()
+        other = engine.submit({"op": "echo", "tag": "behind"})
+        error = other.exception(timeout=deadline + 5)
+        assert isinstance(error, EngineUnavailableError) and error.reason == "timeout"
+        assert time.monotonic() - start < deadline + 2
+        status = engine.replica_status()[0]
+        assert (status.healthy, status.in_flight) == (False, 0)
+        gate.set()
+        stuck.join(5)
+    assert isinstance(outcome[0], EngineUnavailableError) and outcome[0].reason == "timeout"
+
+
+def test_steps_and_submits_from_many_threads_never_overlap_and_keep_their_order():
+    threads, per_thread = 6, 40
+    barrier = threading.Barrier(threads)
+    results: dict[int, list] = {}
+    with probe_engine() as engine:
+        def client(k: int) -> None:
+            barrier.wait()
+            out = []
+            for j in range(per_thread):
+                request = {"op": "echo", "tag": (k, j)}
+                out.append(engine.step(request) if (k + j) % 2 else engine.submit(request).result(timeout=30))
+            results[k] = out
+
+        workers = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        history = engine.collective_rpc("history", replica=0)
+        assert engine.collective_rpc("concurrency", replica=0) == 1
+        status = engine.replica_status()[0]
+    assert len(history) == threads * per_thread and status.served == threads * per_thread
+    for k in range(threads):
+        assert [r["tag"] for r in results[k]] == [(k, j) for j in range(per_thread)]
+        indices = [r["index"] for r in results[k]]
+        assert indices == sorted(indices)

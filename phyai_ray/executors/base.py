@@ -63,11 +63,13 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
                                           delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any) -> Future:
+    def submit(self, request: Any, *, caller_runs: bool = False) -> Future:
         """Queue `request` for every rank; the future resolves to the output rank's result.
 
         Raises EngineUnavailableError when the replica failed, EngineOverloadedError when its
-        queue is full (nothing was queued in either case).
+        queue is full (nothing was queued in either case). `caller_runs` is a hint from a caller
+        that is about to wait anyway (`Engine.step`): an executor whose rank lives in this process
+        may then run the request on the calling thread; the others ignore it.
         """
         self._check_healthy()
         return self.scheduler.submit("step", self._prepare(request), self._step_limit_s)

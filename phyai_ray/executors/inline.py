@@ -48,6 +48,28 @@ class InlineExecutor(ReplicaExecutor):
         except BaseException:
             self.close()
             raise
+        self._device_guard = _device_guard(self._runner)
+
+    def submit(self, request: Any, *, caller_runs: bool = False) -> Future:
+        """As every replica; with `caller_runs` and nothing queued or running, run it on this thread.
+
+        The scheduler counts it as dispatched while it runs, so a request from another thread
+        queues behind it (one call at a time, in order) and the hang clock fails the replica if
+        this call runs past its limit: the other callers get the error; this thread is in the
+        plugin and returns when it does.
+        """
+        if not caller_runs:
+            return super().submit(request)
+        self._check_healthy()
+        future = self.scheduler.submit("step", request, self._step_limit_s, here=True)
+        work = future.work
+        if work.here:
+            if self._device_guard is None:
+                self._run(work)
+            else:
+                with self._device_guard():
+                    self._run(work)
+        return future
 
     def _launch(self, work: Work) -> None:
         self._worker.put(lambda: self._run(work))
@@ -119,6 +141,16 @@ class LocalReader:
     def cancel(self) -> None:
         if not self.future.cancel():
             self.sink.cancel()
+
+
+def _device_guard(runner: RankRunner) -> Callable[[], Any] | None:
+    """What makes another thread use the rank's CUDA device (the current device is per thread)."""
+    device = getattr(runner.ctx, "device", None)
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    return lambda: torch.cuda.device(device)
 
 
 def build_inline_runner(entry: Any, plugin_args: dict[str, Any], parallel: Any, device_config: Any) -> RankRunner:

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
@@ -43,19 +43,23 @@ _ids = itertools.count()
 REQUEST_KINDS = ("step", "stream")  # counted as requests; "call" (collective_rpc) is not
 
 
-@dataclass(eq=False)
 class Work:
-    """One request ("step") or control call ("call") of one replica."""
+    """One request ("step") or control call ("call") of one replica.
 
-    kind: str
-    payload: Any
-    limit_s: float
-    future: EngineFuture
-    all_ranks: bool = False
-    submitted: float = field(default_factory=time.monotonic)
-    dispatched: float | None = None
-    ident: int = field(default_factory=lambda: next(_ids))
-    state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
+    `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
+    without `launch`, and the caller runs it right after `submit` returns.
+    """
+
+    __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
+                 "ident", "state", "here")
+
+    def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture, all_ranks: bool = False) -> None:
+        self.kind, self.payload, self.limit_s, self.future, self.all_ranks = kind, payload, limit_s, future, all_ranks
+        self.submitted = time.monotonic()
+        self.dispatched: float | None = None
+        self.ident = next(_ids)
+        self.state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
+        self.here = False
 
     @property
     def deadline(self) -> float:
@@ -102,8 +106,13 @@ class ReplicaScheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
-               control: bool = False) -> EngineFuture:
-        """Queue a request (or dispatch a control call at once); returns its future."""
+               control: bool = False, here: bool = False) -> EngineFuture:
+        """Queue a request (or dispatch a control call at once); returns its future.
+
+        `here=True`: when nothing is queued or dispatched, the request is dispatched without
+        `launch` and `future.work.here` is set: the caller must run it now, then call `finished`.
+        It counts as dispatched meanwhile, so the hang clock and the accounting see it as usual.
+        """
         future = EngineFuture(self._delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
         future.work, future.replica = work, self.index
@@ -112,6 +121,10 @@ class ReplicaScheduler:
                 raise self._refusal()
             if control:
                 future.start()
+                self._dispatch(work)
+            elif here and not self._held and not self._queued and not self._dispatched:
+                future.start()
+                work.here = True
                 self._dispatch(work)
             else:
                 if self.max_queued is not None and len(self._queued) >= self.max_queued and not self._free_now():
@@ -167,7 +180,8 @@ class ReplicaScheduler:
         if len(self._dispatched) == 1:
             self._head_since = work.dispatched
             self._arm(work.dispatched + work.limit_s)
-        self._launch(work)
+        if not work.here:
+            self._launch(work)
 
     # -- completion -----------------------------------------------------------------------------
     def deliver(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:

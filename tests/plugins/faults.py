@@ -40,6 +40,12 @@ class SlowTP:
         time.sleep(seconds)
         return seconds
 
+    def fail_on(self, rank: int) -> int:
+        """Raise on `rank` only (the others return): a rank's own exception must fail its replica."""
+        if self.ctx.rank == rank:
+            raise RequestRejected(f"rank {rank} fails on purpose (test)")
+        return self.ctx.rank
+
     def whoami(self) -> dict[str, Any]:
         import os
         return {"rank": self.ctx.rank, "pid": os.getpid(), "replica": self.ctx.replica_index}

@@ -85,8 +85,17 @@ class Probe:
         self.started: threading.Event | None = plugin_args.get("started")
         self.seen: list[Any] = plugin_args.get("log", [])  # a caller's list lets tests look after failure
         self.ctx = ctx
+        self.running = self.most_running = 0  # calls inside step at once: must never pass 1
 
     def step(self, request: dict[str, Any]) -> Any:
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            return self._step(request)
+        finally:
+            self.running -= 1
+
+    def _step(self, request: dict[str, Any]) -> Any:
         self.seen.append(request.get("tag"))
         if self.started is not None:
             self.started.set()
@@ -97,7 +106,12 @@ class Probe:
             time.sleep(request["seconds"])
         elif op == "raise":
             raise ProbeError(f"probe asked to fail: {request.get('tag')}")
+        elif op == "thread":
+            return threading.current_thread().name
         return {"index": len(self.seen) - 1, "tag": request.get("tag")}
+
+    def concurrency(self) -> int:
+        return self.most_running
 
     def history(self) -> list[Any]:
         return list(self.seen)
@@ -109,7 +123,7 @@ class Probe:
 @register_plugin
 class ProbeEntry(Entry):
     name = "test_probe"
-    ops = ("echo", "block", "sleep", "raise")
+    ops = ("echo", "block", "sleep", "raise", "thread")
 
     def validate_request(self, request: Any) -> None:
         if not isinstance(request, dict) or request.get("op") not in self.ops:

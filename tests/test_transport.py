@@ -1,0 +1,118 @@
+"""The two request transports of a Ray replica: a compiled graph and actor calls (the fallback), forced each way.
+
+Run: `.venv/bin/pytest tests/test_transport.py` (starts one local Ray instance for the session).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
+                       EngineUnavailableError, ParallelConfig, WorkerSupervisorConfig)
+from tests.plugins.faults import RequestRejected, SlowTPEntry
+
+pytestmark = pytest.mark.ray
+THREE = torch.full((2,), 3.0)
+
+
+def _engine(transport: str = "compiled", **proc) -> Engine:
+    args = EngineArgs(plugin=SlowTPEntry, config=EngineConfig(
+        device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
+    config = WorkerSupervisorConfig(request_transport=transport, **proc)
+    return Engine(args, DeploymentConfig(mode="local", process_config=config))
+
+
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+def test_both_transports_serve_in_order_with_large_requests_and_rpcs(ray_session, transport):
+    big = torch.ones(2 ** 20)  # 4 MB: the compiled lane sends it as one ray.put reference
+    with _engine(transport) as engine:
+        expected = transport
+        assert engine._executors[0].transport == expected
+        futures = [engine.submit({"sleep": 0, "tag": i, "big": big if i % 5 == 0 else None}) for i in range(40)]
+        assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
+        assert engine.collective_rpc("executed", replica=0, all_ranks=True) == [list(range(40))] * 2
+        assert engine.collective_rpc("fail_on", 5, replica=0, all_ranks=True) == [0, 1]
+        status = engine.replica_status()[0]
+    assert (status.served, status.in_flight, status.healthy) == (40, 0, True)
+
+
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+def test_a_rank_exception_fails_the_replica_naming_rank_and_cause(ray_session, transport):
+    with _engine(transport) as engine:
+        with pytest.raises(EngineUnavailableError) as info:
+            engine.collective_rpc("fail_on", 1, replica=0)
+        error = info.value
+        assert error.rank == 1 and error.reason == "exception"
+        assert "RequestRejected" in str(error) and "fails on purpose" in str(error)
+        assert not engine.healthy
+
+
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, transport):
+    import ray
+
+    with _engine(transport, execution_timeout_s=60) as engine:
+        engine.step({"sleep": 0})
+        futures = [engine.submit({"sleep": 0.3}) for _ in range(6)]
+        time.sleep(0.1)
+        started = time.monotonic()
+        ray.kill(engine._executors[0].actor(1), no_restart=True)
+        done, _ = wait(futures, timeout=10)
+        assert len(done) == 6 and time.monotonic() - started < 2.0
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        assert errors and all(isinstance(e, EngineUnavailableError) and e.rank == 1 for e in errors)
+        status = engine.replica_status()[0]
+        assert (status.failure_reason, status.failed_rank, status.in_flight) == ("worker_exit", 1, 0)
+
+
+def test_a_payload_that_does_not_serialize_fails_alone_on_the_compiled_lane(ray_session):
+    with _engine() as engine:
+        bad = engine.submit({"sleep": 0, "lock": threading.Lock()})
+        assert isinstance(bad.exception(timeout=10), TypeError)
+        assert torch.equal(engine.step({"sleep": 0}), THREE)
+        status = engine.replica_status()[0]
+    assert (status.healthy, status.served, status.errored, status.in_flight) == (True, 1, 1, 0)
+
+
+def test_control_calls_beyond_the_graph_capacity_wait_in_order(ray_session):
+    with _engine(max_ongoing_requests=1) as engine:
+        first = engine.submit({"sleep": 0.5, "tag": "slow"})
+        time.sleep(0.1)
+        rpcs = [engine._executors[0].collective_rpc("whoami", (), {}, 30) for _ in range(20)]  # > 1 + 8 slots
+        assert [f.result(timeout=30)["rank"] for f in rpcs] == [0] * 20
+        assert torch.equal(first.result(timeout=10), THREE)
+        assert engine.step({"sleep": 0, "tag": "after"}) is not None
+        assert engine.collective_rpc("executed", replica=0) == ["slow", "after"]
+
+
+def test_auto_uses_the_compiled_graph_only_where_its_polling_readers_get_a_core(ray_session):
+    import os
+
+    with _engine("auto") as engine:
+        spinning = 1 * (2 + 1)  # one replica: two polling ranks and the engine's reply reader
+        want = "compiled" if (os.cpu_count() or 1) >= spinning + 2 else "actor_calls"
+        assert engine._executors[0].transport == want
+        assert torch.equal(engine.step({"sleep": 0}), THREE)
+
+
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+def test_both_transports_stream_and_run_control_calls(ray_session, transport):
+    from phyai_ray import AttentionParallelConfig
+
+    parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=2), attention=AttentionParallelConfig(tp_size=2))
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0},
+                      config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
+    config = WorkerSupervisorConfig(request_transport=transport)
+    with Engine(args, DeploymentConfig(mode="local", cpus_per_rank=0.5, process_config=config)) as engine:
+        request = {"prompts": [[1, 2, 3]], "max_tokens": 6}
+        [want] = engine.step(request)
+        chunks = list(engine.stream(request))
+        assert [c["token_ids"][0] for c in chunks] == want.token_ids
+        assert [r.state for r in engine.pause()] == ["PAUSED"]
+        assert [r.state for r in engine.resume()] == ["SERVING"]
+        assert engine.step(request)[0].token_ids == want.token_ids
