@@ -348,3 +348,16 @@ def test_steps_and_submits_from_many_threads_never_overlap_and_keep_their_order(
         assert [r["tag"] for r in results[k]] == [(k, j) for j in range(per_thread)]
         indices = [r["index"] for r in results[k]]
         assert indices == sorted(indices)
+
+
+def test_a_paused_inline_replica_holds_even_caller_thread_steps():
+    with probe_engine() as engine:
+        engine.pause()
+        box = {}
+        caller = threading.Thread(target=lambda: box.setdefault("out", engine.step({"op": "echo", "tag": "held"})))
+        caller.start()
+        caller.join(0.3)
+        assert caller.is_alive() and engine.replica_status()[0].queued == 1
+        engine.resume()
+        caller.join(5)
+        assert box["out"]["tag"] == "held"
