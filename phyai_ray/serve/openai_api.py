@@ -1,0 +1,189 @@
+"""OpenAI-compatible routes for token plugins (`Entry.generates_tokens = True`, e.g. `reference_lm`).
+
+    POST /v1/completions   prompt as token ids (one list, or a list of lists); max_tokens,
+                           temperature, top_p, seed, stop (token ids), logprobs, n, stream
+    GET  /v1/models        one model: the plugin name, unless the app sets `model_name`
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
+    out = client.completions.create(model="reference_lm", prompt=[1, 2, 3], max_tokens=8, logprobs=1)
+    out.choices[0].token_ids, out.choices[0].logprobs.token_logprobs
+
+No tokenizer is configured, so a text prompt is refused (400) and `text` is empty: every choice
+carries `token_ids`, and `logprobs.tokens` names tokens as "token_id:<id>" (vLLM's convention).
+`stream=true` answers with server-sent events, one chunk per generated token and choice, then
+`data: [DONE]`; a client that disconnects stops the generation on every rank. Errors use OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/errors.py`;
+the API key (bearer) is the app's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, StreamingResponse
+
+_END = object()
+
+
+class CompletionRequest(BaseModel):
+    """The fields of OpenAI's completions request this server honours (others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: list[int] | int | str | list[str] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param = status, type, param
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status)
+
+
+def plugin_request(body: CompletionRequest) -> dict[str, Any]:
+    """The plugin's request for an OpenAI body (token ids only: no tokenizer is configured)."""
+    prompts = body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+    if isinstance(body.prompt, str) or any(isinstance(p, str) for p in prompts):
+        raise OpenAIError(400, "this server has no tokenizer: send the prompt as token ids, e.g. "
+                               "prompt=[1, 2, 3] or prompt=[[1, 2], [3]]", param="prompt")
+    stop = [body.stop] if isinstance(body.stop, int) else body.stop or []
+    if any(isinstance(s, str) for s in stop):
+        raise OpenAIError(400, "stop strings need a tokenizer: give stop token ids, e.g. stop=[0]", param="stop")
+    return {"prompts": [list(p) for p in prompts for _ in range(body.n)], "max_tokens": body.max_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "stop_token_ids": list(stop),
+            "seed": body.seed if body.seed is not None else random.randrange(2 ** 31)}
+
+
+def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) -> None:
+    """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits)."""
+    name = model_name or runner.entry.display_name()
+
+    @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "phyai-ray"}]}
+
+    @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
+    async def completions(body: dict[str, Any]) -> Any:
+        try:
+            request = CompletionRequest.model_validate(body)
+            if request.model not in (None, name):
+                raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
+                                  type="not_found_error", param="model")
+            plugin = plugin_request(request)
+            await asyncio.to_thread(_validate, runner, plugin)
+            if request.stream:
+                return StreamingResponse(_events(runner, plugin, request, name), media_type="text/event-stream")
+            outputs = await _generate(runner, plugin)
+            return JSONResponse(_completion(outputs, request, name))
+        except OpenAIError as exc:
+            return exc.response()
+        except Exception as exc:  # pydantic ValidationError, engine errors: mapped to OpenAI's shape
+            return _mapped(exc).response()
+
+
+def _validate(runner: Any, plugin: dict[str, Any]) -> None:
+    try:
+        runner.entry.validate_request(plugin)
+    except Exception as exc:
+        raise OpenAIError(400, f"the model rejected the request: {exc}") from None
+
+
+async def _generate(runner: Any, plugin: dict[str, Any]) -> list:
+    return await runner.run(plugin, validate=False)
+
+
+def _choice(index: int, out: Any, want_logprobs: bool) -> dict[str, Any]:
+    reason = {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
+    return {"index": index, "text": "", "token_ids": out.token_ids, "finish_reason": reason,
+            "logprobs": _logprobs(out.token_ids, out.log_probs) if want_logprobs else None}
+
+
+def _logprobs(ids: list[int], lps: list[float]) -> dict[str, Any]:
+    return {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": list(lps), "top_logprobs": None,
+            "text_offset": [0] * len(ids)}
+
+
+def _completion(outputs: list, request: CompletionRequest, name: str) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in plugin_request(request)["prompts"])
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
+    return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": name, "choices": [_choice(i, o, request.logprobs is not None) for i, o in enumerate(outputs)],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+async def _events(runner: Any, plugin: dict[str, Any], request: CompletionRequest, name: str) -> AsyncIterator[str]:
+    """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation."""
+    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": name}
+    chunks, box = runner.engine.stream(plugin), {}
+    try:
+        while True:
+            chunk = await asyncio.to_thread(_pull, chunks, box)
+            if chunk is _END:
+                break
+            choices = [{"index": b, "text": "", "token_ids": [t], "finish_reason": None,
+                        "logprobs": _logprobs([t], [lp]) if request.logprobs is not None else None}
+                       for b, (t, lp) in enumerate(zip(chunk["token_ids"], chunk["log_probs"])) if t is not None]
+            if choices:
+                yield f"data: {json.dumps({**head, 'choices': choices})}\n\n"
+        final = [_finish(b, o) for b, o in enumerate(box.get("final") or [])]
+        yield f"data: {json.dumps({**head, 'choices': final})}\n\n"
+    except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
+        error = _mapped(exc)
+        yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.type, 'code': error.status}})}\n\n"
+    finally:
+        await asyncio.to_thread(chunks.close)
+    yield "data: [DONE]\n\n"
+
+
+def _pull(chunks: Any, box: dict) -> Any:
+    """The next chunk, or _END with the stream's final result kept in box["final"]."""
+    try:
+        return next(chunks)
+    except StopIteration as stop:
+        box["final"] = stop.value
+        return _END
+
+
+def _finish(index: int, out: Any) -> dict[str, Any]:
+    reason = {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
+    return {"index": index, "text": "", "token_ids": [], "finish_reason": reason, "logprobs": None}
+
+
+def _mapped(exc: Exception) -> OpenAIError:
+    from pydantic import ValidationError
+
+    from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return OpenAIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                           param=str(first["loc"][0]) if first["loc"] else None)
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(503, str(exc), type="overloaded_error")
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(504, str(exc), type="timeout_error")
+    if isinstance(exc, EngineUnavailableError):
+        return OpenAIError(500 if exc.reason == "exception" else 503, str(exc), type="server_error")
+    return OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error")

@@ -1,0 +1,75 @@
+"""The OpenAI-compatible routes, driven by the real `openai` client against the app in this process.
+
+The routes run on a real inline `reference_lm` engine (no Ray, no Serve): `TestClient` is an
+httpx client, so `openai.OpenAI(http_client=...)` talks to the ASGI app directly. The same
+routes on a real Serve HTTP server are tested in the serve tests.
+
+Run: .venv/bin/pytest tests/test_openai_api.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from phyai_ray import Engine, EngineArgs
+from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
+from phyai_ray.serve.openai_api import add_openai_routes
+
+openai = pytest.importorskip("openai")
+
+
+class InlineRunner:
+    """The part of the Serve group runner the routes use (entry, engine, run), over one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.entry = engine, engine.entry
+
+    async def run(self, request, *, validate: bool = True):
+        return await asyncio.wrap_future(self.engine.submit(request))
+
+
+@pytest.fixture(scope="module")
+def client():
+    with Engine(EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config={"device": {"target": "cpu"}})) as engine:
+        api = FastAPI()
+        add_openai_routes(api, InlineRunner(engine))
+        with TestClient(api) as http:
+            yield openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http), engine
+
+
+def test_models_and_a_completion_with_logprobs(client):
+    oai, engine = client
+    assert [m.id for m in oai.models.list().data] == ["reference_lm"]
+    out = oai.completions.create(model="reference_lm", prompt=[1, 2, 3], max_tokens=6, temperature=0, logprobs=1)
+    [want] = engine.step({"prompts": [[1, 2, 3]], "max_tokens": 6})
+    choice = out.choices[0]
+    assert choice.token_ids == want.token_ids and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in want.token_ids]
+    lp = score(full_weights(ReferenceLMConfig(seed=0)), [1, 2, 3], want.token_ids)
+    assert (torch.tensor(choice.logprobs.token_logprobs) - lp).abs().max() <= 1e-5
+    assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 6
+
+
+def test_streamed_completion_yields_the_same_tokens(client):
+    oai, engine = client
+    [want] = engine.step({"prompts": [[4, 5]], "max_tokens": 5, "seed": 3, "temperature": 0.7, "top_p": 1.0})
+    events = list(oai.completions.create(model="reference_lm", prompt=[4, 5], max_tokens=5, temperature=0.7,
+                                         seed=3, stream=True, logprobs=0))
+    tokens = [t for e in events for c in e.choices for t in c.token_ids]
+    assert tokens == want.token_ids and events[-1].choices[0].finish_reason == "length"
+
+
+def test_errors_come_in_openais_shape(client):
+    oai, _ = client
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        oai.completions.create(model="reference_lm", prompt="hello", max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="reference_lm", prompt=[1, 999], max_tokens=4)
+    assert info.value.body["type"] == "invalid_request_error" and "999" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        oai.completions.create(model="gpt-4", prompt=[1], max_tokens=4)
