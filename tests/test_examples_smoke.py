@@ -28,10 +28,12 @@ def test_benchmark_prints_ratios_and_names_the_machine(ray_session, capsys, monk
     bench = _load("benchmarks/bench_engine.py")
     monkeypatch.setattr(bench.ray, "init", lambda **kwargs: None)      # reuse the session's Ray
     monkeypatch.setattr(bench.ray, "shutdown", lambda: None)
-    bench.main(["--requests", "20", "--max-replicas", "1"])
+    bench.main(["--requests", "20", "--max-replicas", "1", "--large", "1"])
     out = capsys.readouterr().out
-    assert out.startswith("machine: ") and "2-rank replica vs bare 2-actor put" in out
-    assert "1 replica(s) x 10 ms sleep" in out and "ratio" in out
+    assert out.startswith("machine: ") and "Ray request path (2 ranks)" in out
+    for ratio in ("compiled step / floor (p50)", "1 replica(s) x 10 ms", "64 MB result speed / bare ray.get",
+                  "64 MB request speed / bare broadcast"):
+        assert ratio in out and "target" in out.split(ratio, 1)[1].splitlines()[0], ratio
 
 
 def test_rl_loop_learns_and_every_rollout_carries_the_pushed_version(ray_session, capsys):
