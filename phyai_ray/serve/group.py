@@ -82,8 +82,9 @@ class ReplicaGroup:
     def __serve_build_asgi_app__(self) -> Any:
         from phyai_ray.serve.http import create_api
 
-        self.api = create_api(self.runner, self.options)
-        self.runner.holder.on_rebuild = self.api.state.metrics.count_rebuild
+        if self.api is None:  # Serve may ask more than once; requests and reports must share one app
+            self.api = create_api(self.runner, self.options)
+            self.runner.holder.on_rebuild = self.api.state.metrics.count_rebuild
         return self.api
 
     async def step(self, request: Any, hops: int = 0) -> Any:

@@ -40,8 +40,12 @@ def known_failed(replica: Any) -> bool:
 
 
 def rank_groups(replicas: List[Any], in_flight: dict, last_chosen: dict) -> List[Any]:
-    """Healthy groups by (in flight, least recently chosen); an unknown count sorts as 0 (probed)."""
-    healthy = [r for r in replicas if not known_failed(r)]
+    """Healthy groups by (in flight, least recently chosen); an unknown count sorts as 0 (and is probed).
+
+    When every group is known failed they are all returned: a failed group answers at once
+    (503 with Retry-After, or forwards) instead of the request waiting in the router.
+    """
+    healthy = [r for r in replicas if not known_failed(r)] or list(replicas)
     return sorted(healthy, key=lambda r: (in_flight.get(r.replica_id) or 0, last_chosen.get(r.replica_id, -1)))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
                               RequestTimeoutError)
 from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.registry import GroupReport
+from phyai_ray.serve.registry import GroupReport, set_failed
 
 Forward = Callable[[Any], Awaitable[Any]]
 _ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
@@ -55,8 +55,19 @@ class GroupRunner:
         except EngineUnavailableError:
             if hops > 0 or self.forward is None or self.engine.healthy:
                 raise
-            return await self._within(self.forward(request), "from the group it was forwarded to")
+            return await self._forwarded(request)
         return await self._within(asyncio.wrap_future(future), "; the request keeps running on its group")
+
+    async def _forwarded(self, request: Any) -> Any:
+        """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
+        set_failed(self.group, True)  # before routing: this process's router must not pick this group
+        try:
+            return await self._within(self.forward(request), "from the group it was forwarded to")
+        except Exception as exc:
+            cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     def _submit(self, request: Any, validate: bool) -> Any:
         if validate:
