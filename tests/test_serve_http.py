@@ -246,7 +246,7 @@ def test_timeouts_are_504_then_503_until_serve_replaces_the_groups(url: str) -> 
         assert error_of(reply)["type"] == "unavailable" and "retry-after" in {k.lower() for k in reply.headers}
     assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
     wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, "a replaced group")
-    assert_good_step(url)
+    assert_good_step(url)  # ready means a group that Serve routes to: every request reaches one
     wait_until(lambda: len(serving(url)) == 2, 120, "both groups replaced")
 
 
@@ -420,21 +420,30 @@ def test_tensor_budgets_of_one_request_are_422_before_any_submit() -> None:
     assert engine.submitted == []
 
 
-def test_a_failed_group_forwards_what_it_never_started_once() -> None:
+def test_a_failed_group_forwards_what_it_never_started() -> None:
     sent = []
 
-    async def forward(request: Any) -> Any:
-        sent.append(request)
+    async def forward(request: Any, hops: int, failed: tuple) -> Any:
+        sent.append((request, hops, failed))
         return {"from": "peer"}
 
     down = dict(at_submit=EngineUnavailableError("group failed", reason="no_healthy_replica"), healthy=False)
     status, _, body = asgi_request(edge(StepEngine(**down), forward=forward), "POST", "/v1/step", {"x": [1.0]}, AUTH)
-    assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [{"x": [1.0]}])
+    assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [({"x": [1.0]}, 1, ("g0",))])
     import asyncio
 
-    runner = GroupRunner(EngineHolder(lambda: StepEngine(**down)), forward=forward)
-    with pytest.raises(EngineUnavailableError):  # a forwarded request is never forwarded again
-        asyncio.run(runner.run({"x": [1.0]}, hops=1))
+    from phyai_ray.serve.registry import failed_here, set_failed
+    from phyai_ray.serve.runner import MAX_HOPS
+
+    runner = GroupRunner(EngineHolder(lambda: StepEngine(**down)), group="g1", forward=forward)
+    try:
+        assert asyncio.run(runner.run({"x": [1.0]}, hops=1, failed=("g0",))) == {"from": "peer"}
+        assert sent[-1][1:] == (2, ("g0", "g1")) and failed_here("g0") and failed_here("g1")
+        with pytest.raises(EngineUnavailableError):  # after MAX_HOPS failed groups: the cause, no more hops
+            asyncio.run(runner.run({"x": [1.0]}, hops=MAX_HOPS))
+    finally:
+        set_failed("g0", False)
+        set_failed("g1", False)
 
 
 class _Replica:

@@ -75,6 +75,7 @@ class ReplicaGroup:
                                          rebuild_failed=options.rebuild_failed)
         wait_s = deployment.process_config.execution_timeout_s + RESULT_GRACE_S
         self.runner = GroupRunner(holder, group=self.group, wait_s=wait_s, forward=self._forward)
+        self.runner.routable = False  # "starting" until Serve's first health check: routers know it by then
         self.api: Any = None
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
         logger.info("replica group %s ready: pids %s", self.group, holder.engine.replica_status()[0].pids)
@@ -87,15 +88,19 @@ class ReplicaGroup:
             self.runner.holder.on_rebuild = self.api.state.metrics.count_rebuild
         return self.api
 
-    async def step(self, request: Any, hops: int = 0) -> Any:
-        """The handle method: `await handle.step.remote(request)` -> the plugin's result, or the engine's error."""
-        return await self.runner.run(request, hops=hops)
+    async def step(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
+        """The handle method: `await handle.step.remote(request)` -> the plugin's result, or the engine's error.
 
-    def _forward(self, request: Any) -> Any:
-        return self._peers.step.remote(request, hops=1)
+        `hops` and `failed` are set by a failed group that forwards the request (see GroupRunner).
+        """
+        return await self.runner.run(request, hops=hops, failed=failed)
+
+    def _forward(self, request: Any, hops: int, failed: tuple) -> Any:
+        return self._peers.step.remote(request, hops=hops, failed=failed)
 
     def check_health(self) -> None:
         """Raise (unhealthy, so Serve replaces this replica) while the group has failed."""
+        self.runner.routable = True
         try:
             self.runner.holder.check_health()
         finally:

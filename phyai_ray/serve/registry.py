@@ -21,19 +21,28 @@ GONE_AFTER_S = 5.0  # no report for this long: the group was replaced or removed
 KEEP_GONE_S = 120.0
 FAILED_STAT = "phyai_failed"  # key of a group's record_routing_stats: True while its group has failed
 
-_failed_in_process: set[str] = set()
+RELAYED_FAILURE_S = 10.0  # how long a failure another group relayed counts here (routing stats take over)
+_failed_in_process: dict[str, float] = {}  # group -> until when this process's routers skip it
 
 
 def set_failed(group: str, failed: bool) -> None:
-    """Tell every router of this process (the handle a failed group forwards through) about `group`."""
+    """Tell every router of this process (the handle a failed group forwards through) about its own `group`."""
     if failed:
-        _failed_in_process.add(group)
+        _failed_in_process[group] = float("inf")
     else:
-        _failed_in_process.discard(group)
+        _failed_in_process.pop(group, None)
+
+
+def note_failed(groups: tuple[str, ...]) -> None:
+    """Failures another group relayed with a forwarded request; they count for RELAYED_FAILURE_S."""
+    until = time.monotonic() + RELAYED_FAILURE_S
+    for group in groups:
+        if _failed_in_process.get(group, 0.0) < until:
+            _failed_in_process[group] = until
 
 
 def failed_here(group: str) -> bool:
-    return group in _failed_in_process
+    return _failed_in_process.get(group, 0.0) > time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -41,7 +50,7 @@ class GroupReport:
     """One group's state as its Serve replica sees it."""
 
     group: str  # the Serve replica's unique id
-    state: str  # "serving", "failed" or (set by the registry) "gone"
+    state: str  # "starting" (Serve does not route to it yet), "serving", "failed", or (set here) "gone"
     world_size: int
     in_flight: int = 0
     queued: int = 0

@@ -4,9 +4,10 @@
     result = await runner.run(request)     # validate, submit to this replica's ONE group, await the result
 
 The HTTP route and the handle method `step` both end here. A request refused because this group
-has failed touched no rank, so it is forwarded once (`forward`, a call of another group through
-the deployment's handle) instead of failing: between the failure and Serve replacing this replica
-no request is lost to it. A request that was already queued or running when the group failed is
+has failed touched no rank, so it is forwarded (`forward`, a call of another group through the
+deployment's handle) instead of failing: between the failure and Serve replacing this replica no
+request is lost to it. The forwarded call names the failed groups it passed, so the next group's
+router skips them too; after MAX_HOPS failed groups the request fails with the cause. A request that was already queued or running when the group failed is
 not retried (the engine never re-runs a started request); it fails with the cause.
 
 `view` is the last copy of every group's report (see `registry.py`); it answers `/v1/replicas`,
@@ -22,9 +23,10 @@ from typing import Any, Awaitable, Callable
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
                               RequestTimeoutError)
 from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.registry import GroupReport, set_failed
+from phyai_ray.serve.registry import GroupReport, note_failed, set_failed
 
-Forward = Callable[[Any], Awaitable[Any]]
+Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
+MAX_HOPS = 3
 _ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
 
 
@@ -39,6 +41,7 @@ class GroupRunner:
                  forward: Forward | None = None) -> None:
         self.holder, self.group, self.wait_s, self.forward = holder, group, wait_s, forward
         self.view: list[GroupReport] = []
+        self.routable = True  # False from a Serve replica's start until Serve first checks its health
 
     @property
     def engine(self) -> Any:
@@ -48,21 +51,22 @@ class GroupRunner:
     def entry(self) -> Any:
         return self.holder.engine.entry
 
-    async def run(self, request: Any, *, hops: int = 0, validate: bool = True) -> Any:
-        """The result of `request`, or the engine's error; forwarded once when this group has failed."""
+    async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True) -> Any:
+        """The result of `request`, or the engine's error; forwarded when this group has failed."""
+        note_failed(tuple(failed))
         try:
             future = await asyncio.to_thread(self._submit, request, validate)
         except EngineUnavailableError:
-            if hops > 0 or self.forward is None or self.engine.healthy:
+            if hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
-            return await self._forwarded(request)
+            return await self._forwarded(request, hops + 1, (*failed, self.group))
         return await self._within(asyncio.wrap_future(future), "; the request keeps running on its group")
 
-    async def _forwarded(self, request: Any) -> Any:
+    async def _forwarded(self, request: Any, hops: int, failed: tuple) -> Any:
         """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
         try:
-            return await self._within(self.forward(request), "from the group it was forwarded to")
+            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to")
         except Exception as exc:
             cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
             if isinstance(cause, Exception):
@@ -94,7 +98,8 @@ class GroupRunner:
         """This group's report for the registry (one engine, one replica group)."""
         status = self.engine.replica_status()[0]
         return GroupReport(
-            group=self.group, state="serving" if status.healthy else "failed", world_size=status.world_size,
+            group=self.group, state=("serving" if self.routable else "starting") if status.healthy else "failed",
+            world_size=status.world_size,
             in_flight=status.in_flight, queued=status.queued, dispatched=status.dispatched, served=status.served,
             errored=status.errored, failure=status.failure, failure_reason=status.failure_reason,
             failed_rank=status.failed_rank, nodes=tuple(status.nodes), pids=tuple(status.pids),
@@ -109,7 +114,8 @@ class GroupRunner:
     @property
     def ready(self) -> bool:
         """Whether some group of the app can serve (this one, or another by the last report)."""
-        return self.engine.healthy or any(r.healthy for r in self.view if r.group != self.group)
+        mine = self.engine.healthy and self.routable
+        return mine or any(r.healthy for r in self.view if r.group != self.group)
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
