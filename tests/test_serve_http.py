@@ -240,7 +240,7 @@ def test_timeouts_are_504_then_503_until_serve_replaces_the_groups(url: str) -> 
         replies = [f.result() for f in slow]
     assert [r.status_code for r in replies] == [504, 504], [r.text for r in replies]
     assert all(error_of(r)["reason"] in ("timeout", "request_timeout") for r in replies)  # hung group / deadline
-    reply = step(url, torch.ones(1, 8))  # both groups failed: refused at once (or served by a new group)
+    reply = step(url, torch.ones(1, 8))  # both groups failed: it waits for a new group (<= 30 s), else 503
     assert reply.status_code in (503, 200), reply.text
     if reply.status_code == 503:
         assert error_of(reply)["type"] == "unavailable" and "retry-after" in {k.lower() for k in reply.headers}
@@ -467,7 +467,8 @@ def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_fail
     set_failed("c", True)
     try:
         assert [r.replica_id.unique_id for r in rank_groups([a, b, c], in_flight, {})] == ["b", "a"]
-        assert len(rank_groups([c, d], in_flight, {})) == 2  # all failed: they answer 503 at once
+        assert len(rank_groups([c, d], in_flight, {})) == 2  # all failed: a new request still reaches one
+        assert rank_groups([c, d], in_flight, {}, forwarded=True) == []  # a forwarded one waits for a healthy one
     finally:
         set_failed("c", False)
 

@@ -39,13 +39,14 @@ def known_failed(replica: Any) -> bool:
     return bool(stats.get(FAILED_STAT)) or failed_here(replica.replica_id.unique_id)
 
 
-def rank_groups(replicas: List[Any], in_flight: dict, last_chosen: dict) -> List[Any]:
+def rank_groups(replicas: List[Any], in_flight: dict, last_chosen: dict, forwarded: bool = False) -> List[Any]:
     """Healthy groups by (in flight, least recently chosen); an unknown count sorts as 0 (and is probed).
 
-    When every group is known failed they are all returned: a failed group answers at once
-    (503 with Retry-After, or forwards) instead of the request waiting in the router.
+    When every group is known failed: a new request goes to one of them anyway (it answers at
+    once: it forwards, or 503 with Retry-After); a request a failed group forwards gets none, so
+    it waits in the router (Serve retries with backoff) until Serve brings a healthy group up.
     """
-    healthy = [r for r in replicas if not known_failed(r)] or list(replicas)
+    healthy = [r for r in replicas if not known_failed(r)] or ([] if forwarded else list(replicas))
     return sorted(healthy, key=lambda r: (in_flight.get(r.replica_id) or 0, last_chosen.get(r.replica_id, -1)))
 
 
@@ -60,7 +61,8 @@ class FewestInFlightRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         cache = self.replica_queue_len_cache
         counts = {r.replica_id: cache.get(r.replica_id) for r in candidate_replicas}
-        return [[r] for r in rank_groups(candidate_replicas, counts, self._last_chosen)]
+        forwarded = pending_request is not None and bool(pending_request.kwargs.get("hops"))
+        return [[r] for r in rank_groups(candidate_replicas, counts, self._last_chosen, forwarded)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._last_chosen[replica_id] = next(self._clock)

@@ -27,6 +27,7 @@ from phyai_ray.serve.registry import GroupReport, note_failed, set_failed
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
 MAX_HOPS = 3
+FORWARD_WAIT_S = 30.0  # a forwarded request waits this long for a healthy group (Serve replacing them all)
 _ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
 
 
@@ -66,7 +67,11 @@ class GroupRunner:
         """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
         try:
-            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to")
+            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to",
+                                      min(self.wait_s, FORWARD_WAIT_S))
+        except RequestTimeoutError:
+            raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the request "
+                                         f"within {FORWARD_WAIT_S:.0f}s; retry later", reason="no_healthy_replica")
         except Exception as exc:
             cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
             if isinstance(cause, Exception):
@@ -84,13 +89,13 @@ class GroupRunner:
             text = " ".join(str(exc).split())
             raise SubmitFault(f"submitting the request failed: {type(exc).__name__}: {text}") from exc
 
-    async def _within(self, awaitable: Awaitable[Any], where: str) -> Any:
+    async def _within(self, awaitable: Awaitable[Any], where: str, timeout_s: float | None = None) -> Any:
         """Await without ever cancelling it (asyncio.wait does not cancel); RequestTimeoutError after wait_s."""
+        limit = self.wait_s if timeout_s is None else timeout_s
         task = asyncio.ensure_future(_awaited(awaitable))
-        done, _ = await asyncio.wait({task}, timeout=self.wait_s)
+        done, _ = await asyncio.wait({task}, timeout=limit)
         if not done:
-            raise RequestTimeoutError(f"no result within {self.wait_s:.0f}s {where}".replace(" ;", ";"),
-                                      waited_s=self.wait_s)
+            raise RequestTimeoutError(f"no result within {limit:.0f}s {where}".replace(" ;", ";"), waited_s=limit)
         return task.result()
 
     # -- state ---------------------------------------------------------------------------------
