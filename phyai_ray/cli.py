@@ -69,11 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow a non-loopback --host without an API key (anyone who reaches it may use it)")
     serve.add_argument("--max-body-bytes", type=_bounded_int(1, 2**40), default=DEFAULT_MAX_BODY_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
+    serve.add_argument("--model-name", default=None, help=ServeOptions.model_fields["model_name"].description)
     overload = ServeOptions.model_fields["overload_status"]
     serve.add_argument("--overload-status", type=int, choices=OVERLOAD_STATUSES, default=overload.default,
                        help=f"{overload.description} (default: {overload.default})")
+    scaling = serve.add_argument_group("autoscaling", "Serve adds and removes whole replica groups; giving any "
+                                       "of these turns it on (otherwise --replicas groups run)")
+    for name, kind in SCALING_FLAGS:
+        field = ServeOptions.model_fields[name]
+        scaling.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=field.description)
     add_config_flags(serve)
     return parser
+
+
+SCALING_FLAGS = (("min_replicas", int), ("max_replicas", int), ("target_ongoing_requests", float))
 
 
 def plan_text(ns: argparse.Namespace) -> str:
@@ -143,7 +152,8 @@ def _is_loopback(host: str) -> bool:
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status)
+               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status, model_name=ns.model_name,
+               **{name: getattr(ns, name) for name, _ in SCALING_FLAGS if getattr(ns, name) is not None})
     return 0
 
 

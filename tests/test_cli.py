@@ -147,6 +147,15 @@ def test_serve_passes_configs_and_http_settings_to_run_server(run_server_calls, 
                   "overload_status": 429}
 
 
+def test_serve_autoscaling_flags_reach_run_server(run_server_calls) -> None:
+    assert main(["serve", "tiny_tp", "--min-replicas", "1", "--max-replicas", "3",
+                 "--target-ongoing-requests", "1.5"]) == 0
+    kw = run_server_calls[0][2]
+    assert (kw["min_replicas"], kw["max_replicas"], kw["target_ongoing_requests"]) == (1, 3, 1.5)
+    assert main(["serve", "tiny_tp", "--replicas", "2"]) == 0
+    assert "min_replicas" not in run_server_calls[1][2] and run_server_calls[1][1].replica_count == 2
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
 def test_serve_on_loopback_needs_no_key(run_server_calls, host: str) -> None:
     assert main(["serve", "tiny_tp", "--host", host]) == 0

@@ -2,11 +2,11 @@
 
 Run: flock /tmp/phyai-ray-tests.lock .venv/bin/pytest tests/test_serve_http.py -q
 
-One Serve app serves the whole module (starting it costs most of the runtime). The tests run in
-file order and the later ones break replica groups on purpose: a killed rank takes down group A
-while group B serves (and the ingress restarts A in place, `rebuild_failed`); two requests past
-`execution_timeout_s` take down both groups (504 each); with no group up requests get 503 until
-the ingress has restarted them.
+One Serve app serves the whole module (starting it costs most of the runtime); each of its two
+Serve replicas is one replica group. The tests run in file order and the later ones break groups
+on purpose: a killed rank fails group A while group B serves every request, and Serve replaces A
+(new pids) without touching B; two requests past `execution_timeout_s` fail both groups (504
+each), requests get 503 until Serve has replaced them, then 200 again.
 The module neither uses `ray_session` nor the `ray` marker: conftest's per-test leak check would
 see the app's live rank actors and placement groups between tests. It checks for leaks itself,
 once, after `serve.shutdown()`.
@@ -29,6 +29,7 @@ from phyai_ray.config.engine import DeviceConfig
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
 from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
+from phyai_ray.serve.runner import GroupRunner
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
 from tests.helpers import asgi_request, free_port, post_step, wait_until
 from tests.plugins.tiny import reference
@@ -38,6 +39,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 * 1024
 EXECUTION_TIMEOUT_S = 4.0
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
+APP = "phyai-http"
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,7 @@ def url() -> str:
     deployment = DeploymentConfig.local(replica_count=2, process_config=WorkerSupervisorConfig(
         execution_timeout_s=EXECUTION_TIMEOUT_S, startup_timeout_s=120))
     try:
-        serve.run(create_app(args, deployment, api_key=KEY, max_body_bytes=MAX_BODY, rebuild_failed=True,
-                             health_check_period_s=1.0), name="phyai", route_prefix="/")
+        serve.run(create_app(args, deployment, api_key=KEY, max_body_bytes=MAX_BODY, health_check_period_s=1.0), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -69,12 +70,13 @@ def step(url: str, x: torch.Tensor, **extra: Any) -> requests.Response:
     return post_step(url, {"x": x}, key=KEY, **extra)
 
 
-def assert_good_step(url: str) -> None:
+def assert_good_step(url: str) -> dict[str, Any]:
     x = torch.randint(-5, 5, (3, 8)).float()
     reply = step(url, x)
     assert reply.status_code == 200, reply.text
     result = codec.decode(reply.json()["result"])
     assert result["tp"] == 2 and torch.equal(result["y"], reference(x))
+    return result
 
 
 def error_of(reply: requests.Response) -> dict[str, Any]:
@@ -83,20 +85,35 @@ def error_of(reply: requests.Response) -> dict[str, Any]:
     return body["error"]
 
 
-def test_step_round_trips_tensors_over_both_replicas(url: str) -> None:
+def replicas(url: str) -> dict[str, Any]:
+    return requests.get(f"{url}/v1/replicas", headers=AUTH, timeout=10).json()
+
+
+def serving(url: str) -> dict[str, dict[str, Any]]:
+    """group id -> row, for the groups that serve now."""
+    return {r["group"]: r for r in replicas(url)["replicas"] if r["state"] == "serving"}
+
+
+def test_step_round_trips_tensors_over_both_groups(url: str) -> None:
+    pids = set()
     for dtype in (torch.float32, torch.float64, torch.int64):
         x = torch.arange(16, dtype=dtype).reshape(2, 8) - 7
         reply = step(url, x)
         assert reply.status_code == 200, reply.text
-        y = codec.decode(reply.json()["result"])["y"]
-        assert y.dtype == torch.float32 and torch.equal(y, reference(x))
+        result = codec.decode(reply.json()["result"])
+        assert result["y"].dtype == torch.float32 and torch.equal(result["y"], reference(x))
+        pids.add(result["pid"])
     plain = requests.post(f"{url}/v1/step", json={"x": [[1.0] * 8]}, headers=AUTH, timeout=60)
     assert codec.decode(plain.json()["result"])["y"].tolist() == reference([[1.0] * 8]).tolist()
-    served = [r["served"] for r in requests.get(f"{url}/v1/replicas", headers=AUTH, timeout=10).json()["replicas"]]
-    assert sum(served) >= 4 and all(s >= 1 for s in served), served  # fewest-in-flight with fair ties
+    assert len(pids) == 2, pids  # one at a time: ties go to the least recently chosen group
+    groups = wait_until(lambda: len(s := serving(url)) == 2 and sum(r["served"] for r in s.values()) == 4 and s,
+                        10, "both groups to report what they served")  # each report is at most ~0.5 s old
+    assert all(r["served"] >= 1 for r in groups.values())
+    assert all(len(r["pids"]) == 2 and r["world_size"] == 2 for r in groups.values()), groups
 
 
 JSON = {**AUTH, "Content-Type": "application/json"}
+_T = codec.encode(torch.zeros(1, 8))
 BAD_REQUESTS = {
     "no key": (401, "unauthorized", dict(json={"x": [[1.0] * 8]})),
     "wrong key": (401, "unauthorized", dict(json={"x": [[1.0] * 8]}, headers={"Authorization": "Bearer nope"})),
@@ -146,63 +163,91 @@ def test_openapi_documents_the_plugin_request_model(url: str) -> None:
     assert {"413", "415", "422", "503", "504"} <= set(spec["paths"]["/v1/step"]["post"]["responses"])
 
 
-def test_metrics_endpoint_counts_requests(url: str) -> None:
-    assert_good_step(url)
+def metric_lines(url: str) -> dict[str, float]:
     text = requests.get(f"{url}/metrics", headers=AUTH, timeout=10).text
-    lines = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line and not line.startswith("#")}
-    assert lines['phyai_requests_total{route="/v1/step",status="200"}'] >= 1
-    assert lines['phyai_requests_total{route="/v1/step",status="413"}'] >= 1
-    assert lines['phyai_replica_healthy{engine_replica="0"}'] == 1.0
-    assert 'phyai_request_latency_seconds_bucket{le="+Inf",route="/v1/step"}' in lines
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
-def rank_actor_pids() -> list[int]:
+def test_metrics_cover_every_group_whichever_answers(url: str) -> None:
+    assert_good_step(url)
+    groups = serving(url)
+    served = sum(r["served"] for r in groups.values())
+
+    def complete() -> dict[str, float] | None:  # each group's counts arrive with its next report
+        lines = metric_lines(url)
+        want = [f'phyai_replica_healthy{{engine_replica="{g}"}}' for g in groups]
+        ok = lines.get('phyai_requests_total{route="/v1/step",status="200"}', 0) >= served
+        return lines if ok and all(k in lines for k in want) and lines.get(
+            'phyai_requests_total{route="/v1/step",status="413"}', 0) >= 2 else None
+
+    for _ in range(3):  # three scrapes, answered by either group
+        lines = wait_until(complete, 15, "/metrics to cover both groups")
+        assert all(lines[f'phyai_replica_healthy{{engine_replica="{g}"}}'] == 1.0 for g in groups)
+        assert 'phyai_request_latency_seconds_bucket{le="+Inf",route="/v1/step"}' in lines
+
+
+def test_a_ray_task_calls_the_groups_through_their_handle(url: str) -> None:
     import ray
 
-    return [a["Pid"] for a in ray._private.state.actors().values()
-            if a.get("State") == "ALIVE" and "RankActor" in (a.get("ActorClassName") or "")]
+    @ray.remote(num_cpus=0)
+    def call(x: torch.Tensor) -> Any:
+        from phyai_ray.serve import group_handle
+
+        return group_handle(APP).step.remote({"x": x}).result(timeout_s=60)
+
+    x = torch.randint(-5, 5, (2, 8)).float()
+    result = ray.get(call.remote(x), timeout=120)
+    assert result["tp"] == 2 and torch.equal(result["y"], reference(x))
 
 
-def replicas(url: str) -> dict[str, Any]:
-    return requests.get(f"{url}/v1/replicas", headers=AUTH, timeout=10).json()
+def rank_pids(row: dict[str, Any]) -> set[int]:
+    return set(row["pids"])
 
 
-def test_killed_rank_fails_its_group_and_the_other_keeps_serving(url: str) -> None:
-    pids = rank_actor_pids()
-    assert len(pids) == 4, pids
-    os.kill(pids[0], signal.SIGKILL)
+def test_killed_rank_fails_its_group_the_other_serves_and_serve_replaces_it(url: str) -> None:
+    before = serving(url)
+    assert len(before) == 2, before
+    victim, survivor = sorted(before)
+    os.kill(before[victim]["pids"][1], signal.SIGKILL)
 
-    def one_failed() -> dict[str, Any] | None:
-        state = replicas(url)
-        return state if any(not r["healthy"] for r in state["replicas"]) else None
+    def failed() -> dict[str, Any] | None:
+        rows = {r["group"]: r for r in replicas(url)["replicas"]}
+        return rows[victim] if rows.get(victim, {}).get("state") in ("failed", "gone") else None
 
-    state = wait_until(one_failed, 30, "a replica group to be marked failed")
-    failed = [r for r in state["replicas"] if not r["healthy"]]
-    assert len(failed) == 1 and failed[0]["failure_reason"] == "worker_exit", state
-    assert "exited" in failed[0]["failure"] and failed[0]["failed_rank"] in (0, 1)
-    assert state["healthy"] and requests.get(f"{url}/readyz", timeout=10).status_code == 200
-    for _ in range(4):
+    row = wait_until(failed, 30, "the killed rank's group to be reported failed")
+    assert row["failure_reason"] == "worker_exit" and "exited" in row["failure"] and row["failed_rank"] in (0, 1), row
+    assert requests.get(f"{url}/readyz", timeout=10).status_code == 200
+    for _ in range(6):  # before and after Serve replaces the failed group: never refused
         assert_good_step(url)
 
+    def replaced() -> dict[str, dict[str, Any]] | None:
+        now = serving(url)
+        return now if len(now) == 2 and victim not in now else None
 
-def test_timeouts_are_504_then_503_until_the_groups_are_restarted(url: str) -> None:
-    wait_until(lambda: all(r["healthy"] for r in replicas(url)["replicas"]), 120, "the killed group's restart")
-    restarts = replicas(url)["rebuilds"]
-    assert restarts >= 1
+    after = wait_until(replaced, 90, "Serve to bring up a new group in place of the failed one")
+    new = next(g for g in after if g != survivor)
+    assert after[survivor]["pids"] == before[survivor]["pids"], "the healthy group was restarted"
+    assert after[survivor]["replica_pid"] == before[survivor]["replica_pid"]
+    assert not rank_pids(after[new]) & (rank_pids(before[victim]) | rank_pids(before[survivor])), after
+    assert_good_step(url)
+
+
+def test_timeouts_are_504_then_503_until_serve_replaces_the_groups(url: str) -> None:
+    wait_until(lambda: len(serving(url)) == 2, 90, "two serving groups")
     with ThreadPoolExecutor(2) as pool:  # one slow request per group (fewest in flight)
         slow = [pool.submit(step, url, torch.ones(1, 8), sleep_s=EXECUTION_TIMEOUT_S + 6) for _ in range(2)]
         replies = [f.result() for f in slow]
     assert [r.status_code for r in replies] == [504, 504], [r.text for r in replies]
     assert all(error_of(r)["reason"] in ("timeout", "request_timeout") for r in replies)  # hung group / deadline
-    reply = step(url, torch.ones(1, 8))  # no group up: refused at once, nothing touched
-    assert reply.status_code == 503 and error_of(reply)["type"] == "unavailable", reply.text
-    assert requests.get(f"{url}/readyz", timeout=10).status_code == 503
+    reply = step(url, torch.ones(1, 8))  # both groups failed: it waits for a new group (<= 30 s), else 503
+    assert reply.status_code in (503, 200), reply.text
+    if reply.status_code == 503:
+        assert error_of(reply)["type"] == "unavailable" and "retry-after" in {k.lower() for k in reply.headers}
     assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
-    wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, "a group restart")
-    assert_good_step(url)
-    state = wait_until(lambda: (s := replicas(url))["rebuilds"] == restarts + 2 and s, 120, "both restarts")
-    assert all(r["healthy"] for r in state["replicas"]), state
+    wait_until(lambda: requests.get(f"{url}/readyz", timeout=10).status_code == 200, 120, "a replaced group")
+    assert_good_step(url)  # ready means a group that Serve routes to: every request reaches one
+    wait_until(lambda: len(serving(url)) == 2, 120, "both groups replaced")
 
 
 def test_ray_metrics_export_port_carries_the_request_counter(url: str) -> None:
@@ -311,11 +356,12 @@ class StepEngine:
         pass
 
 
-def edge(engine: StepEngine, **options: Any) -> Any:
+def edge(engine: StepEngine, forward: Any = None, **options: Any) -> Any:
     from phyai_ray.serve.http import create_api
     from phyai_ray.serve.options import ServeOptions
 
-    return create_api(EngineHolder(lambda: engine), ServeOptions(api_key=KEY, **options), wait_s=10)
+    runner = GroupRunner(EngineHolder(lambda: engine), group="g0", wait_s=10, forward=forward)
+    return create_api(runner, ServeOptions(api_key=KEY, **options))
 
 
 ENGINE_ERRORS = {  # case: (engine, options, status, type, reason, Retry-After)
@@ -362,6 +408,69 @@ def test_readyz_says_ready_or_not_and_nothing_more() -> None:
     assert "exited" not in str(body) and "10.0.0.7" not in str(body) and "secret-host" not in str(body), body
     status, _, body = asgi_request(edge(StepEngine(healthy=False)), "GET", "/v1/replicas", headers=AUTH)
     assert status == 200 and "secret-host" in body["replicas"][0]["failure"]  # the details need the key
+
+
+def test_tensor_budgets_of_one_request_are_422_before_any_submit() -> None:
+    engine = StepEngine()
+    body = {"x": [1.0] * 8, "extra": [_T] * 5}
+    status, _, reply = asgi_request(edge(engine, max_tensors=4), "POST", "/v1/step", body, AUTH)
+    assert status == 422 and "more than 4 tensors" in reply["error"]["message"], reply
+    status, _, reply = asgi_request(edge(engine, max_tensor_bytes=100), "POST", "/v1/step", body, AUTH)
+    assert status == 422 and "pass 100 bytes together" in reply["error"]["message"], reply
+    assert engine.submitted == []
+
+
+def test_a_failed_group_forwards_what_it_never_started() -> None:
+    sent = []
+
+    async def forward(request: Any, hops: int, failed: tuple) -> Any:
+        sent.append((request, hops, failed))
+        return {"from": "peer"}
+
+    down = dict(at_submit=EngineUnavailableError("group failed", reason="no_healthy_replica"), healthy=False)
+    status, _, body = asgi_request(edge(StepEngine(**down), forward=forward), "POST", "/v1/step", {"x": [1.0]}, AUTH)
+    assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [({"x": [1.0]}, 1, ("g0",))])
+    import asyncio
+
+    from phyai_ray.serve.registry import failed_here, set_failed
+    from phyai_ray.serve.runner import MAX_HOPS
+
+    runner = GroupRunner(EngineHolder(lambda: StepEngine(**down)), group="g1", forward=forward)
+    try:
+        assert asyncio.run(runner.run({"x": [1.0]}, hops=1, failed=("g0",))) == {"from": "peer"}
+        assert sent[-1][1:] == (2, ("g0", "g1")) and failed_here("g0") and failed_here("g1")
+        with pytest.raises(EngineUnavailableError):  # after MAX_HOPS failed groups: the cause, no more hops
+            asyncio.run(runner.run({"x": [1.0]}, hops=MAX_HOPS))
+    finally:
+        set_failed("g0", False)
+        set_failed("g1", False)
+
+
+class _Replica:
+    def __init__(self, name: str, failed: bool = False) -> None:
+        from ray.serve.request_router import ReplicaID
+
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=None)
+        self.routing_stats = {"phyai_failed": failed}
+
+
+def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_failed() -> None:
+    from phyai_ray.serve.registry import set_failed
+    from phyai_ray.serve.router import rank_groups
+
+    a, b, c, d = _Replica("a"), _Replica("b"), _Replica("c"), _Replica("d", failed=True)
+    ids = {r.replica_id.unique_id: r.replica_id for r in (a, b, c, d)}
+    in_flight = {ids["a"]: 2, ids["b"]: 0, ids["c"]: 0, ids["d"]: 0}
+    order = rank_groups([a, b, c, d], in_flight, {ids["b"]: 5, ids["c"]: 3})
+    assert [r.replica_id.unique_id for r in order] == ["c", "b", "a"]
+    assert [r.replica_id.unique_id for r in rank_groups([a, b], {}, {ids["a"]: 1})] == ["b", "a"]  # unknown = 0
+    set_failed("c", True)
+    try:
+        assert [r.replica_id.unique_id for r in rank_groups([a, b, c], in_flight, {})] == ["b", "a"]
+        assert len(rank_groups([c, d], in_flight, {})) == 2  # all failed: a new request still reaches one
+        assert rank_groups([c, d], in_flight, {}, forwarded=True) == []  # a forwarded one waits for a healthy one
+    finally:
+        set_failed("c", False)
 
 
 @pytest.mark.parametrize("exc,status", [

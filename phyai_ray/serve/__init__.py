@@ -1,10 +1,11 @@
-"""HTTP serving edge: the tensor JSON codec and the Ray Serve application.
+"""HTTP serving: the Ray Serve application in which every Serve replica is one replica group.
 
     serve run phyai_ray.serve:build_app plugin=reference_dit dense_tp_size=2 replicas=2 device=cpu
     phyai-ray serve reference_dit --dense-tp-size 2 --replicas 2 --device cpu
+    await group_handle("phyai").step.remote(request)       # from a task, an actor or another app
 
-`import phyai_ray.serve` loads neither Ray nor FastAPI; `build_app`, `create_app`, `run_server`
-and `ServeOptions` load on first use.
+`import phyai_ray.serve` loads neither Ray nor FastAPI; `build_app`, `create_app`, `group_handle`,
+`run_server` and `ServeOptions` load on first use.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from phyai_ray._lazy import lazy_exports
 _EXPORTS = {
     "build_app": "phyai_ray.serve.app",
     "create_app": "phyai_ray.serve.app",
+    "group_handle": "phyai_ray.serve.app",
     "run_server": "phyai_ray.serve.server",
     "Server": "phyai_ray.serve.server",
     "ServeOptions": "phyai_ray.serve.options",

@@ -18,7 +18,8 @@ pass through. Tuples encode as lists (and decode as lists). A user dict may not 
 reserved key `__tensor__`. Tensors are detached, moved to CPU and made contiguous first.
 
 `decode` is meant for untrusted input: it checks every field before allocating, limits the
-bytes of one tensor (`max_bytes`) and the nesting depth (`max_depth`), and raises `CodecError`
+bytes of one tensor (`max_bytes`), the tensors of the whole payload (`max_tensors`, and their
+bytes together, `max_total_bytes`) and the nesting depth (`max_depth`), and raises `CodecError`
 naming the place in the payload, e.g. `request.inputs[2].__tensor__.shape: ...`.
 """
 
@@ -44,6 +45,8 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 64
+DEFAULT_MAX_TENSORS = 1024
+DEFAULT_MAX_TOTAL_BYTES = 1024 * 1024 * 1024
 MAX_DIMS = 32
 _EXAMPLE = '{"__tensor__": {"dtype": "float32", "shape": [2, 3], "data": "<base64>"}}'
 
@@ -57,10 +60,29 @@ def encode(obj: Any, *, root: str = "payload") -> Any:
     return _encode(obj, root, 0)
 
 
+class _Budget:
+    """What the rest of one payload may still hold: tensors, and their bytes together."""
+
+    def __init__(self, max_tensors: int, max_total_bytes: int) -> None:
+        self.tensors, self.bytes = max_tensors, max_total_bytes
+        self.max_tensors, self.max_total_bytes = max_tensors, max_total_bytes
+
+    def spend(self, path: str, nbytes: int) -> None:
+        self.tensors -= 1
+        self.bytes -= nbytes
+        if self.tensors < 0:
+            raise CodecError(f"{path}: more than {self.max_tensors} tensors in one payload; send fewer (or "
+                             "start the server with a larger --max-tensors)")
+        if self.bytes < 0:
+            raise CodecError(f"{path}: the payload's tensors pass {self.max_total_bytes} bytes together; send "
+                             "less (or start the server with a larger --max-tensor-bytes)")
+
+
 def decode(obj: Any, *, root: str = "payload", max_bytes: int = DEFAULT_MAX_BYTES,
-           max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+           max_depth: int = DEFAULT_MAX_DEPTH, max_tensors: int = DEFAULT_MAX_TENSORS,
+           max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES) -> Any:
     """Reverse `encode`: rebuild tensors from `{"__tensor__": {...}}` objects (CPU tensors)."""
-    return _decode(obj, root, 0, max_bytes, max_depth)
+    return _decode(obj, root, 0, max_bytes, max_depth, _Budget(max_tensors, max_total_bytes))
 
 
 def _child(path: str, key: Any) -> str:
@@ -113,27 +135,28 @@ def _little_endian(u8: torch.Tensor, itemsize: int) -> torch.Tensor:
     return u8.reshape(-1, itemsize).flip(-1).reshape(-1)
 
 
-def _decode(obj: Any, path: str, depth: int, max_bytes: int, max_depth: int) -> Any:
+def _decode(obj: Any, path: str, depth: int, max_bytes: int, max_depth: int, budget: _Budget) -> Any:
     if depth > max_depth:
         raise CodecError(f"{path}: nesting deeper than {max_depth} levels; flatten the payload")
     if isinstance(obj, list):
-        return [_decode(v, _child(path, i), depth + 1, max_bytes, max_depth) for i, v in enumerate(obj)]
+        return [_decode(v, _child(path, i), depth + 1, max_bytes, max_depth, budget) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         if TENSOR_KEY in obj:
-            return _decode_marker(obj, path, max_bytes)
-        return {k: _decode(v, _child(path, k), depth + 1, max_bytes, max_depth) for k, v in obj.items()}
+            return _decode_marker(obj, path, max_bytes, budget)
+        return {k: _decode(v, _child(path, k), depth + 1, max_bytes, max_depth, budget) for k, v in obj.items()}
     return obj
 
 
-def _decode_marker(obj: dict[str, Any], path: str, max_bytes: int) -> torch.Tensor:
+def _decode_marker(obj: dict[str, Any], path: str, max_bytes: int, budget: _Budget) -> torch.Tensor:
     if len(obj) != 1:
         extra = sorted(k for k in obj if k != TENSOR_KEY)
         raise CodecError(f"{path}: a tensor object has the single key {TENSOR_KEY!r}, found also {extra}; "
                          f"expected {_EXAMPLE}")
-    return decode_tensor(obj[TENSOR_KEY], _child(path, TENSOR_KEY), max_bytes=max_bytes)
+    return decode_tensor(obj[TENSOR_KEY], _child(path, TENSOR_KEY), max_bytes=max_bytes, budget=budget)
 
 
-def decode_tensor(fields: Any, path: str = "payload", *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+def decode_tensor(fields: Any, path: str = "payload", *, max_bytes: int = DEFAULT_MAX_BYTES,
+                  budget: _Budget | None = None) -> torch.Tensor:
     """Build one CPU tensor from its `{"dtype", "shape", "data"}` fields, checking each first."""
     if not isinstance(fields, dict) or set(fields) != set(FIELDS):
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
@@ -146,6 +169,8 @@ def decode_tensor(fields: Any, path: str = "payload", *, max_bytes: int = DEFAUL
     if expected > max_bytes:
         raise CodecError(f"{path}: shape {shape} of {fields['dtype']} is {expected} bytes, over the limit of "
                          f"{max_bytes} bytes per tensor; send smaller tensors or raise the limit")
+    if budget is not None:
+        budget.spend(path, expected)  # before any allocation
     form = f"shape {shape} of {fields['dtype']} ({math.prod(shape)} elements x {itemsize} bytes = {expected} bytes)"
     raw = _check_data(fields["data"], _child(path, "data"), expected, form)
     if dtype is torch.bool and raw.translate(None, b"\x00\x01"):

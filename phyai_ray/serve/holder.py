@@ -1,10 +1,10 @@
-"""`EngineHolder`: the engine an ingress replica owns, its health verdict, and in-place restarts.
+"""`EngineHolder`: the engine a group's Serve replica owns, its health verdict, and in-place restarts.
 
 The engine never restarts workers itself (a failed replica group stays failed). The holder is
 the owning layer the design asks for:
 
 * `check_health()` (Serve calls it every `health_check_period_s`) raises while no replica group
-  can serve, so Serve marks the ingress unhealthy and replaces it, engine and all.
+  can serve (in the Serve app: while its one group has failed), so Serve replaces that replica.
 * With `rebuild_failed=True` it instead restarts each failed replica group in place
   (`Engine.restart_replica`) on a background thread, while the healthy groups keep serving;
   requests get 503 only while no group is up. Only a restart that fails makes it unhealthy.

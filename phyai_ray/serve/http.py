@@ -1,14 +1,16 @@
-"""The FastAPI application of the ingress: routes, error handlers, the edge guard and metrics.
+"""The FastAPI application each replica group serves: routes, error handlers, the edge guard and metrics.
 
     POST /v1/step       one request -> one result (JSON; tensors in the codec's encoding)
-    GET  /healthz       liveness: the ingress process answers (no key needed)
+    GET  /healthz       liveness: the group's Serve replica answers (no key needed)
     GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed, so no details)
-    GET  /v1/replicas   health, in-flight, served, failures and failure cause per replica group
+    GET  /v1/replicas   state, in-flight, served, failures, failure cause, nodes and pids of every group
     GET  /metrics       Prometheus text
+    POST /v1/completions, GET /v1/models   OpenAI-compatible, for token plugins (serve/openai_api.py)
     GET  /docs, /openapi.json
 
 The body of `/v1/step` is the plugin's `request_model` when it declares one (validated and
-documented), else any JSON object. Nothing from the network is ever unpickled.
+documented), else any JSON object. Nothing from the network is ever unpickled. Decoding and
+encoding tensors run on a worker thread, never on the event loop that answers health checks.
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from phyai_ray.serve import codec
 from phyai_ray.serve.errors import (ENGINE_ERRORS, RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
                                     from_http_exception, from_validation_errors)
 from phyai_ray.serve.guard import EdgeGuard
-from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.metrics import EdgeMetrics
 from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.runner import GroupRunner, SubmitFault
 from phyai_ray.serve.schema import ErrorBody, StepResponse
 
-ROUTES = ("/v1/step", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ROUTES = ("/v1/step", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "the body is not JSON"), (401, "missing or wrong API key"), (413, "body over the size limit"),
     (415, "not application/json"), (422, "schema, codec or plugin validation failed; no rank was touched"),
@@ -45,15 +47,18 @@ ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in 
     (504, "the request passed execution_timeout_s"))}
 
 
-def create_api(holder: EngineHolder, options: ServeOptions, *, wait_s: float) -> FastAPI:
-    """The ASGI app for one ingress replica; `wait_s` bounds how long a request waits for its result."""
-    engine = holder.engine
-    api = FastAPI(title=f"phyai-ray: {engine.entry.display_name()}", version=__version__,
+def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
+    """The ASGI app of one replica group; every group of the app serves the same one."""
+    api = FastAPI(title=f"phyai-ray: {runner.entry.display_name()}", version=__version__,
                   description=__doc__.split("\n\n")[1] + _auth_note(options))
-    metrics = EdgeMetrics(lambda: holder.engine.replica_status())
+    metrics = EdgeMetrics(runner.groups, own=lambda: [runner.report()])
     _add_error_handlers(api)
-    _add_probe_routes(api, holder, metrics)
-    _add_step_route(api, holder, engine.entry.request_model, wait_s, options.overload_status)
+    _add_probe_routes(api, runner, metrics)
+    _add_step_route(api, runner, options)
+    if getattr(runner.entry, "generates_tokens", False):
+        from phyai_ray.serve.openai_api import add_openai_routes
+
+        add_openai_routes(api, runner, options.model_name)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
     api.state.metrics = metrics
@@ -81,8 +86,8 @@ def _add_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(Exception, internal_error)
 
 
-def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) -> None:
-    @api.get("/healthz", tags=["health"], summary="Liveness: the ingress answers")
+def _add_probe_routes(api: FastAPI, runner: GroupRunner, metrics: EdgeMetrics) -> None:
+    @api.get("/healthz", tags=["health"], summary="Liveness: this group's Serve replica answers")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
@@ -90,16 +95,18 @@ def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) 
              responses={503: ERRORS[503]})
     async def readyz() -> dict[str, Any]:
         """Open to anyone, so it says ready or not and nothing more; /v1/replicas (keyed) has the causes."""
-        if not holder.engine.healthy:
+        if not runner.ready:
             raise HttpError(503, "not ready: no replica group can serve now; GET /v1/replicas for the causes",
                             type="unavailable", headers=dict(RETRY_AFTER))
         return {"ready": True}
 
-    @api.get("/v1/replicas", tags=["status"], summary="Health, load and failure cause of every replica group")
+    @api.get("/v1/replicas", tags=["status"], summary="State, load and failure cause of every replica group")
     async def replicas() -> dict[str, Any]:
-        engine = holder.engine
-        return {"mode": engine.mode, "healthy": engine.healthy, "rebuilding": holder.rebuilding,
-                "rebuilds": holder.rebuilds, "replicas": [s.to_dict() for s in engine.replica_status()]}
+        groups = runner.groups(metrics.request_counts())
+        rows = [{"index": i, **g.to_dict()} for i, g in enumerate(groups)]
+        return {"mode": runner.engine.mode, "healthy": any(g.healthy for g in groups), "group": runner.group,
+                "rebuilding": runner.holder.rebuilding, "rebuilds": sum(g.rebuilds for g in groups),
+                "replicas": rows}
 
     @api.get("/metrics", tags=["status"], summary="Prometheus metrics (text format)",
              response_class=Response)
@@ -108,19 +115,14 @@ def _add_probe_routes(api: FastAPI, holder: EngineHolder, metrics: EdgeMetrics) 
         return Response(text, media_type=content_type)
 
 
-def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: float, overload_status: int) -> None:
+def _add_step_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
     async def step(body: Any) -> JSONResponse:
         raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
-        try:
-            request = codec.decode(raw, root="request")
-        except codec.CodecError as exc:
-            raise HttpError(422, str(exc), type="invalid_request") from None
-        result = await _run(holder.engine, request, wait_s, overload_status)
-        try:
-            return JSONResponse({"result": codec.encode(result, root="result")})
-        except codec.CodecError as exc:
-            raise HttpError(500, f"the plugin's result cannot be sent as JSON: {exc}", type="internal") from None
+        request = await asyncio.to_thread(_decode_and_validate, runner.entry, raw, options)
+        result = await _run(runner, request, options.overload_status)
+        return JSONResponse({"result": await asyncio.to_thread(_encode, result)})
 
+    model = runner.entry.request_model
     annotation = model if model is not None else Any
     docs = "The plugin's request" + ("" if model is not None else " (any JSON object)") + \
         "; tensors as {\"__tensor__\": {\"dtype\", \"shape\", \"data\"}}."
@@ -132,36 +134,41 @@ def _add_step_route(api: FastAPI, holder: EngineHolder, model: Any, wait_s: floa
                       responses={200: {"model": StepResponse}, **ERRORS}, response_class=JSONResponse)
 
 
-async def _run(engine: Any, request: Any, wait_s: float, overload_status: int) -> Any:
-    """Admit the request, then wait for its result without ever cancelling it (statuses: serve/errors.py)."""
-    future = await asyncio.to_thread(_admit, engine, request, overload_status)
-    waiting = asyncio.wrap_future(future)
-    done, _ = await asyncio.wait({waiting}, timeout=wait_s)  # asyncio.wait never cancels what it waits on
-    if not done:
-        raise HttpError(504, f"no result within {wait_s:.0f}s; the request keeps running on its replica",
-                        type="timeout")
-    try:
-        return waiting.result()
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc, overload_status=overload_status) from None
-    except Exception as exc:
-        raise HttpError(500, f"the plugin failed on this request: {describe(exc)}", type="execution_error") from None
+def _decode_and_validate(entry: Any, raw: Any, options: ServeOptions) -> Any:
+    """Tensors from the body (422 on a codec error), then the plugin's validator (422 "rejected").
 
-
-def _admit(engine: Any, request: Any, overload_status: int) -> Any:
-    """The plugin's validator (its error: 422, the client's fault), then `submit` (any error: 5xx).
-
-    The validator runs here as well as in `submit` so that only ITS errors become 4xx: whatever
-    else `submit` raises is the server's fault and must not look like a bad request.
+    Only these two make a 4xx: whatever else fails later is the server's fault and must not look
+    like a bad request.
     """
     try:
-        engine.entry.validate_request(request)
+        request = codec.decode(raw, root="request", max_tensors=options.max_tensors,
+                               max_total_bytes=options.max_tensor_bytes)
+    except codec.CodecError as exc:
+        raise HttpError(422, str(exc), type="invalid_request") from None
+    try:
+        entry.validate_request(request)
     except Exception as exc:
         raise HttpError(422, f"the plugin rejected the request: {describe(exc)}", type="rejected") from None
+    return request
+
+
+def _encode(result: Any) -> Any:
     try:
-        return engine.submit(request)
-    except Exception as exc:
+        return codec.encode(result, root="result")
+    except codec.CodecError as exc:
+        raise HttpError(500, f"the plugin's result cannot be sent as JSON: {exc}", type="internal") from None
+
+
+async def _run(runner: GroupRunner, request: Any, overload_status: int) -> Any:
+    """The result, or the status of the failure (serve/errors.py); the request is never cancelled."""
+    try:
+        return await runner.run(request, validate=False)
+    except ENGINE_ERRORS as exc:
         raise from_engine_error(exc, overload_status=overload_status) from None
+    except SubmitFault as exc:
+        raise HttpError(500, f"internal error: {exc}", type="internal") from None
+    except Exception as exc:
+        raise HttpError(500, f"the plugin failed on this request: {describe(exc)}", type="execution_error") from None
 
 
 class _Measured:

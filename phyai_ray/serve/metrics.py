@@ -1,21 +1,24 @@
 """Prometheus metrics of the HTTP edge, exposed twice.
 
-* `GET /metrics` on the ingress: Prometheus text from a private `CollectorRegistry` (no global
-  state; scrape it like any other target; it needs the API key when one is set).
+* `GET /metrics` on any group: Prometheus text from a private `CollectorRegistry` (no global
+  state; scrape it like any other target; it needs the API key when one is set). The request
+  counter and the per-group gauges cover EVERY group of the app (from the registry's reports,
+  at most ~1 s old); the latency histogram and the in-flight gauge are the answering group's.
 * Ray's own export: the same series through `ray.serve.metrics` (tagged with Serve's deployment,
   replica and application), served by every node's metrics agent on its `MetricsExportPort`
   (`ray.nodes()[i]["MetricsExportPort"]`), prefixed `ray_`, and refreshed every few seconds.
 
-Series (per-replica ones are read from `engine.replica_status()` when scraped):
+Series (per-group ones are read from the groups' reports when scraped; `engine_replica` is the
+group's Serve replica id):
 
-    phyai_requests_total{route, status}            counter
+    phyai_requests_total{route, status}            counter (all groups, also those Serve replaced)
     phyai_request_latency_seconds{route}           histogram
     phyai_requests_in_flight                       gauge (HTTP requests being handled)
     phyai_replica_healthy{engine_replica}          gauge 1/0
     phyai_replica_in_flight{engine_replica}        gauge
     phyai_replica_served{engine_replica}           gauge (requests that returned a result)
     phyai_replica_failures{engine_replica}         gauge (requests that ended in an error)
-    phyai_replica_restarts_total                   counter
+    phyai_replica_restarts_total                   counter (in-place restarts, rebuild_failed=True)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -38,42 +41,63 @@ def replica_values(status: Any) -> dict[str, float]:
             "served": float(status.served), "failures": float(status.errored)}
 
 
-class _ReplicaCollector:
-    """Per-replica gauges, read from the engine at scrape time."""
+def group_label(status: Any) -> str:
+    return str(getattr(status, "group", None) or getattr(status, "index", "?"))
+
+
+class _GroupCollector:
+    """Per-group gauges and the app-wide request counter, read from the groups' reports at scrape time."""
 
     def __init__(self, statuses: Callable[[], Iterable[Any]]) -> None:
         self.statuses = statuses
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Any]:
+        from phyai_ray.serve.registry import request_totals
+
+        statuses = list(self.statuses())
         families = {name: GaugeMetricFamily(f"phyai_replica_{name}", text, labels=["engine_replica"])
                     for name, text in REPLICA_SERIES}
-        for status in self.statuses():
+        for status in statuses:
+            if getattr(status, "state", "serving") == "gone":
+                continue
             for name, value in replica_values(status).items():
-                families[name].add_metric([str(status.index)], value)
-        return list(families.values())
+                families[name].add_metric([group_label(status)], value)
+        requests = CounterMetricFamily("phyai_requests", "HTTP requests by route and status (all groups)",
+                                       labels=["route", "status"])
+        for (route, status), count in sorted(request_totals(statuses).items()):
+            requests.add_metric([route, status], count)
+        return [requests, *families.values()]
 
 
 class EdgeMetrics:
     """Request counter, latency histogram and in-flight gauge, mirrored into Ray's metrics."""
 
-    def __init__(self, statuses: Callable[[], Iterable[Any]]) -> None:
-        self.statuses = statuses
+    def __init__(self, statuses: Callable[[tuple], Iterable[Any]], own: Callable[[], Iterable[Any]]) -> None:
+        """`statuses(request_counts)`: every group's report (for /metrics); `own()`: this group's only
+        (for Ray's export, which tags each Serve replica itself)."""
+        self.statuses = lambda: statuses(self.request_counts())
+        self.own = own
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("phyai_requests", "HTTP requests by route and status", ["route", "status"],
-                                registry=self.registry)
+        self._counts: dict[tuple[str, str], int] = {}
         self.latency = Histogram("phyai_request_latency_seconds", "HTTP request latency", ["route"],
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.in_flight = Gauge("phyai_requests_in_flight", "HTTP requests being handled", registry=self.registry)
         self.rebuilds = Counter("phyai_replica_restarts", "replica groups restarted in place", registry=self.registry)
-        self.registry.register(_ReplicaCollector(statuses))
+        self.latency.labels(route="/v1/step")  # the series exists before the first request
+        self.registry.register(_GroupCollector(self.statuses))
         self._in_flight = 0
         self.ray = _RayMirror.create()
 
     def observe(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
+        key = (route, str(status))
+        self._counts[key] = self._counts.get(key, 0) + 1
         self.latency.labels(route=route).observe(seconds)
         if self.ray is not None:
             self.ray.observe(route, status, seconds)
+
+    def request_counts(self) -> tuple[tuple[str, str, int], ...]:
+        """HTTP requests this group answered, by (route, status): what it reports to the registry."""
+        return tuple((route, status, count) for (route, status), count in sorted(self._counts.items()))
 
     def add_in_flight(self, delta: int) -> None:
         self._in_flight += delta
@@ -93,7 +117,7 @@ class EdgeMetrics:
 
     def refresh_ray(self) -> None:
         if self.ray is not None:
-            self.ray.replicas(self.statuses())
+            self.ray.replicas(self.own())
 
 
 class _RayMirror:
@@ -126,4 +150,4 @@ class _RayMirror:
     def replicas(self, statuses: Iterable[Any]) -> None:
         for status in statuses:
             for name, value in replica_values(status).items():
-                self.gauges[name].set(value, tags={"engine_replica": str(status.index)})
+                self.gauges[name].set(value, tags={"engine_replica": group_label(status)})

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from phyai_ray.config.base import ConfigModel
 from phyai_ray.config.deployment import DeploymentConfig
@@ -25,28 +25,68 @@ from phyai_ray.flags import build_configs, config_flags
 
 API_KEY_ENV = "PHYAI_RAY_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_TENSORS = 1024  # the codec's defaults (codec.py imports torch; this module must not)
+DEFAULT_MAX_TOTAL_BYTES = 1024 * 1024 * 1024
 OVERLOAD_STATUSES = (503, 429)
 
 
 class ServeOptions(ConfigModel):
-    """How the ingress deployment guards and supervises the engine it owns."""
+    """How the group deployment guards, routes, scales and supervises its replica groups."""
 
     api_key: str | None = Field(
         None, min_length=1, description="Require 'Authorization: Bearer <key>' on every route but /healthz and "
         "/readyz. None: no key (bind to 127.0.0.1 then).")
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1, le=2**40, description="Largest accepted request body; larger ones get 413.")
+    max_tensors: int = Field(
+        DEFAULT_MAX_TENSORS, ge=1, le=10**7, description="Most tensors one request may carry; more get 422.")
+    max_tensor_bytes: int = Field(
+        DEFAULT_MAX_TOTAL_BYTES, ge=1, le=2**40, description="Most bytes the tensors of one request may "
+        "hold together (decoded); more get 422.")
     rebuild_failed: bool = Field(
-        False, description="Restart each failed replica group in place (Engine.restart_replica) while the "
-        "others keep serving, instead of reporting unhealthy once none can serve (which makes Serve replace it).")
+        False, description="Restart a failed replica group in place, inside its Serve replica and placement "
+        "group (Engine.restart_replica), instead of reporting unhealthy (which makes Serve replace the replica).")
+    min_replicas: int | None = Field(
+        None, ge=0, le=1024, description="Autoscaling: fewest replica groups. Setting min/max_replicas turns "
+        "Serve autoscaling on (whole groups are added and removed); otherwise `replicas` groups run.")
+    max_replicas: int | None = Field(None, ge=1, le=1024, description="Autoscaling: most replica groups.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Autoscaling: requests in flight per group that Serve aims for (default 2).")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Further Serve autoscaling_config keys (upscale_delay_s, downscale_delay_s, "
+        "look_back_period_s, ...), merged with min/max_replicas and target_ongoing_requests.")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="Serve's queue in each proxy and handle in front of the groups (-1: no "
+        "limit); past it Serve answers 503 at once.")
     health_check_period_s: float = Field(10.0, gt=0, description="How often Serve calls check_health.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="How long one check_health may take.")
     max_ongoing_requests: int = Field(
-        256, ge=1, description="Concurrent requests the ingress accepts; the engine's dispatcher queues them "
-        "on replicas (fewest in flight first).")
+        256, ge=1, description="Requests one group (one Serve replica) accepts at once; they wait in its "
+        "engine queue and max_ongoing_requests (engine) of them run at its ranks.")
+    model_name: str | None = Field(
+        None, min_length=1, description="Token plugins: the model name of the OpenAI-compatible routes "
+        "(/v1/completions, /v1/models); default: the plugin name.")
     overload_status: int = Field(
         503, description="HTTP status of a request shed because every replica group's queue is full: 503 or 429 "
         "(both with Retry-After).")
+
+    @property
+    def autoscaling(self) -> dict[str, Any] | None:
+        """Serve's autoscaling_config, or None for a fixed number of groups."""
+        keys = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests}
+        given = {k: v for k, v in keys.items() if v is not None}
+        if not given and not self.autoscaling_config:
+            return None
+        return {**(self.autoscaling_config or {}), **given}
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "ServeOptions":
+        low, high = self.min_replicas, self.max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"min_replicas={low} is larger than max_replicas={high}; e.g. min_replicas=1 "
+                             "max_replicas=4")
+        return self
 
     @field_validator("overload_status")
     @classmethod
@@ -78,7 +118,7 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[EngineArgs, DeploymentConfi
         value = values.get(key)
         setattr(ns, f"{section}.{field}", _int_tuple(value) if field == "devices" else value)
     engine, deployment = build_configs(ns)
-    given = {k: v for k, v in values.items() if k in option_names}
+    given = {k: _json_value(v) if k == "autoscaling_config" else v for k, v in values.items() if k in option_names}
     given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
     return engine, deployment, ServeOptions(**given)
 
@@ -93,6 +133,16 @@ def _plugin_args(value: Any) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ValueError(f"plugin_args must be a JSON object, got {type(parsed).__name__}: {value!r}")
     return parsed
+
+
+def _json_value(value: Any) -> Any:
+    """A dict option given as a JSON string on the command line (YAML dicts pass through)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{value!r} must be a JSON object, e.g. '{{\"upscale_delay_s\": 5}}': {exc}") from None
+    return value
 
 
 def _int_tuple(value: Any) -> Any:

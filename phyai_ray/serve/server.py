@@ -5,8 +5,8 @@
 
 Ray is joined or started by `phyai_ray.raystart.ensure_ray`, as `Engine` does: the running
 instance, the cluster (cluster mode, RAY_ADDRESS, a `ray start` on this machine), else a local
-instance with at least as many CPUs as the plan reserves (2 replicas x TP=2 -> 4, even on a
-2-core machine). Serve's HTTP proxy binds `host` (127.0.0.1 unless told otherwise) and `port`.
+instance with at least as many CPUs as the plan reserves (2 groups x TP=2 -> 4, even on a
+2-core machine; with autoscaling, max_replicas groups). Serve's HTTP proxy binds `host` (127.0.0.1 unless told otherwise) and `port`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.raystart import ensure_ray, plan_cpus
-from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES
+from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,12 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
         raise RuntimeError("run_server(blocking=True) waits for SIGINT/SIGTERM and must run on the main thread; "
                            "pass blocking=False and call server.shutdown() yourself")
     deployment = deployment or DeploymentConfig()
-    server = Server(url=f"http://{host}:{port}", owns_ray=_join_ray(engine_args, deployment))
+    options = ServeOptions(api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
+    server = Server(url=f"http://{host}:{port}", owns_ray=_join_ray(engine_args, deployment, options.max_replicas))
     if blocking:
         server.handle_signals()
     try:
-        app = create_app(engine_args, deployment, api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
+        app = create_app(engine_args, deployment, options)
         _deploy(app, host, port)
     except _StopWhileStarting:
         server.shutdown()
@@ -116,7 +117,8 @@ def _deploy(app: Any, host: str, port: int) -> None:
     serve.run(app, name=APP_NAME, route_prefix="/")
 
 
-def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig) -> bool:
+def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig, max_groups: int | None = None) -> bool:
     """Join or start Ray as `Engine` does (a local instance sized to the plan); True when started here."""
     mode = deployment.resolve_mode(engine_args.config.parallel.infer_replica_world_size())
-    return ensure_ray(mode, deployment, plan_cpus(engine_args, deployment))
+    cpus = plan_cpus(engine_args, deployment) * max(1, (max_groups or 0) / deployment.replica_count)
+    return ensure_ray(mode, deployment, cpus)

@@ -1,15 +1,17 @@
 """A plugin for the HTTP tests: `tiny_row_tp` with a typed request model and a sleep knob.
 
     POST /v1/step {"x": {"__tensor__": {"dtype": "float32", "shape": [2, 8], "data": "..."}}, "sleep_s": 0}
-    -> {"result": {"y": {"__tensor__": {... [2, 4] ...}}, "tp": 2}}
+    -> {"result": {"y": {"__tensor__": {... [2, 4] ...}}, "tp": 2, "pid": 4242}}
 
 `y` equals `tests.plugins.tiny.reference(x)` bit for bit on any dense_tp size (integer weights).
 `sleep_s` makes every rank sleep first, so a request can outlive `execution_timeout_s`.
+`pid` is the output rank's process (inline: the Serve replica's): it names the group that served.
 The validator rejects an `x` that is not [batch, 8] before any rank sees it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -36,7 +38,7 @@ class ServedRowTP(TinyRowTP):
     def step(self, request: dict[str, Any]) -> dict[str, Any]:
         if request.get("sleep_s"):
             time.sleep(request["sleep_s"])
-        return {"y": super().step(request), "tp": P.size("dense_tp")}
+        return {"y": super().step(request), "tp": P.size("dense_tp"), "pid": os.getpid()}
 
 
 @register_plugin
