@@ -88,8 +88,9 @@ def advantages(rows: list, group: int) -> list[tuple[list[int], list[int], float
 
 
 def main(iterations: int = 12, group: int = 8, max_tokens: int = 8, lr: float = 0.05) -> list[float]:
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
+    if not ray.is_initialized():  # under `ray job submit` RAY_ADDRESS names the cluster: join it as it is
+        ray.init(**({} if os.environ.get("RAY_ADDRESS") else {"num_cpus": max(4, os.cpu_count() or 1),
+                                                              "include_dashboard": False}))
     args = EngineArgs(plugin="reference_lm", plugin_args=PLUGIN_ARGS, config=EngineConfig(device=DeviceConfig(target="cpu")))
     rollout = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(mode="local", replica_count=2,
                                                                             cpus_per_rank=0.5))
@@ -125,4 +126,5 @@ if __name__ == "__main__":
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
     opts = parser.parse_args()
-    main(opts.iterations, opts.group, lr=opts.lr)
+    curve = main(opts.iterations, opts.group, lr=opts.lr)
+    print(f"rl_loop: {len(curve)} iterations, reward {curve[0]:.3f} -> {curve[-1]:.3f}")

@@ -152,8 +152,9 @@ def _is_loopback(host: str) -> bool:
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status, model_name=ns.model_name,
-               **{name: getattr(ns, name) for name, _ in SCALING_FLAGS if getattr(ns, name) is not None})
+               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
+               **{name: getattr(ns, name) for name in ("model_name", *(n for n, _ in SCALING_FLAGS))
+                  if getattr(ns, name) is not None})
     return 0
 
 

@@ -164,6 +164,11 @@ def test_job_runs_two_replica_groups_on_the_cluster(head: Head) -> None:
     assert len(served) == 2 and sum(served) == 4, served
 
 
+def test_job_runs_the_rl_loop(head: Head) -> None:
+    out = submit(head, "examples/rl_loop.py", "--iterations", "3")
+    assert "rl_loop: 3 iterations" in out and "pushed version 3 to ['SERVING', 'SERVING']" in out, out[-3000:]
+
+
 def test_serve_run_of_a_config_file_serves_build_app(serve_on_head: Head, tmp_path: Path) -> None:
     head, port = serve_on_head, free_port()
     config = tmp_path / "serve.yaml"
