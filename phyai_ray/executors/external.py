@@ -73,6 +73,12 @@ class ExternalExecutor(InlineExecutor):
                          startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
                          max_queued=None, max_ongoing=None)
 
+    def submit(self, request: Any, *, caller_runs: bool = False) -> Any:
+        """Always on the engine's thread, the one that built the process groups: running steps of a
+        launcher world on the caller's thread while that thread owns none of its groups made torchrun
+        ranks abort at teardown ("terminate called without an active exception")."""
+        return super().submit(request)
+
     def close(self) -> None:
         """Stop, then destroy this engine's named groups. The launcher's world stays up, so a later
         engine in the same process joins it again (re-initialising it on torchrun's store hangs)."""
