@@ -1,6 +1,6 @@
 """`CompiledLane`: a replica's request path over one Ray Compiled Graph.
 
-    driver --CompiledRequest--> [shared-memory input channel, read by every rank]
+    driver --LaneRequest--> [shared-memory input channel, read by every rank]
            <--RankReply x world-- [one output channel per rank] <-- RankActor.run_compiled
 
 The graph is `InputNode -> rank_i.run_compiled -> MultiOutputNode` over the replica's ranks. A
@@ -33,7 +33,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayChannelError
 
-from actors.protocol import CompiledRequest
+from actors.protocol import LaneRequest
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _STOP = object()
 
 
 class CompiledLane:
-    """Send `CompiledRequest`s to every rank of one replica and read their replies, in order."""
+    """Send `LaneRequest`s to every rank of one replica and read their replies, in order."""
 
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str,
                  on_replies: Callable[[Any, list], None], on_broken: Callable[[BaseException], None],
@@ -66,7 +66,7 @@ class CompiledLane:
             graph = MultiOutputNode([actor.run_compiled.bind(request) for actor in actors])
         self._dag = graph.experimental_compile(_max_inflight_executions=capacity, _buffer_size_bytes=_BUFFER_BYTES)
         self._lock = threading.Lock()  # the writer end: send, backlog
-        self._backlog: deque[tuple[Any, CompiledRequest]] = deque()
+        self._backlog: deque[tuple[Any, LaneRequest]] = deque()
         self._sent: deque[tuple[Any, list]] = deque()  # (tag, refs) written, reply not yet read
         self._ready = threading.Condition(self._lock)
         self._closed = False
@@ -78,7 +78,7 @@ class CompiledLane:
         """Messages written to the graph whose replies are not yet read (this one counted once sent)."""
         return len(self._sent)
 
-    def send(self, tag: Any, request: CompiledRequest) -> None:
+    def send(self, tag: Any, request: LaneRequest) -> None:
         """Write `request` (or keep it in order in the backlog when the graph is full); never blocks."""
         with self._lock:
             if self._backlog or len(self._sent) >= self.capacity:
@@ -88,7 +88,7 @@ class CompiledLane:
         if error is not None:
             self._on_unsent(tag, error)
 
-    def _write(self, tag: Any, request: CompiledRequest) -> BaseException | None:
+    def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
         """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
         if self._closed:
             return None

@@ -3,7 +3,8 @@
     driver --RankSpec--> RankActor.setup        where and how one rank starts
     driver <--ActorInfo-- RankActor.info        where the actor landed (before ranks are assigned)
     driver --(seq, kind, payload, reply_value)--> RankActor.execute --RankReply--> driver   (actor calls)
-    driver --CompiledRequest--> RankActor.run_compiled --RankReply--> driver              (compiled graph)
+    driver --LaneRequest--> rank's socket thread --RankReply--> driver                (same-node sockets)
+    driver --LaneRequest--> RankActor.run_compiled --RankReply--> driver              (compiled graph)
 
 A non-output rank replies with `value=None` unless the driver asked for every rank's value
 (`collective_rpc(..., all_ranks=True)`), so nothing large travels back from it.
@@ -56,13 +57,15 @@ class RankReply:
 
 
 @dataclass(frozen=True)
-class CompiledRequest:
-    """One request or rpc on a replica's compiled graph (every rank reads the same message).
+class LaneRequest:
+    """One request or rpc on a replica's request lane (every rank gets the same message).
 
-    `payload` travels by value through the shared-memory channel (written once, read by every
-    rank), or as one `ray.put` reference when large. `window` is how many messages the driver had
-    sent and not yet seen answered when it sent this one (this one included): a rank's input
-    channel holds them, so the rank reports it as the calls it held (`RankActor.held`).
+    Same-node sockets: `payload` is pickled once (large tensors in shared memory) and written to
+    every rank's socket. Compiled graph: it travels by value through the shared-memory channel
+    (written once, read by every rank), or as one `ray.put` reference when large. `window` is how
+    many messages the driver had sent and not yet seen answered when it sent this one (this one
+    included): the lane holds them for the rank, so it reports it as the calls it held
+    (`RankActor.held`).
     """
 
     seq: int

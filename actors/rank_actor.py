@@ -3,11 +3,13 @@
 Two phases, as vLLM's Ray workers: a cheap constructor, then `setup()` after the driver has seen
 where every actor landed and assigned ranks (torch.distributed init, named groups, plugin load).
 
-Two lanes. Requests and collective_rpc calls reach a rank in one of two ways, never both for one
-replica: `execute` actor calls run in the default concurrency group, on ONE dedicated execution
-thread, in the order of the sequence numbers the driver gives them (Ray does not promise execution
-order for async actors, so the actor restores it itself); or, with a compiled graph, `run_compiled`
-is called by Ray's graph loop on the actor's own "_ray_system" thread, in channel order. Liveness
+Three lanes. Requests and collective_rpc calls reach a rank in one of three ways, never two for
+one replica: over a Unix socket from the engine on the same node (`open_ipc`; this actor's request
+thread reads and runs them in socket order); `execute` actor calls, run in the default concurrency
+group on ONE dedicated execution thread in the order of the sequence numbers the driver gives them
+(Ray does not promise execution order for async actors, so the actor restores it itself); or, with
+a compiled graph, `run_compiled`, called by Ray's graph loop on the actor's own "_ray_system"
+thread, in channel order. Liveness
 pings and other control calls run in the "control" concurrency group, on an event loop of their
 own, so they answer within the liveness interval however many calls wait in either lane.
 """
@@ -15,16 +17,21 @@ own, so they answer within the liveness interval however many calls wait in eith
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pickle
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 
-from actors.protocol import ERROR, MISSING, OK, ActorInfo, CompiledRequest, RankReply, RankSpec
+from actors import ipc
+from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
+
+logger = logging.getLogger(__name__)
 
 CONTROL = "control"
 CONCURRENCY_GROUPS = {CONTROL: 4}
@@ -43,7 +50,7 @@ class RankActor:
         self._runner: Any = None
         self._rank: int | None = None
         self._held = self._peak_held = 0  # execute calls this actor holds (arrived, not yet replied)
-        self._compiled_thread: bool | None = None
+        self._lane_thread: bool | None = None
 
     @ray.method(concurrency_group=CONTROL)
     async def info(self) -> ActorInfo:
@@ -95,6 +102,45 @@ class RankActor:
         return chunks, done
 
     @ray.method(concurrency_group=CONTROL)
+    async def open_ipc(self) -> tuple[str, bytes]:
+        """Listen for the engine's request socket: (address, token). One client; its requests run in order."""
+        if self._runner is None:
+            raise RuntimeError(f"rank {self._rank} was asked for a request socket before setup finished")
+        listening, address, token = ipc.listener()
+        threading.Thread(target=self._serve_ipc, args=(listening, token), name="phyai-rank-ipc", daemon=True).start()
+        return address, token
+
+    def _serve_ipc(self, listening: socket.socket, token: bytes) -> None:
+        """The request thread: read a request, run it, write the reply; ends when the engine closes the socket."""
+        try:
+            conn = ipc.accept(listening, token)
+        except (OSError, ConnectionError) as exc:
+            logger.warning("rank %s: the engine did not connect its request socket: %s", self._rank, exc)
+            return
+        with conn:
+            while True:
+                try:
+                    got = ipc.recv_frame(conn)
+                except (OSError, ConnectionError):
+                    return
+                if got is None:
+                    return
+                meta, body, fds = got
+                seq, kind, reply_ranks, window = pickle.loads(meta)
+                reply = self._run_lane(LaneRequest(seq, kind, None, reply_ranks, window),
+                                       lambda: ipc.decode(body, fds, private=True))
+                try:
+                    encoded = ipc.encode(reply)
+                except Exception as exc:  # the result does not pickle: the engine gets why
+                    encoded = ipc.encode(RankReply(seq, self._rank, ERROR, _portable(exc)))
+                try:
+                    ipc.send_frame(conn, *ipc.frame(b"", encoded))
+                except OSError:
+                    return
+                finally:
+                    encoded.close()
+
+    @ray.method(concurrency_group=CONTROL)
     async def cancel_stream(self, seq: int) -> None:
         """The consumer stopped: the next emit returns False on every rank (also before it started)."""
         self._streams.setdefault(seq, ChunkSink()).cancel()
@@ -121,21 +167,27 @@ class RankActor:
             self._held -= 1
         return RankReply(seq, self._rank, status, value if reply_value or status == MISSING else None)
 
-    def run_compiled(self, request: CompiledRequest) -> RankReply:
-        """One request of the replica's compiled graph, on the graph's thread (channel order is the order).
+    def run_compiled(self, request: LaneRequest) -> RankReply:
+        """One request of the replica's compiled graph, on the graph's thread (channel order is the order)."""
+
+        def payload() -> Any:
+            if isinstance(request.payload, ray.ObjectRef):  # a large request, put once by the driver
+                return ray.get(request.payload)
+            return request.payload
+        return self._run_lane(request, payload)
+
+    def _run_lane(self, request: LaneRequest, payload: Any) -> RankReply:
+        """One request of a lane (socket or compiled graph), on the lane's thread, in lane order.
 
         Never raises: an exception goes back in the reply (status ERROR), so the driver names this
-        rank and its cause, as a failed actor call would.
+        rank and its cause, as a failed actor call would. `payload()` gives the request's payload.
         """
-        if self._compiled_thread is None:
-            self._compiled_thread = _bind_thread(self._runner)
+        if self._lane_thread is None:
+            self._lane_thread = _bind_thread(self._runner)
         self._held = 1
         self._peak_held = max(self._peak_held, request.window)
         try:
-            payload = request.payload
-            if isinstance(payload, ray.ObjectRef):  # a large request, put once by the driver
-                payload = ray.get(payload)
-            value, status = self._run(request.seq, request.kind, payload)
+            value, status = self._run(request.seq, request.kind, payload())
         except BaseException as exc:
             return RankReply(request.seq, self._rank, ERROR, _portable(exc))
         finally:
@@ -189,8 +241,8 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
 
 
 def _bind_thread(runner: Any) -> bool:
-    """Prepare the compiled graph's thread to run the plugin: the rank's CUDA device (set per thread);
-    its blocking `ray.get` of a large request is fine (it is not the actor's event loop)."""
+    """Prepare a lane's thread to run the plugin: the rank's CUDA device (set per thread); a blocking
+    `ray.get` of a large compiled-graph request is fine there (it is not the actor's event loop)."""
     os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"  # read by ray.get at each call
     device = getattr(getattr(runner, "ctx", None), "device", None)
     if getattr(device, "type", "cpu") == "cuda":

@@ -1,17 +1,18 @@
 """`RayReplicaExecutor`: one replica = one placement group of rank actors forming a process group.
 
-Request path (`WorkerSupervisorConfig.request_transport`). Compiled (`auto` picks it where every
-rank is on the engine's node and the node has a core for each polling channel reader, see
-`_compiled_fits`): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`); a
-dispatched request is written once into a shared-memory channel every rank reads, replies come
-back through one channel per rank, read in order by the lane's reader thread. Actor calls (the
-fallback, e.g. across nodes): the request is serialized once (`ray.put`, in the caller's thread,
-before it is queued) and the same reference goes to every rank with the next sequence number;
-every rank runs requests in sequence order; replies are handed from Ray's threads to this
-replica's reply thread. Either way the request waits in the replica's engine-side scheduler until
-a slot is free, the output rank's reply resolves the future, and no thread of the request path
-runs user code (done-callbacks run on the engine's callback thread), so a callback may call the
-engine again. Liveness pings always use normal actor calls on the ranks' control lane.
+Request path (`WorkerSupervisorConfig.request_transport`). Same-node sockets (`auto` picks them
+where every rank is on the engine's node): `actors.ipc.IpcLane` writes each dispatched request,
+pickled once in the caller's thread with its large tensors in shared memory, to one Unix socket
+per rank; each rank's request thread runs them in order and writes its reply back; waiting threads
+block in the kernel, so idle replicas use no CPU. Actor calls (the fallback, e.g. across nodes):
+the request is serialized once (`ray.put`, in the caller's thread, before it is queued) and the
+same reference goes to every rank with the next sequence number; every rank runs requests in
+sequence order; replies are handed from Ray's threads to this replica's reply thread. Compiled
+(only when asked for): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`), whose
+channel readers poll, a core each. Either way the request waits in the replica's engine-side
+scheduler until a slot is free, the output rank's reply resolves the future, and no thread of the
+request path runs user code (done-callbacks run on the engine's callback thread), so a callback
+may call the engine again. Liveness pings always use normal actor calls on the ranks' control lane.
 
 Fail-fast: a rank that dies (noticed by its pending replies or a ping on the control lane every
 `liveness_interval_s`), raises, replies malformed, runs one request past its limit, or cannot be
@@ -36,9 +37,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors import ipc
 from actors.compiled import CompiledLane
+from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
-from actors.protocol import ERROR, MISSING, ActorInfo, CompiledRequest, RankReply, RankSpec
+from actors.protocol import ERROR, MISSING, ActorInfo, LaneRequest, RankReply, RankSpec
 from actors.rank_actor import CONCURRENCY_GROUPS, RankActor
 from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError, StartupError
@@ -83,10 +86,10 @@ class RayReplicaExecutor(ReplicaExecutor):
         self._torn_down = False
         self._stop = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lane: CompiledLane | None = None
+        self._lane: IpcLane | CompiledLane | None = None
         try:
             self._start(plan, entry, args, deployment, device_type, target_node, deadline)
-            self._lane = self._compiled_lane()
+            self._lane = self._request_lane(deadline)
         except BaseException:
             self._teardown()
             raise
@@ -96,7 +99,10 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     @property
     def transport(self) -> str:
-        """How requests reach the ranks: "compiled" (a Ray Compiled Graph) or "actor_calls"."""
+        """How requests reach the ranks: "ipc" (same-node sockets), "compiled" (a Ray Compiled Graph)
+        or "actor_calls"."""
+        if isinstance(self._lane, IpcLane):
+            return "ipc"
         return "compiled" if self._lane is not None else "actor_calls"
 
     # -- startup ----------------------------------------------------------------------------
@@ -146,38 +152,46 @@ class RayReplicaExecutor(ReplicaExecutor):
                         master_port=port, startup_timeout_s=max(_left(deadline), 1.0),
                         collective_timeout_s=self._proc.collective_timeout_s)
 
-    def _compiled_lane(self) -> CompiledLane | None:
-        """The compiled graph of this replica, or None for actor calls (see `request_transport`)."""
+    def _request_lane(self, deadline: float) -> IpcLane | CompiledLane | None:
+        """This replica's request lane, or None for actor calls (see `request_transport`)."""
         choice = self._proc.request_transport
-        if choice == "actor_calls" or (choice == "auto" and not self._compiled_fits()):
-            return None
-        try:
-            return CompiledLane(self._actors, capacity=self._proc.max_ongoing_requests + _CONTROL_HEADROOM,
-                                name=f"phyai-replica-{self.index}", on_replies=self._on_compiled_replies,
-                                on_broken=self._on_lane_broken, on_unsent=self._on_unsent)
-        except Exception as exc:
-            if choice == "compiled":
-                raise
-            logger.warning("replica %d: compiling its request graph failed (%s: %s); using actor calls",
-                           self.index, type(exc).__name__, exc)
-            return None
-
-    def _compiled_fits(self) -> bool:
-        """`auto`: every rank on this node, and a core for each spinning reader of every replica.
-
-        A compiled graph's channel readers poll: each idle rank, and each replica's reply reader in
-        the engine, keeps one CPU core busy (measured: ~100% per idle rank). Where the node lacks
-        those cores, the spinning slows everything, so `auto` uses actor calls there.
-        """
         here = ray.get_runtime_context().get_node_id()
-        spinning = self._replica_count * (self.world_size + 1)
-        return all(i.node_id == here for i in self._infos) and (os.cpu_count() or 1) >= spinning + 2
+        local = all(i.node_id == here for i in self._infos)
+        capacity = self._proc.max_ongoing_requests + _CONTROL_HEADROOM
+        name = f"phyai-replica-{self.index}"
+        if choice == "ipc" or (choice == "auto" and local and ipc.SUPPORTED):
+            if not local or not ipc.SUPPORTED:
+                raise StartupError(f"replica {self.index}: request_transport='ipc' needs every rank on the engine's "
+                                   f"node and Linux (ranks on nodes {sorted({i.node_id[:12] for i in self._infos})}, "
+                                   f"engine on {here[:12]}); use 'auto' or 'actor_calls'", replica=self.index)
+            try:
+                return IpcLane(self._actors, capacity=capacity, name=name, timeout_s=max(_left(deadline), 5.0),
+                               on_reply=self._on_lane_reply, on_broken=self._on_socket_broken,
+                               on_unsent=self._on_unsent)
+            except Exception as exc:
+                if choice == "ipc":
+                    raise
+                logger.warning("replica %d: connecting its request sockets failed (%s: %s); using actor calls",
+                               self.index, type(exc).__name__, exc)
+                return None
+        if choice != "compiled":
+            return None
+        return CompiledLane(self._actors, capacity=capacity, name=name, on_replies=self._on_compiled_replies,
+                            on_broken=self._on_lane_broken, on_unsent=self._on_unsent)
 
     # -- requests ---------------------------------------------------------------------------
     def _prepare(self, payload: Any) -> Any:
-        """Actor calls: `ray.put` once, before a slot or sequence number is taken (a bad payload loses
-        nothing). Compiled: small payloads go by value through the channel (written once for every
-        rank); large ones as one `ray.put` reference, put here outside the scheduler's lock."""
+        """Serialize once, in the caller's thread, before a slot or sequence number is taken (a bad
+        payload loses nothing). Sockets: pickled, large tensors copied once into shared memory.
+        Actor calls: `ray.put`. Compiled: small payloads go by value through the channel (written
+        once for every rank); large ones as one `ray.put` reference, put here."""
+        if isinstance(self._lane, IpcLane):
+            try:
+                return ipc.encode(payload)
+            except Exception as exc:
+                raise TypeError(f"replica {self.index}: the request does not pickle ({type(exc).__name__}: {exc}); "
+                                "requests and rpc arguments must be picklable (tensors, numbers, containers, "
+                                "importable classes); nothing was queued") from exc
         if self._lane is None or _tensor_bytes(payload) > _BY_REFERENCE_BYTES:
             return ray.put(payload)
         return payload
@@ -191,7 +205,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             reply_ranks = frozenset(range(self.world_size)) if work.kind == "call" and work.all_ranks else \
                 frozenset((self._output_rank,))
             window = min(self._lane.in_flight + 1, self._lane.capacity)
-            self._lane.send(work, CompiledRequest(sent.seq, work.kind, work.payload, reply_ranks, window))
+            self._lane.send(work, LaneRequest(sent.seq, work.kind, work.payload, reply_ranks, window))
             return
         replies = []
         try:
@@ -235,6 +249,29 @@ class RayReplicaExecutor(ReplicaExecutor):
             if self._failure is not None:
                 return
             self._on_envelope(work, rank, envelope)
+
+    def _on_lane_reply(self, work: Work, rank: int, envelope: Any) -> None:
+        """One rank's reply from its socket (the lane's reader thread)."""
+        if self._failure is None:
+            self._on_envelope(work, rank, envelope)
+
+    def _on_socket_broken(self, rank: int, exc: BaseException) -> None:
+        """A rank's socket closed or carried garbage: its process exited, or its request thread stopped."""
+        if self._failure is not None:
+            return
+        try:  # the cause Ray knows, when it already knows it (the socket usually closes first)
+            ray.get(self._actors[rank].ping.remote(), timeout=1.0)
+        except ray.exceptions.RayActorError as dead:
+            self._fail(self._rank_error(rank, dead))
+            return
+        except Exception:
+            pass
+        error = EngineUnavailableError(
+            f"replica {self.index} rank {rank} (node {self._node(rank)[:12]}) stopped serving: its request socket "
+            f"closed ({type(exc).__name__}: {exc}; its process exited or its request thread stopped); the replica's ranks share collectives, so the whole replica was stopped",
+            reason="worker_exit", replica=self.index, rank=rank, node=self._node(rank), detail=str(exc)[:2000])
+        error.__cause__ = exc
+        self._fail(error)
 
     def _on_unsent(self, work: Work, exc: BaseException) -> None:
         """The request did not serialize: nothing reached a rank, so it fails alone."""

@@ -1,4 +1,5 @@
-"""The two request transports of a Ray replica: a compiled graph and actor calls (the fallback), forced each way.
+"""The request transports of a Ray replica, forced each way: same-node sockets (the default here), a compiled
+graph, and actor calls (the fallback across nodes).
 
 Run: `.venv/bin/pytest tests/test_transport.py` (starts one local Ray instance for the session).
 """
@@ -20,16 +21,16 @@ pytestmark = pytest.mark.ray
 THREE = torch.full((2,), 3.0)
 
 
-def _engine(transport: str = "compiled", **proc) -> Engine:
+def _engine(transport: str = "ipc", **proc) -> Engine:
     args = EngineArgs(plugin=SlowTPEntry, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     config = WorkerSupervisorConfig(request_transport=transport, **proc)
     return Engine(args, DeploymentConfig(mode="local", process_config=config))
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
-def test_both_transports_serve_in_order_with_large_requests_and_rpcs(ray_session, transport):
-    big = torch.ones(2 ** 20)  # 4 MB: the compiled lane sends it as one ray.put reference
+@pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
+def test_every_transport_serve_in_order_with_large_requests_and_rpcs(ray_session, transport):
+    big = torch.ones(2 ** 20)  # 4 MB: in shared memory (ipc) or as one ray.put reference (compiled)
     with _engine(transport) as engine:
         expected = transport
         assert engine._executors[0].transport == expected
@@ -41,7 +42,7 @@ def test_both_transports_serve_in_order_with_large_requests_and_rpcs(ray_session
     assert (status.served, status.in_flight, status.healthy) == (40, 0, True)
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+@pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
 def test_a_rank_exception_fails_the_replica_naming_rank_and_cause(ray_session, transport):
     with _engine(transport) as engine:
         with pytest.raises(EngineUnavailableError) as info:
@@ -52,7 +53,7 @@ def test_a_rank_exception_fails_the_replica_naming_rank_and_cause(ray_session, t
         assert not engine.healthy
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+@pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
 def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, transport):
     import ray
 
@@ -70,17 +71,24 @@ def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, tra
         assert (status.failure_reason, status.failed_rank, status.in_flight) == ("worker_exit", 1, 0)
 
 
-def test_a_payload_that_does_not_serialize_fails_alone_on_the_compiled_lane(ray_session):
-    with _engine() as engine:
-        bad = engine.submit({"sleep": 0, "lock": threading.Lock()})
-        assert isinstance(bad.exception(timeout=10), TypeError)
+@pytest.mark.parametrize("transport", ["ipc", "compiled"])
+def test_a_payload_that_does_not_serialize_fails_alone(ray_session, transport):
+    with _engine(transport) as engine:
+        if transport == "ipc":  # pickled in the caller's thread: submit says so, nothing is queued
+            with pytest.raises(TypeError, match="does not pickle"):
+                engine.submit({"sleep": 0, "lock": threading.Lock()})
+        else:
+            bad = engine.submit({"sleep": 0, "lock": threading.Lock()})
+            assert isinstance(bad.exception(timeout=10), TypeError)
         assert torch.equal(engine.step({"sleep": 0}), THREE)
         status = engine.replica_status()[0]
-    assert (status.healthy, status.served, status.errored, status.in_flight) == (True, 1, 1, 0)
+    assert (status.healthy, status.served, status.in_flight) == (True, 1, 0)
+    assert status.errored == (0 if transport == "ipc" else 1)
 
 
-def test_control_calls_beyond_the_graph_capacity_wait_in_order(ray_session):
-    with _engine(max_ongoing_requests=1) as engine:
+@pytest.mark.parametrize("transport", ["ipc", "compiled"])
+def test_control_calls_beyond_the_lane_capacity_wait_in_order(ray_session, transport):
+    with _engine(transport, max_ongoing_requests=1) as engine:
         first = engine.submit({"sleep": 0.5, "tag": "slow"})
         time.sleep(0.1)
         rpcs = [engine._executors[0].collective_rpc("whoami", (), {}, 30) for _ in range(20)]  # > 1 + 8 slots
@@ -90,18 +98,44 @@ def test_control_calls_beyond_the_graph_capacity_wait_in_order(ray_session):
         assert engine.collective_rpc("executed", replica=0) == ["slow", "after"]
 
 
-def test_auto_uses_the_compiled_graph_only_where_its_polling_readers_get_a_core(ray_session):
+def test_sockets_share_large_tensors_copy_on_write_and_return_them_whole(ray_session):
+    request = torch.ones(2 ** 20)  # 4 MB: one shared-memory copy, mapped by both ranks
+    with _engine("ipc") as engine:
+        assert engine.collective_rpc("scribble", request, replica=0, all_ranks=True) == [4.0, 6.0]
+        assert torch.equal(request, torch.ones(2 ** 20))  # the caller's tensor is untouched
+        got = engine.collective_rpc("arange", 2 ** 21, replica=0, all_ranks=True)
+        assert [torch.equal(t, torch.arange(2 ** 21, dtype=torch.float32) * (r + 1)) for r, t in enumerate(got)] == \
+            [True, True]
+        got[0].add_(1)  # a result is the caller's own, writable memory
+        assert float(got[0][0]) == 1.0
+
+
+def test_sockets_leak_no_descriptor_or_thread_over_create_close_cycles(ray_session):
     import os
 
+    def count() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/fd")), threading.active_count()
+
+    with _engine("ipc") as engine:  # warm: Ray's own connections and threads exist from here on
+        engine.step({"sleep": 0, "big": torch.ones(2 ** 20)})
+    before = count()
+    for _ in range(5):
+        with _engine("ipc") as engine:
+            futures = [engine.submit({"sleep": 0, "big": torch.ones(2 ** 19)}) for _ in range(8)]
+            assert all(torch.equal(f.result(timeout=30), THREE) for f in futures)
+    time.sleep(0.5)
+    fds, threads = count()
+    assert fds <= before[0] + 2 and threads <= before[1], (before, (fds, threads))
+
+
+def test_auto_uses_sockets_on_one_node(ray_session):
     with _engine("auto") as engine:
-        spinning = 1 * (2 + 1)  # one replica: two polling ranks and the engine's reply reader
-        want = "compiled" if (os.cpu_count() or 1) >= spinning + 2 else "actor_calls"
-        assert engine._executors[0].transport == want
+        assert engine._executors[0].transport == "ipc"
         assert torch.equal(engine.step({"sleep": 0}), THREE)
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
-def test_both_transports_stream_and_run_control_calls(ray_session, transport):
+@pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
+def test_every_transport_stream_and_run_control_calls(ray_session, transport):
     from phyai_ray import AttentionParallelConfig
 
     parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=2), attention=AttentionParallelConfig(tp_size=2))

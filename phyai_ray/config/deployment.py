@@ -46,13 +46,13 @@ class WorkerSupervisorConfig(ConfigModel):
         300.0, gt=0, description="Deadline for a replica to be placed, form its process groups and load the plugin.")
     rpc_timeout_s: float = Field(
         120.0, gt=0, description="Default deadline of collective_rpc calls.")
-    request_transport: Literal["auto", "compiled", "actor_calls"] = Field(
-        "auto", description="How requests reach a Ray replica's ranks and results come back. 'compiled': a Ray "
-        "Compiled Graph per replica (shared-memory channels, about 10x less overhead per step); 'actor_calls': one "
-        "Ray actor call per rank and request (works everywhere, idle ranks use no CPU); 'auto': compiled when every "
-        "rank of the replica is on the engine's node, the node has a CPU core for each polling channel reader "
-        "(each rank and one per replica in the engine: compiled-graph readers poll, ~100% of a core each while idle) "
-        "and the graph compiles; actor calls otherwise.")
+    request_transport: Literal["auto", "ipc", "compiled", "actor_calls"] = Field(
+        "auto", description="How requests reach a Ray replica's ranks and results come back. 'ipc': one Unix "
+        "socket per rank from the engine, large CPU tensors in shared memory (one copy, mapped by every rank); "
+        "every rank must be on the engine's node (Linux). 'actor_calls': one Ray actor call per rank and request "
+        "(works across nodes; about 10x the overhead per step). 'compiled': a Ray Compiled Graph per replica "
+        "(shared-memory channels whose readers poll: each rank and one reader per replica in the engine keep a "
+        "CPU core busy while idle). 'auto': 'ipc' when every rank is on the engine's node, else 'actor_calls'.")
     liveness_interval_s: float = Field(
         0.25, gt=0, le=5, description="How often rank liveness is checked; a dead rank is noticed within ~4x this.")
     shutdown_timeout_s: float = Field(

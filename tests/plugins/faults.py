@@ -46,6 +46,15 @@ class SlowTP:
             raise RequestRejected(f"rank {rank} fails on purpose (test)")
         return self.ctx.rank
 
+    def scribble(self, tensor: torch.Tensor) -> float:
+        """Add rank + 1 to `tensor` in place, wait for every rank to have done so, read it back."""
+        tensor.add_(self.ctx.rank + 1)
+        P.barrier("world")
+        return float(tensor[0]) + float(tensor[-1])
+
+    def arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32) * (self.ctx.rank + 1)
+
     def whoami(self) -> dict[str, Any]:
         import os
         return {"rank": self.ctx.rank, "pid": os.getpid(), "replica": self.ctx.replica_index}

@@ -1,0 +1,486 @@
+"""`IpcLane`: a replica's same-node request path over Unix-domain sockets, large tensors in shared memory.
+
+    driver --LaneRequest--> [one Unix socket per rank] --> the rank's request thread
+           <--RankReply--- [the same socket]           <-- RankActor runs it in socket order
+
+Why not Ray's own shared-memory channels (a Compiled Graph)? Their readers wait by polling
+(`PlasmaObjectHeader::ReadAcquire` loops on `sched_yield`), so every idle rank and every reply
+reader holds a CPU core. Here every waiting thread blocks in the kernel: an idle replica costs no
+CPU, and a request costs one small socket write per rank and one read per reply.
+
+Large tensors: a CPU tensor of `LARGE_TENSOR_BYTES` or more is copied once into an anonymous
+shared-memory file (`memfd`), and its file descriptor travels with the message (SCM_RIGHTS). Every
+receiver maps the same pages: a request tensor reaches every rank with one copy on the driver, a
+result tensor reaches the driver with one copy on the rank (as `ray.put` + `ray.get` would). Ranks
+map request tensors copy-on-write, so a plugin that writes into its request changes only its own
+view. A message body larger than `BODY_IN_MEMFD_BYTES` travels the same way, so a socket write
+never waits for long.
+
+Threads: `send` runs under the replica scheduler's lock and never blocks: it writes with
+MSG_DONTWAIT and leaves what did not fit to the lane's writer thread, in order. One reader thread
+per lane waits on every rank's socket; replies come back per rank in the order sent. A rank whose
+socket closes (its process exited) ends the lane with `on_broken(rank, exc)`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import mmap
+import os
+import pickle
+import secrets
+import selectors
+import socket
+import struct
+import sys
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from ray import cloudpickle
+
+from actors.protocol import LaneRequest
+
+logger = logging.getLogger(__name__)
+
+LARGE_TENSOR_BYTES = 1 << 20  # CPU tensors this large travel in shared memory, not in the message
+BODY_IN_MEMFD_BYTES = 256 << 10  # message bodies beyond this travel in shared memory too
+_HEADER = struct.Struct("!IBQQ")  # file descriptors, body-in-memfd flag, meta bytes, body bytes
+_MAX_FDS = 253  # SCM_RIGHTS limit per message
+_ACCEPT_TIMEOUT_S = 60.0
+SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
+# -- encoding: cloudpickle, with large CPU tensors in memfd files -----------------------------------
+@dataclass(eq=False)
+class Encoded:
+    """A payload pickled once; `fds` are memfd files holding its large tensors (closed when this is dropped)."""
+
+    body: bytes
+    fds: list[int]
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, _close_all, list(self.fds)) if self.fds else None
+
+    def close(self) -> None:
+        """Close the tensor files now (every receiver has its own descriptor or mapping by then)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _persistent_id(pickler: Any, obj: Any) -> Any:
+    """CPU tensors by their bytes: large ones in a memfd (one copy), small ones inline (torch's own
+    pickling goes through `torch.save`, ~50 us for a 16-element tensor)."""
+    if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+        return None
+    dtype, shape = str(obj.dtype).removeprefix("torch."), tuple(obj.shape)
+    if obj.numel() * obj.element_size() < LARGE_TENSOR_BYTES or len(pickler.fds) >= _MAX_FDS - 1:
+        return ("bytes", _flat_bytes(obj).tobytes(), dtype, shape, obj.requires_grad)
+    pickler.fds.append(_bytes_file(memoryview(_flat_bytes(obj)), "phyai-tensor"))
+    return ("memfd", len(pickler.fds) - 1, dtype, shape, obj.requires_grad)
+
+
+class _Pickler(pickle.Pickler):
+    """The fast pickler (C); payloads it cannot pickle (lambdas, classes defined in functions) go
+    through `_CloudPickler`."""
+
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+        super().__init__(file, protocol=5)
+        self.fds = fds
+
+    persistent_id = _persistent_id
+
+
+class _CloudPickler(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+        super().__init__(file, protocol=5)
+        self.fds = fds
+
+    persistent_id = _persistent_id
+
+
+def _flat_bytes(tensor: torch.Tensor) -> Any:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _bytes_file(data: memoryview, name: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, data.nbytes)
+        done = 0
+        while done < data.nbytes:
+            done += os.pwrite(fd, data[done:done + (1 << 30)], done)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, fds: list[int], private: bool) -> None:
+        super().__init__(file)
+        self._fds, self._private = fds, private
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, where, dtype, shape, requires_grad = pid
+        if kind == "memfd" and isinstance(where, int) and 0 <= where < len(self._fds):
+            data: Any = _map(self._fds[where], self._private)
+        elif kind == "bytes" and isinstance(where, bytes):
+            data = bytearray(where)
+        else:
+            raise pickle.UnpicklingError(f"unknown tensor reference {pid!r:.100}")
+        if not len(data):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+        else:
+            tensor = torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
+        return tensor.requires_grad_() if requires_grad else tensor
+
+
+def _map(fd: int, private: bool) -> mmap.mmap:
+    size = os.fstat(fd).st_size
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def encode(obj: Any) -> Encoded:
+    """Pickle `obj` once; large CPU tensors go into memfd files. Raises what pickling raises."""
+    for pickler in (_Pickler, _CloudPickler):
+        fds: list[int] = []
+        buffer = io.BytesIO()
+        try:
+            pickler(buffer, fds).dump(obj)
+            return Encoded(buffer.getvalue(), fds)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            _close_all(fds)
+            if pickler is _CloudPickler:
+                raise
+            logger.debug("fast pickling failed (%s); using cloudpickle", exc)
+        except BaseException:
+            _close_all(fds)
+            raise
+    raise AssertionError("unreachable")
+
+
+def decode(body: Any, fds: list[int], *, private: bool) -> Any:
+    """The object `encode` pickled; closes `fds` (the mappings keep the pages)."""
+    try:
+        return _Unpickler(io.BytesIO(body), fds, private).load()
+    finally:
+        _close_all(fds)
+
+
+# -- framing --------------------------------------------------------------------------------------
+def frame(meta: bytes, encoded: Encoded) -> tuple[memoryview, list[int]]:
+    """The bytes of one message and the descriptors sent with its first byte (a big body goes in a memfd)."""
+    fds, body, in_fd = list(encoded.fds), encoded.body, 0
+    if len(body) > BODY_IN_MEMFD_BYTES:
+        fds.append(_bytes_file(memoryview(body), "phyai-message"))
+        body, in_fd = b"", 1
+    return memoryview(b"".join((_HEADER.pack(len(fds), in_fd, len(meta), len(body)), meta, body))), fds
+
+
+def send_frame(sock: socket.socket, data: memoryview, fds: list[int]) -> None:
+    """Write one whole message (blocking)."""
+    sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(fds))] if fds else [])
+    while sent < len(data):
+        sent += sock.send(data[sent:])
+
+
+def recv_frame(sock: socket.socket) -> tuple[bytes, Any, list[int]] | None:
+    """One message: (meta, body, fds) with the body's memfd already read; None at a clean end."""
+    head, fds = _recv_head(sock)
+    if head is None:
+        return None
+    count, in_fd, meta_len, body_len = _HEADER.unpack(head)
+    if len(fds) != count:
+        _close_all(fds)
+        raise ConnectionError(f"a message announced {count} file descriptor(s) and carried {len(fds)}")
+    meta, body = _recv_exactly(sock, meta_len), _recv_exactly(sock, body_len)
+    if in_fd:
+        fd = fds.pop()
+        try:
+            body = _map(fd, private=True) if os.fstat(fd).st_size else b""
+        finally:
+            os.close(fd)
+    return meta, body, fds
+
+
+def _recv_head(sock: socket.socket) -> tuple[bytes | None, list[int]]:
+    space = socket.CMSG_SPACE(_MAX_FDS * 4)
+    data, ancdata, _, _ = sock.recvmsg(_HEADER.size, space, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    fds = [fd for level, kind, raw in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+           for fd in struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) - len(raw) % 4])]
+    if not data:
+        _close_all(fds)
+        return None, []
+    if len(data) < _HEADER.size:
+        data += _recv_exactly(sock, _HEADER.size - len(data))
+    return data, fds
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    if n == 0:
+        return b""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError(f"the connection closed in the middle of a message ({got} of {n} bytes)")
+        got += k
+    return bytes(out)
+
+
+def _fd_bytes(fds: list[int]) -> bytes:
+    return struct.pack(f"{len(fds)}i", *fds)
+
+
+def listener() -> tuple[socket.socket, Any, bytes]:
+    """A listening Unix socket (abstract name on Linux), its address, and the token a client must send first."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address: Any = "\0phyai-ray-" + secrets.token_hex(12)
+    sock.bind(address)
+    sock.listen(1)
+    sock.settimeout(_ACCEPT_TIMEOUT_S)
+    return sock, address, secrets.token_bytes(16)
+
+
+def accept(sock: socket.socket, token: bytes) -> socket.socket:
+    """The one client of `sock`, once it sent `token` (both within the accept deadline)."""
+    try:
+        conn, _ = sock.accept()
+    finally:
+        sock.close()
+    conn.settimeout(_ACCEPT_TIMEOUT_S)
+    if _recv_exactly(conn, len(token)) != token:
+        conn.close()
+        raise ConnectionError("a client of the request socket sent the wrong token")
+    conn.settimeout(None)
+    return conn
+
+
+# -- the driver's end -----------------------------------------------------------------------------
+class _Message:
+    """One request being written: its bytes and descriptors stay until every rank has it, then the
+    descriptors close (each rank holds its own copy of them, or its mapping)."""
+
+    __slots__ = ("tag", "data", "fds", "payload", "unwritten", "waiting")
+
+    def __init__(self, tag: Any, data: memoryview, fds: list[int], payload: Encoded, ranks: int) -> None:
+        self.tag, self.data, self.fds, self.payload = tag, data, fds, payload
+        self.unwritten = ranks  # ranks that do not have the whole message yet
+        self.waiting = ranks  # ranks that have not replied yet
+
+    def written(self) -> None:
+        """One more rank has the whole message; after the last, close its descriptors."""
+        self.unwritten -= 1
+        if self.unwritten == 0:
+            _close_all([fd for fd in self.fds if fd not in self.payload.fds])
+            self.payload.close()
+            self.fds, self.data = [], memoryview(b"")
+
+
+class IpcLane:
+    """Send `LaneRequest`s to every rank of one replica over its sockets and read their replies."""
+
+    def __init__(self, actors: Sequence[Any], *, capacity: int, name: str, timeout_s: float,
+                 on_reply: Callable[[Any, int, Any], None], on_broken: Callable[[int, BaseException], None],
+                 on_unsent: Callable[[Any, BaseException], None]) -> None:
+        import ray
+
+        self.capacity = capacity
+        self._on_reply, self._on_broken, self._on_unsent = on_reply, on_broken, on_unsent
+        addresses = ray.get([actor.open_ipc.remote() for actor in actors], timeout=timeout_s)
+        self._socks: list[socket.socket] = []
+        try:
+            for address, token in addresses:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._socks.append(sock)
+                sock.settimeout(timeout_s)
+                sock.connect(address)
+                sock.sendall(token)
+                sock.settimeout(None)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._lock = threading.Lock()
+        self._writable = threading.Condition(self._lock)
+        self._backlog: deque[tuple[Any, LaneRequest]] = deque()  # beyond capacity, not yet written
+        self._order: list[deque[_Message]] = [deque() for _ in actors]  # written, reply awaited, per rank
+        self._unwritten: list[deque[tuple[_Message, memoryview | None]]] = [deque() for _ in actors]
+        self._in_flight = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._read_loop, name=f"{name}-ipc-replies", daemon=True),
+                         threading.Thread(target=self._write_loop, name=f"{name}-ipc-writer", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Messages written whose replies are not all read yet."""
+        return self._in_flight
+
+    def send(self, tag: Any, request: LaneRequest) -> None:
+        """Write `request` to every rank (or keep it, in order, until there is room); never blocks."""
+        with self._lock:
+            if self._backlog or self._in_flight >= self.capacity:
+                self._backlog.append((tag, request))
+                return
+            error = self._write(tag, request)
+        if error is not None:
+            self._on_unsent(tag, error)
+
+    def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
+        """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
+        if self._closed:
+            return None
+        try:
+            payload = request.payload if isinstance(request.payload, Encoded) else encode(request.payload)
+            meta = pickle.dumps((request.seq, request.kind, request.reply_ranks, request.window))
+            data, fds = frame(meta, payload)
+        except Exception as exc:
+            return exc
+        message = _Message(tag, data, fds, payload, len(self._socks))
+        self._in_flight += 1
+        for rank, sock in enumerate(self._socks):
+            self._order[rank].append(message)
+            if self._unwritten[rank]:
+                self._unwritten[rank].append((message, None))
+                continue
+            rest = self._try_send(sock, message)
+            if rest is None:
+                message.written()
+            else:
+                self._unwritten[rank].append((message, rest))
+                self._writable.notify()
+        return None
+
+    def _try_send(self, sock: socket.socket, message: _Message) -> memoryview | None:
+        """What is left of `message` after one non-blocking write (None: all of it went)."""
+        data = message.data
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(message.fds))] if message.fds else []
+        try:
+            sent = sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return data  # nothing went: the descriptors go with the first byte, from the writer thread
+        except OSError:  # the rank is gone: the reader reports it
+            return None
+        return data[sent:] if sent < len(data) else None
+
+    def _write_loop(self) -> None:
+        """Finish writes `send` could not complete at once, per rank in order (blocking writes)."""
+        while True:
+            with self._lock:
+                while not self._closed and not any(self._unwritten):
+                    self._writable.wait()
+                if self._closed:
+                    return
+                rank = next(r for r, q in enumerate(self._unwritten) if q)
+                message, rest = self._unwritten[rank][0]
+            try:
+                if rest is None or len(rest) == len(message.data):
+                    send_frame(self._socks[rank], message.data, message.fds)
+                else:
+                    self._socks[rank].sendall(rest)
+            except OSError as exc:
+                with self._lock:
+                    closed = self._closed
+                if not closed:
+                    self._broken(rank, exc)
+                return
+            with self._lock:
+                self._unwritten[rank].popleft()
+                message.written()
+
+    def _read_loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        for rank, sock in enumerate(self._socks):
+            selector.register(sock, selectors.EVENT_READ, rank)
+        try:
+            while not self._closed:
+                for key, _ in selector.select(timeout=1.0):
+                    if not self._read_one(key.data):
+                        return
+        finally:
+            selector.close()
+
+    def _read_one(self, rank: int) -> bool:
+        try:
+            got = recv_frame(self._socks[rank])
+            if got is None:
+                raise ConnectionError("the rank closed its request connection")
+            _, body, fds = got
+            reply = decode(body, fds, private=False)
+        except BaseException as exc:
+            if not self._closed:
+                self._broken(rank, exc)
+            return False
+        with self._lock:
+            if not self._order[rank]:
+                unexpected = True
+            else:
+                unexpected = False
+                message = self._order[rank].popleft()
+                message.waiting -= 1
+                unsent: list = []
+                if message.waiting == 0:
+                    self._in_flight -= 1
+                    unsent = self._flush_backlog()
+        if unexpected:
+            self._broken(rank, ConnectionError(f"rank {rank} replied with no request outstanding: {reply!r:.200}"))
+            return False
+        try:
+            self._on_reply(message.tag, rank, reply)
+            for item in unsent:
+                self._on_unsent(*item)
+        except Exception:
+            logger.exception("handling a rank reply failed")
+        return True
+
+    def _flush_backlog(self) -> list[tuple[Any, BaseException]]:
+        unsent = []
+        while self._backlog and self._in_flight < self.capacity and not self._closed:
+            tag, request = self._backlog.popleft()
+            error = self._write(tag, request)
+            if error is not None:
+                unsent.append((tag, error))
+        return unsent
+
+    def _broken(self, rank: int, exc: BaseException) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._writable.notify_all()
+        self._on_broken(rank, exc)
+
+    def close(self) -> None:
+        """Stop both threads and close every socket (the ranks' request threads then end)."""
+        with self._lock:
+            self._closed = True
+            self._writable.notify_all()
+        self._close_sockets()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+
+    def _close_sockets(self) -> None:
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
