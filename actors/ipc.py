@@ -82,8 +82,13 @@ def _close_all(fds: list[int]) -> None:
 
 def _persistent_id(pickler: Any, obj: Any) -> Any:
     """CPU tensors by their bytes: large ones in a memfd (one copy), small ones inline (torch's own
-    pickling goes through `torch.save`, ~50 us for a 16-element tensor)."""
-    if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+    pickling goes through `torch.save`, ~50 us for a 16-element tensor). CUDA tensors by a CUDA IPC
+    handle (no copy): the receiver maps the sender's memory, valid while the sender lives."""
+    if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
+        return None
+    if obj.device.type == "cuda":
+        return _cuda_handle(obj)
+    if obj.device.type != "cpu":
         return None
     dtype, shape = str(obj.dtype).removeprefix("torch."), tuple(obj.shape)
     if obj.numel() * obj.element_size() < LARGE_TENSOR_BYTES or len(pickler.fds) >= _MAX_FDS - 1:
@@ -111,6 +116,17 @@ class _CloudPickler(cloudpickle.CloudPickler):
     persistent_id = _persistent_id
 
 
+def _cuda_handle(tensor: torch.Tensor) -> Any:
+    """torch's CUDA IPC reduction (its reference counting keeps the memory until every receiver
+    dropped it); None (torch's own pickling, a copy through the CPU) where it does not apply."""
+    if tensor.requires_grad and not tensor.is_leaf:
+        return None
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor)
+    return ("cuda", rebuild, args, None, None)
+
+
 def _flat_bytes(tensor: torch.Tensor) -> Any:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
@@ -135,6 +151,12 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         kind, where, dtype, shape, requires_grad = pid
+        if kind == "cuda":  # (rebuild, args) of torch's CUDA IPC reduction
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            if where is not rebuild_cuda_tensor:
+                raise pickle.UnpicklingError(f"unexpected CUDA tensor rebuild function {where!r:.100}")
+            return where(*dtype)
         if kind == "memfd" and isinstance(where, int) and 0 <= where < len(self._fds):
             data: Any = _map(self._fds[where], self._private)
         elif kind == "bytes" and isinstance(where, bytes):

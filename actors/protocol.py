@@ -43,6 +43,8 @@ class RankSpec:
     master_port: int
     startup_timeout_s: float
     collective_timeout_s: float
+    engine_node: str | None = None  # node id of the engine that starts this rank
+    launcher_devices: str | None = None  # the engine's CUDA_VISIBLE_DEVICES (None: it sees every GPU)
 
 
 @dataclass(frozen=True)

@@ -223,13 +223,13 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
     from phyai_ray.worker import RankRunner, init_distributed, make_context
     from placement.topology import Topology
 
-    if spec.visible_device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_device
     topology = Topology.from_parallel(spec.parallel)
     device = torch.device("cpu")
     if spec.device_type == "cuda":
-        torch.cuda.set_device(0)
-        device = torch.device("cuda", 0)
+        device = torch.device("cuda", _cuda_index(spec))
+        torch.cuda.set_device(device)
+    elif spec.visible_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_device
     init = f"tcp://{spec.master_addr}:{spec.master_port}"
     groups = init_distributed(topology, spec.rank, device.type, init, spec.collective_timeout_s)
     groups.install()
@@ -238,6 +238,30 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
                        node_id=ray.get_runtime_context().get_node_id())
     actor._runner = RankRunner(spec.entry, spec.plugin_args, ctx)
     return os.getpid()
+
+
+def _cuda_index(spec: RankSpec) -> int:
+    """Make this rank see the devices the engine sees and return the index of its own among them.
+
+    On the engine's node every rank sees the launcher's devices, so `cuda:k` names the same GPU in
+    the engine and in every rank (a CUDA tensor shared between them keeps its meaning); Ray's GPU
+    accounting still gives each rank its own device. Elsewhere (or when the rank's device is not
+    among the engine's) the rank sees only its own device, as `cuda:0`. Runs before CUDA starts.
+    """
+    assigned = [str(g) for g in ray.get_gpu_ids()]
+    own = spec.visible_device or (assigned[0] if assigned else None)
+    if own is None:
+        return 0
+    if spec.engine_node is not None and spec.engine_node == ray.get_runtime_context().get_node_id():
+        launcher = [d.strip() for d in (spec.launcher_devices or "").split(",") if d.strip()]
+        if spec.launcher_devices is None and own.isdigit():
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            return int(own)
+        if own in launcher:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(launcher)
+            return launcher.index(own)
+    os.environ["CUDA_VISIBLE_DEVICES"] = own
+    return 0
 
 
 def _bind_thread(runner: Any) -> bool:

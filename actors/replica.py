@@ -150,7 +150,9 @@ class RayReplicaExecutor(ReplicaExecutor):
                         parallel=args.config.parallel, params_dtype=args.config.device.params_dtype,
                         device_type=device_type, visible_device=visible, master_addr=self._infos[0].ip,
                         master_port=port, startup_timeout_s=max(_left(deadline), 1.0),
-                        collective_timeout_s=self._proc.collective_timeout_s)
+                        collective_timeout_s=self._proc.collective_timeout_s,
+                        engine_node=ray.get_runtime_context().get_node_id(),
+                        launcher_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _request_lane(self, deadline: float) -> IpcLane | CompiledLane | None:
         """This replica's request lane, or None for actor calls (see `request_transport`)."""

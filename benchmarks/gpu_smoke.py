@@ -2,7 +2,9 @@
 
 Run on a machine with CUDA GPUs: `.venv/bin/python benchmarks/gpu_smoke.py`
 1. one replica with NCCL groups over every visible GPU: the TP result equals a CPU reference and
-   arrives as a CUDA tensor;
+   arrives as a CUDA tensor on the output rank's device (CUDA IPC over the same-node request lane);
+   every rank sees every GPU and binds its own (`cuda:k` is the same GPU in every process); a CUDA
+   request tensor reaches every rank as the caller's `cuda:0` tensor;
 2. RL weight sync on GPU: `cuda_ipc` (trainer and rank on GPU 0) and, with 2+ GPUs, `nccl` (rank on
    GPU 1); the rank's output equals the trainer's module; `sleep(level=2)` frees the rank's weight
    memory and a weight update refills it.
@@ -34,6 +36,16 @@ class RowParallelMatmul:
     def step(self, x: torch.Tensor) -> torch.Tensor:
         y = x.to(self.device)[:, self.cols] @ self.weight.T
         return P.all_reduce(y, group="dense_tp")
+
+    def visibility(self) -> tuple[str | None, int, int]:
+        """(CUDA_VISIBLE_DEVICES, current device, device count) as this rank sees them."""
+        import os
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device(), torch.cuda.device_count()
+
+    def echo(self, x: torch.Tensor) -> tuple[str, float]:
+        """Where a CUDA request tensor arrived, and its sum."""
+        return str(x.device), float(x.sum())
 
     def device_name(self) -> str:
         return f"{self.device} {torch.cuda.get_device_name(self.device)} backend={torch.distributed.get_backend()}"
@@ -67,10 +79,19 @@ def main() -> int:
             times.append(time.perf_counter() - t0)
         print(f"result on {y.device}, dtype {y.dtype}, shape {tuple(y.shape)}")
         error = (y.cpu() - expected).abs().max().item() / expected.abs().max().item()
+        transport = engine._executors[0].transport
+        seen = engine.collective_rpc("visibility", replica=0, all_ranks=True)
+        x_gpu = x.cuda(0)
+        echoed = engine.collective_rpc("echo", x_gpu, replica=0, all_ranks=True)
+        visible_ok = [(current, count) for _, current, count in seen] == [(r, gpus) for r in range(gpus)]
+        echo_ok = all(d == "cuda:0" and abs(total - float(x_gpu.sum())) < 1e-2 for d, total in echoed)
+        print(f"transport {transport}; ranks see {seen}: {'OK' if visible_ok else 'FAILED'} (each rank sees every GPU "
+              f"and binds its own); a cuda:0 request arrives as {echoed}: {'OK' if echo_ok else 'FAILED'}")
         times.sort()
         print(f"step latency median {times[len(times) // 2] * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms; "
               f"relative error vs CPU reference {error:.2e}")
-    ok = y.is_cuda and error < 1e-3
+    ok = y.is_cuda and y.device == torch.device("cuda", 0) and error < 1e-3 and visible_ok and echo_ok
+    ok = ok and transport == "ipc"
     ok = check_weight_sync("cuda_ipc", device=0) and ok
     if gpus > 1:
         ok = check_weight_sync("nccl", device=1) and ok

@@ -31,7 +31,7 @@ def test_benchmark_prints_ratios_and_names_the_machine(ray_session, capsys, monk
     bench.main(["--requests", "20", "--max-replicas", "1", "--large", "1"])
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "Ray request path (2 ranks)" in out
-    for ratio in ("compiled step / floor (p50)", "1 replica(s) x 10 ms", "64 MB result speed / bare ray.get",
+    for ratio in ("default step / floor (p50)", "1 replica(s) x 10 ms", "64 MB result speed / bare ray.get",
                   "64 MB request speed / bare broadcast"):
         assert ratio in out and "target" in out.split(ratio, 1)[1].splitlines()[0], ratio
 
