@@ -165,16 +165,24 @@ def test_unplaceable_cluster_replica_times_out_with_hint_and_leaves_nothing(ray_
 
 
 def test_create_step_close_cycles_leave_no_actors_or_placement_groups(ray_session):
+    import os
+    import threading
+
+    held = []  # (open file descriptors, threads) of this process after each cycle
     for i in range(20):
         engine = Engine(_args(TinyRowTPEntry, tp=1), DeploymentConfig(mode="local"))
+        assert engine._executors[0].transport == "ipc"  # the default request path on one node
         x = torch.full((1, 8), float(i))
         torch.testing.assert_close(engine.step({"x": x}), reference(x))
         engine.close()
         engine.close()
+        held.append((len(os.listdir("/proc/self/fd")), threading.active_count()))
     deadline = time.monotonic() + 15
     while (live_actors() or live_placement_groups()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert live_actors() == [] and live_placement_groups() == []
+    # sockets and threads of closed engines are gone (Ray's own connections settle after the first cycles)
+    assert held[-1][0] <= held[2][0] + 3 and held[-1][1] <= held[2][1], held
 
 
 def test_close_from_eight_threads_during_200_submits_resolves_everything(ray_session):
