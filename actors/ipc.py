@@ -17,7 +17,9 @@ view. A message body larger than `BODY_IN_MEMFD_BYTES` travels the same way, so 
 never waits for long.
 
 Threads: `send` runs under the replica scheduler's lock and never blocks: it writes with
-MSG_DONTWAIT and leaves what did not fit to the lane's writer thread, in order. One reader thread
+MSG_DONTWAIT and leaves what did not fit to the lane's writer thread, in order. The writer never
+blocks on one rank either: a rank busy in a collective reads its next message only after its
+peers got theirs. One reader thread
 per lane waits on every rank's socket; replies come back per rank in the order sent. A rank whose
 socket closes (its process exited) ends the lane with `on_broken(rank, exc)`.
 """
@@ -30,6 +32,7 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -265,6 +268,15 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def _send_some(sock: socket.socket, message: Any, offset: int) -> int:
+    """One non-blocking write of `message` from `offset`; the new offset. Descriptors go with byte 0."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(message.fds))] if offset == 0 and message.fds else []
+    try:
+        return offset + sock.sendmsg([message.data[offset:]], ancillary, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return offset
+
+
 def _fd_bytes(fds: list[int]) -> bytes:
     return struct.pack(f"{len(fds)}i", *fds)
 
@@ -341,7 +353,7 @@ class IpcLane:
         self._writable = threading.Condition(self._lock)
         self._backlog: deque[tuple[Any, LaneRequest]] = deque()  # beyond capacity, not yet written
         self._order: list[deque[_Message]] = [deque() for _ in actors]  # written, reply awaited, per rank
-        self._unwritten: list[deque[tuple[_Message, memoryview | None]]] = [deque() for _ in actors]
+        self._unwritten: list[deque[list]] = [deque() for _ in actors]  # [message, bytes sent], per rank
         self._in_flight = 0
         self._closed = False
         self._threads = [threading.Thread(target=self._read_loop, name=f"{name}-ipc-replies", daemon=True),
@@ -378,53 +390,58 @@ class IpcLane:
         self._in_flight += 1
         for rank, sock in enumerate(self._socks):
             self._order[rank].append(message)
-            if self._unwritten[rank]:
-                self._unwritten[rank].append((message, None))
-                continue
-            rest = self._try_send(sock, message)
-            if rest is None:
+            queue = self._unwritten[rank]
+            offset = 0
+            if not queue:  # nothing ahead of it for this rank: write what the socket takes now
+                try:
+                    offset = _send_some(sock, message, 0)
+                except OSError:  # the rank is gone: the reader reports it
+                    offset = len(message.data)
+            if offset == len(message.data):
                 message.written()
             else:
-                self._unwritten[rank].append((message, rest))
+                queue.append([message, offset])
                 self._writable.notify()
         return None
 
-    def _try_send(self, sock: socket.socket, message: _Message) -> memoryview | None:
-        """What is left of `message` after one non-blocking write (None: all of it went)."""
-        data = message.data
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_bytes(message.fds))] if message.fds else []
-        try:
-            sent = sock.sendmsg([data], ancillary, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return data  # nothing went: the descriptors go with the first byte, from the writer thread
-        except OSError:  # the rank is gone: the reader reports it
-            return None
-        return data[sent:] if sent < len(data) else None
-
     def _write_loop(self) -> None:
-        """Finish writes `send` could not complete at once, per rank in order (blocking writes)."""
+        """Finish the writes `send` could not complete at once: per rank in order, never blocking on
+        one rank while another waits (ranks that share a collective need the same message)."""
         while True:
             with self._lock:
                 while not self._closed and not any(self._unwritten):
                     self._writable.wait()
                 if self._closed:
                     return
-                rank = next(r for r, q in enumerate(self._unwritten) if q)
-                message, rest = self._unwritten[rank][0]
+                pending = [rank for rank, queue in enumerate(self._unwritten) if queue]
             try:
-                if rest is None or len(rest) == len(message.data):
-                    send_frame(self._socks[rank], message.data, message.fds)
-                else:
-                    self._socks[rank].sendall(rest)
-            except OSError as exc:
-                with self._lock:
-                    closed = self._closed
-                if not closed:
-                    self._broken(rank, exc)
-                return
+                _, ready, _ = select.select([], [self._socks[rank] for rank in pending], [], 1.0)
+            except (OSError, ValueError):  # a socket closed under us: close() or the reader says why
+                ready = [self._socks[rank] for rank in pending]
+            broken = None
             with self._lock:
-                self._unwritten[rank].popleft()
-                message.written()
+                for rank in pending:
+                    if self._socks[rank] in ready and broken is None:
+                        broken = self._advance(rank)
+            if broken is not None:
+                self._broken(*broken)
+                return
+
+    def _advance(self, rank: int) -> tuple[int, BaseException] | None:
+        """Lock held: write what rank's socket takes now, oldest message first; (rank, error) if it broke."""
+        queue = self._unwritten[rank]
+        while queue:
+            item = queue[0]
+            message, offset = item
+            try:
+                item[1] = _send_some(self._socks[rank], message, offset)
+            except OSError as exc:
+                return None if self._closed else (rank, exc)
+            if item[1] < len(message.data):
+                return None
+            queue.popleft()
+            message.written()
+        return None
 
     def _read_loop(self) -> None:
         selector = selectors.DefaultSelector()

@@ -128,6 +128,18 @@ def test_sockets_leak_no_descriptor_or_thread_over_create_close_cycles(ray_sessi
     assert fds <= before[0] + 2 and threads <= before[1], (before, (fds, threads))
 
 
+def test_sockets_keep_order_when_writes_outgrow_the_socket_buffer(ray_session):
+    # 240 KB bodies travel in the socket itself and several fill its buffer: the rest of each write
+    # waits in the lane's writer thread, in order, while submit never blocks
+    chunk = torch.ones(60_000)
+    with _engine("ipc", max_ongoing_requests=8) as engine:
+        started = time.monotonic()
+        futures = [engine.submit({"sleep": 0.01, "tag": i, "chunk": chunk}) for i in range(40)]
+        assert time.monotonic() - started < 2.0
+        assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
+        assert engine.collective_rpc("executed", replica=0, all_ranks=True) == [list(range(40))] * 2
+
+
 def test_auto_uses_sockets_on_one_node(ray_session):
     with _engine("auto") as engine:
         assert engine._executors[0].transport == "ipc"

@@ -1,0 +1,123 @@
+"""The socket lane's encoding and framing (`actors.ipc`), without Ray: round trips, shared memory, descriptors.
+
+Run: `.venv/bin/pytest tests/test_ipc_codec.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import torch
+
+from actors import ipc
+
+pytestmark = pytest.mark.skipif(not ipc.SUPPORTED, reason="the socket lane needs Linux (memfd)")
+
+
+def _round_trip(obj, private=True):
+    encoded = ipc.encode(obj)
+    fds = [os.dup(fd) for fd in encoded.fds]  # what a receiver holds after SCM_RIGHTS
+    encoded.close()
+    return ipc.decode(encoded.body, fds, private=private), encoded
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(16.0), torch.arange(12).view(3, 4).t(), torch.zeros(0, 3), torch.tensor(2.5, dtype=torch.bfloat16),
+    torch.tensor([True, False]), torch.arange(6, dtype=torch.int64).view(2, 3), torch.ones(3, requires_grad=True),
+    torch.arange(2 ** 19, dtype=torch.float64).view(512, 1024)[:, ::2],  # 2 MB strided view: shared memory
+])
+def test_tensors_round_trip_with_dtype_shape_values_and_grad_flag(tensor):
+    out, encoded = _round_trip({"t": tensor, "n": 3})
+    got = out["t"]
+    assert (got.dtype, got.shape, got.requires_grad) == (tensor.dtype, tensor.shape, tensor.requires_grad)
+    assert torch.equal(got.detach(), tensor.detach()) and out["n"] == 3
+    assert len(encoded.fds) == (1 if tensor.numel() * tensor.element_size() >= ipc.LARGE_TENSOR_BYTES else 0)
+
+
+def test_large_tensors_travel_in_shared_memory_not_in_the_message():
+    big = torch.ones(2 ** 20)  # 4 MB
+    encoded = ipc.encode([big, big * 2])
+    assert len(encoded.body) < 1000 and len(encoded.fds) == 2
+    encoded.close()
+
+
+def test_a_private_mapping_is_copy_on_write_and_a_shared_one_is_the_senders_pages():
+    encoded = ipc.encode(torch.zeros(2 ** 18))  # 1 MB: one memfd
+    fd = encoded.fds[0]
+    first = ipc.decode(encoded.body, [os.dup(fd)], private=True)
+    second = ipc.decode(encoded.body, [os.dup(fd)], private=True)
+    first.add_(1)
+    assert float(second.sum()) == 0.0 and float(first.sum()) == 2 ** 18  # each rank writes its own view
+    shared_a = ipc.decode(encoded.body, [os.dup(fd)], private=False)
+    shared_b = ipc.decode(encoded.body, [os.dup(fd)], private=False)
+    shared_a[0] = 7
+    assert float(shared_b[0]) == 7.0
+    encoded.close()
+
+
+def test_closures_fall_back_to_cloudpickle_and_unpicklable_values_raise_without_leaking_descriptors():
+    scale = 3
+    out, _ = _round_trip({"f": lambda x: x * scale, "big": torch.ones(2 ** 18)})
+    assert out["f"](2) == 6 and float(out["big"].sum()) == 2 ** 18
+    before = _open_fds()
+    with pytest.raises(TypeError, match="lock"):
+        ipc.encode({"big": torch.ones(2 ** 18), "lock": threading.Lock()})
+    assert _open_fds() == before
+
+
+def test_frames_carry_descriptors_and_large_bodies_over_a_socket_pair():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    payloads = [{"x": torch.arange(10.0)}, torch.ones(2 ** 20), [b"x" * (ipc.BODY_IN_MEMFD_BYTES + 10)]]
+    try:
+        before = _open_fds()
+        for payload in payloads:
+            encoded = ipc.encode(payload)
+            data, fds = ipc.frame(b"meta", encoded)
+            sender = threading.Thread(target=ipc.send_frame, args=(left, data, fds))
+            sender.start()
+            meta, body, got_fds = ipc.recv_frame(right)
+            sender.join(timeout=10)
+            encoded.close()
+            ipc._close_all([fd for fd in fds if fd not in encoded.fds])
+            out = ipc.decode(body, got_fds, private=False)
+            assert meta == b"meta"
+            if isinstance(payload, torch.Tensor):
+                assert torch.equal(out, payload)
+            elif isinstance(payload, dict):
+                assert torch.equal(out["x"], payload["x"])
+            else:
+                assert out == payload
+            del out, body
+        assert _open_fds() == before
+        left.close()
+        assert ipc.recv_frame(right) is None  # a clean end of the stream
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_stream_cut_in_the_middle_of_a_message_is_an_error_not_a_hang():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    data, fds = ipc.frame(b"", ipc.encode({"x": list(range(1000))}))
+    left.sendall(data[: len(data) // 2])
+    left.close()
+    with pytest.raises(ConnectionError, match="closed in the middle"):
+        ipc.recv_frame(right)
+    right.close()
+
+
+def test_a_listener_accepts_only_the_client_with_its_token():
+    listening, address, token = ipc.listener()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(address)
+    client.sendall(b"x" * len(token))
+    with pytest.raises(ConnectionError, match="wrong token"):
+        ipc.accept(listening, token)
+    client.close()
