@@ -223,6 +223,16 @@ def send_frame(sock: socket.socket, data: memoryview, fds: list[int]) -> None:
         sent += sock.send(data[sent:])
 
 
+def send_encoded(sock: socket.socket, meta: bytes, encoded: Encoded) -> None:
+    """Frame and write `encoded` (blocking), then close every descriptor it took."""
+    data, fds = frame(meta, encoded)
+    try:
+        send_frame(sock, data, fds)
+    finally:
+        _close_all([fd for fd in fds if fd not in encoded.fds])
+        encoded.close()
+
+
 def recv_frame(sock: socket.socket) -> tuple[bytes, Any, list[int]] | None:
     """One message: (meta, body, fds) with the body's memfd already read; None at a clean end."""
     head, fds = _recv_head(sock)

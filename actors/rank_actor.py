@@ -134,11 +134,9 @@ class RankActor:
                 except Exception as exc:  # the result does not pickle: the engine gets why
                     encoded = ipc.encode(RankReply(seq, self._rank, ERROR, _portable(exc)))
                 try:
-                    ipc.send_frame(conn, *ipc.frame(b"", encoded))
+                    ipc.send_encoded(conn, b"", encoded)
                 except OSError:
                     return
-                finally:
-                    encoded.close()
 
     @ray.method(concurrency_group=CONTROL)
     async def cancel_stream(self, seq: int) -> None:

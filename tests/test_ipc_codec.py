@@ -78,14 +78,10 @@ def test_frames_carry_descriptors_and_large_bodies_over_a_socket_pair():
     try:
         before = _open_fds()
         for payload in payloads:
-            encoded = ipc.encode(payload)
-            data, fds = ipc.frame(b"meta", encoded)
-            sender = threading.Thread(target=ipc.send_frame, args=(left, data, fds))
+            sender = threading.Thread(target=ipc.send_encoded, args=(left, b"meta", ipc.encode(payload)))
             sender.start()
             meta, body, got_fds = ipc.recv_frame(right)
             sender.join(timeout=10)
-            encoded.close()
-            ipc._close_all([fd for fd in fds if fd not in encoded.fds])
             out = ipc.decode(body, got_fds, private=False)
             assert meta == b"meta"
             if isinstance(payload, torch.Tensor):
