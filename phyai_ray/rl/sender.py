@@ -29,13 +29,13 @@ logger = logging.getLogger(__name__)
 class _Target:
     """An Engine, or an EngineActor handle, behind one calling convention."""
 
-    def __init__(self, target: Any) -> None:
-        self.target = target
+    def __init__(self, target: Any, pool: ThreadPoolExecutor, wait_s: float) -> None:
+        self.target, self._pool, self._wait_s = target, pool, wait_s
         self.remote = hasattr(getattr(target, "replica_status", None), "remote")
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-sender")
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.start(name, *args, **kwargs).result()
+        """`name(*args, **kwargs)` on the target; TimeoutError past the sender's deadline (+30 s of slack)."""
+        return self.start(name, *args, **kwargs).result(timeout=self._wait_s)
 
     def start(self, name: str, *args: Any, **kwargs: Any) -> Future:
         if self.remote:
@@ -55,11 +55,12 @@ class WeightSender:
         self._groups: dict[int, Any] = {}  # replica -> this process's member (rank 0) of its group
         self._pending: list[tuple[Bucket, list[Any]]] = []
         self._shared: list[Any] = []  # cuda_ipc: flat buckets that must outlive the ranks' copies
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-sender")  # calls on an Engine
 
     # -- phase 0 ---------------------------------------------------------------------------------
     def init_transfer(self, target: Any, replicas: list[int] | None = None) -> list:
         """Prepare the replicas (and, for gloo / nccl, join one group per replica as its rank 0)."""
-        t = _Target(target)
+        t = self._target(target)
         if self.backend in ("object_store", "cuda_ipc"):
             return t.call("init_weight_transfer", self.backend, replicas=replicas, timeout=self.timeout_s)
         import torch.distributed as dist
@@ -83,6 +84,9 @@ class WeightSender:
                 logger.error("weight transfer group of replica %d: %s", i, join.exception())
         return reports
 
+    def _target(self, target: Any) -> _Target:
+        return _Target(target, self._pool, self.timeout_s + 30)
+
     def _join(self, prefix: str, replica: int, size: int) -> Any:
         import torch.distributed as dist
 
@@ -95,7 +99,7 @@ class WeightSender:
     def update(self, target: Any, named_parameters: Iterable[tuple[str, Any]], version: Any,
                replicas: list[int] | None = None) -> list:
         """start_weight_update(version) -> update_weights while sending -> finish_weight_update."""
-        t = _Target(target)
+        t = self._target(target)
         started = t.call("start_weight_update", version, replicas=replicas, timeout=self.timeout_s)
         chosen = [r.replica for r in started if r.error is None]
         buckets = self.prepare(named_parameters)

@@ -19,6 +19,7 @@ import torch
 from phyai_ray import DenseParallelConfig, P, ParallelConfig
 from phyai_ray.worker import destroy_distributed, init_distributed
 from placement.topology import Topology
+from tests.scripts.launch import finish_rank
 
 # all_to_all with uneven splits: rank r sends SPLITS_IN[r][j] rows to rank j.
 SPLITS_IN = ((1, 3), (2, 2))
@@ -81,8 +82,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # Skip interpreter finalization: gloo's worker threads can still hold work objects that reference
-    # Python tensors, and freeing them while the interpreter is torn down aborts now and then (SIGABRT,
-    # "terminate called without an active exception"), after every result was written.
-    sys.stdout.flush()
-    os._exit(0)
+    finish_rank()

@@ -14,6 +14,7 @@ import os
 import sys
 
 from phyai_ray import DeploymentConfig, Engine, EngineArgs
+from tests.scripts.launch import finish_rank
 
 REQUESTS = [{"x": [[float(i + j) - 3 for j in range(8)] for i in range(3)]},
             {"x": [[1.0, -2.0, 3.0, 0.5, 0.0, 7.0, -1.0, 2.0]]}]
@@ -56,3 +57,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    finish_rank()

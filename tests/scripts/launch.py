@@ -36,3 +36,18 @@ def torchrun_json(module: str, out_dir: Path, name: str, nproc: int = 2, timeout
 def describe(proc: subprocess.CompletedProcess) -> str:
     """The tail of a launch's output, for assertion messages."""
     return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+
+
+def finish_rank() -> None:
+    """End a torchrun rank once its results are written: what the launcher owes its world (a barrier,
+    then destroy the default group), then an exit that skips interpreter finalization. There, gloo's
+    threads can still free work objects holding Python tensors, which aborts now and then (SIGABRT,
+    "terminate called without an active exception") after everything was done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

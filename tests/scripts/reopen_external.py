@@ -14,6 +14,7 @@ import torch
 from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        ParallelConfig, WorkerSupervisorConfig)
 from tests.plugins.tiny import TinyRowTPEntry, reference
+from tests.scripts.launch import finish_rank
 
 
 def main(out_dir: str) -> None:
@@ -34,3 +35,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    finish_rank()
