@@ -90,7 +90,9 @@ def _persistent_id(pickler: Any, obj: Any) -> Any:
     if type(obj) is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
         return None
     if obj.device.type == "cuda":
-        return _cuda_handle(obj)
+        if pickler.cuda_ipc:
+            return _cuda_handle(obj)
+        obj = obj.detach().cpu()  # the receiver sees no GPU: it gets a CPU copy
     if obj.device.type != "cpu":
         return None
     dtype, shape = str(obj.dtype).removeprefix("torch."), tuple(obj.shape)
@@ -104,17 +106,17 @@ class _Pickler(pickle.Pickler):
     """The fast pickler (C); payloads it cannot pickle (lambdas, classes defined in functions) go
     through `_CloudPickler`."""
 
-    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, fds: list[int], cuda_ipc: bool) -> None:
         super().__init__(file, protocol=5)
-        self.fds = fds
+        self.fds, self.cuda_ipc = fds, cuda_ipc
 
     persistent_id = _persistent_id
 
 
 class _CloudPickler(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, fds: list[int], cuda_ipc: bool) -> None:
         super().__init__(file, protocol=5)
-        self.fds = fds
+        self.fds, self.cuda_ipc = fds, cuda_ipc
 
     persistent_id = _persistent_id
 
@@ -179,13 +181,14 @@ def _map(fd: int, private: bool) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def encode(obj: Any) -> Encoded:
-    """Pickle `obj` once; large CPU tensors go into memfd files. Raises what pickling raises."""
+def encode(obj: Any, *, cuda_ipc: bool = True) -> Encoded:
+    """Pickle `obj` once; large CPU tensors go into memfd files, CUDA tensors as CUDA IPC handles
+    (`cuda_ipc=False`, for a receiver that sees no GPU: as CPU copies). Raises what pickling raises."""
     for pickler in (_Pickler, _CloudPickler):
         fds: list[int] = []
         buffer = io.BytesIO()
         try:
-            pickler(buffer, fds).dump(obj)
+            pickler(buffer, fds, cuda_ipc).dump(obj)
             return Encoded(buffer.getvalue(), fds)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             _close_all(fds)
@@ -291,6 +294,11 @@ def _fd_bytes(fds: list[int]) -> bytes:
     return struct.pack(f"{len(fds)}i", *fds)
 
 
+def cuda_visible() -> bool:
+    """Whether this process can open CUDA IPC handles (it sees a GPU)."""
+    return torch.cuda.is_available()
+
+
 def listener() -> tuple[socket.socket, Any, bytes]:
     """A listening Unix socket (abstract name on Linux), its address, and the token a client must send first."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -346,10 +354,12 @@ class IpcLane:
 
         self.capacity = capacity
         self._on_reply, self._on_broken, self._on_unsent = on_reply, on_broken, on_unsent
-        addresses = ray.get([actor.open_ipc.remote() for actor in actors], timeout=timeout_s)
+        here_cuda = cuda_visible()
+        opened = ray.get([actor.open_ipc.remote(here_cuda) for actor in actors], timeout=timeout_s)
+        self.cuda_ipc = all(rank_cuda for _, _, rank_cuda in opened)  # CUDA request tensors go by handle
         self._socks: list[socket.socket] = []
         try:
-            for address, token in addresses:
+            for address, token, _ in opened:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._socks.append(sock)
                 sock.settimeout(timeout_s)
@@ -391,7 +401,8 @@ class IpcLane:
         if self._closed:
             return None
         try:
-            payload = request.payload if isinstance(request.payload, Encoded) else encode(request.payload)
+            payload = request.payload if isinstance(request.payload, Encoded) else \
+                encode(request.payload, cuda_ipc=self.cuda_ipc)
             meta = pickle.dumps((request.seq, request.kind, request.reply_ranks, request.window))
             data, fds = frame(meta, payload)
         except Exception as exc:

@@ -102,15 +102,19 @@ class RankActor:
         return chunks, done
 
     @ray.method(concurrency_group=CONTROL)
-    async def open_ipc(self) -> tuple[str, bytes]:
-        """Listen for the engine's request socket: (address, token). One client; its requests run in order."""
+    async def open_ipc(self, engine_cuda: bool) -> tuple[str, bytes, bool]:
+        """Listen for the engine's request socket: (address, token, whether this rank sees a GPU).
+
+        One client; its requests run in order. CUDA results go to an engine that sees a GPU as
+        CUDA IPC handles, else as CPU copies."""
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} was asked for a request socket before setup finished")
         listening, address, token = ipc.listener()
-        threading.Thread(target=self._serve_ipc, args=(listening, token), name="phyai-rank-ipc", daemon=True).start()
-        return address, token
+        threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda), name="phyai-rank-ipc",
+                         daemon=True).start()
+        return address, token, ipc.cuda_visible()
 
-    def _serve_ipc(self, listening: socket.socket, token: bytes) -> None:
+    def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool) -> None:
         """The request thread: read a request, run it, write the reply; ends when the engine closes the socket."""
         try:
             conn = ipc.accept(listening, token)
@@ -130,7 +134,7 @@ class RankActor:
                 reply = self._run_lane(LaneRequest(seq, kind, None, reply_ranks, window),
                                        lambda: ipc.decode(body, fds, private=True))
                 try:
-                    encoded = ipc.encode(reply)
+                    encoded = ipc.encode(reply, cuda_ipc=engine_cuda)
                 except Exception as exc:  # the result does not pickle: the engine gets why
                     encoded = ipc.encode(RankReply(seq, self._rank, ERROR, _portable(exc)))
                 try:

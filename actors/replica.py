@@ -189,7 +189,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         once for every rank); large ones as one `ray.put` reference, put here."""
         if isinstance(self._lane, IpcLane):
             try:
-                return ipc.encode(payload)
+                return ipc.encode(payload, cuda_ipc=self._lane.cuda_ipc)
             except Exception as exc:
                 raise TypeError(f"replica {self.index}: the request does not pickle ({type(exc).__name__}: {exc}); "
                                 "requests and rpc arguments must be picklable (tensors, numbers, containers, "
