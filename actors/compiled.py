@@ -33,6 +33,7 @@ import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayChannelError
 
+from actors.lane import BoundedLane
 from actors.protocol import LaneRequest
 
 logger = logging.getLogger(__name__)
@@ -54,22 +55,19 @@ _BUFFER_BYTES = 1 << 20  # initial size of each channel buffer; a larger message
 _STOP = object()
 
 
-class CompiledLane:
+class CompiledLane(BoundedLane):
     """Send `LaneRequest`s to every rank of one replica and read their replies, in order."""
 
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str,
                  on_replies: Callable[[Any, list], None], on_broken: Callable[[BaseException], None],
                  on_unsent: Callable[[Any, BaseException], None]) -> None:
-        self.capacity = capacity
-        self._on_replies, self._on_broken, self._on_unsent = on_replies, on_broken, on_unsent
+        super().__init__(capacity, on_unsent)
+        self._on_replies, self._on_broken = on_replies, on_broken
         with InputNode() as request:
             graph = MultiOutputNode([actor.run_compiled.bind(request) for actor in actors])
         self._dag = graph.experimental_compile(_max_inflight_executions=capacity, _buffer_size_bytes=_BUFFER_BYTES)
-        self._lock = threading.Lock()  # the writer end: send, backlog
-        self._backlog: deque[tuple[Any, LaneRequest]] = deque()
         self._sent: deque[tuple[Any, list]] = deque()  # (tag, refs) written, reply not yet read
         self._ready = threading.Condition(self._lock)
-        self._closed = False
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-compiled-replies", daemon=True)
         self._reader.start()
 
@@ -77,16 +75,6 @@ class CompiledLane:
     def in_flight(self) -> int:
         """Messages written to the graph whose replies are not yet read (this one counted once sent)."""
         return len(self._sent)
-
-    def send(self, tag: Any, request: LaneRequest) -> None:
-        """Write `request` (or keep it in order in the backlog when the graph is full); never blocks."""
-        with self._lock:
-            if self._backlog or len(self._sent) >= self.capacity:
-                self._backlog.append((tag, request))
-                return
-            error = self._write(tag, request)
-        if error is not None:
-            self._on_unsent(tag, error)
 
     def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
         """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
@@ -102,16 +90,6 @@ class CompiledLane:
         self._sent.append((tag, refs))
         self._ready.notify()
         return None
-
-    def _flush_backlog(self) -> list[tuple[Any, BaseException]]:
-        """Lock held: write backlog messages while there is room; the ones that did not serialize."""
-        unsent = []
-        while self._backlog and len(self._sent) < self.capacity and not self._closed:
-            tag, request = self._backlog.popleft()
-            error = self._write(tag, request)
-            if error is not None:
-                unsent.append((tag, error))
-        return unsent
 
     def _read_loop(self) -> None:
         while True:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import torch
 from ray import cloudpickle
 
+from actors.lane import BoundedLane
 from actors.protocol import LaneRequest
 
 logger = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ class _Message:
             self.fds, self.data = [], memoryview(b"")
 
 
-class IpcLane:
+class IpcLane(BoundedLane):
     """Send `LaneRequest`s to every rank of one replica over its sockets and read their replies."""
 
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str, timeout_s: float,
@@ -352,8 +353,8 @@ class IpcLane:
                  on_unsent: Callable[[Any, BaseException], None]) -> None:
         import ray
 
-        self.capacity = capacity
-        self._on_reply, self._on_broken, self._on_unsent = on_reply, on_broken, on_unsent
+        super().__init__(capacity, on_unsent)
+        self._on_reply, self._on_broken = on_reply, on_broken
         here_cuda = cuda_visible()
         opened = ray.get([actor.open_ipc.remote(here_cuda) for actor in actors], timeout=timeout_s)
         self.cuda_ipc = all(rank_cuda for _, _, rank_cuda in opened)  # CUDA request tensors go by handle
@@ -369,13 +370,10 @@ class IpcLane:
         except BaseException:
             self._close_sockets()
             raise
-        self._lock = threading.Lock()
         self._writable = threading.Condition(self._lock)
-        self._backlog: deque[tuple[Any, LaneRequest]] = deque()  # beyond capacity, not yet written
         self._order: list[deque[_Message]] = [deque() for _ in actors]  # written, reply awaited, per rank
         self._unwritten: list[deque[list]] = [deque() for _ in actors]  # [message, bytes sent], per rank
         self._in_flight = 0
-        self._closed = False
         self._threads = [threading.Thread(target=self._read_loop, name=f"{name}-ipc-replies", daemon=True),
                          threading.Thread(target=self._write_loop, name=f"{name}-ipc-writer", daemon=True)]
         for thread in self._threads:
@@ -385,16 +383,6 @@ class IpcLane:
     def in_flight(self) -> int:
         """Messages written whose replies are not all read yet."""
         return self._in_flight
-
-    def send(self, tag: Any, request: LaneRequest) -> None:
-        """Write `request` to every rank (or keep it, in order, until there is room); never blocks."""
-        with self._lock:
-            if self._backlog or self._in_flight >= self.capacity:
-                self._backlog.append((tag, request))
-                return
-            error = self._write(tag, request)
-        if error is not None:
-            self._on_unsent(tag, error)
 
     def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
         """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
@@ -508,15 +496,6 @@ class IpcLane:
         except Exception:
             logger.exception("handling a rank reply failed")
         return True
-
-    def _flush_backlog(self) -> list[tuple[Any, BaseException]]:
-        unsent = []
-        while self._backlog and self._in_flight < self.capacity and not self._closed:
-            tag, request = self._backlog.popleft()
-            error = self._write(tag, request)
-            if error is not None:
-                unsent.append((tag, error))
-        return unsent
 
     def _broken(self, rank: int, exc: BaseException) -> None:
         with self._lock:
