@@ -55,6 +55,9 @@ LARGE_TENSOR_BYTES = 1 << 20  # CPU tensors this large travel in shared memory, 
 BODY_IN_MEMFD_BYTES = 256 << 10  # message bodies beyond this travel in shared memory too
 _HEADER = struct.Struct("!IBQQ")  # file descriptors, body-in-memfd flag, meta bytes, body bytes
 _MAX_FDS = 253  # SCM_RIGHTS limit per message
+MAX_BATCH_FDS = _MAX_FDS - 1  # tensor files one batch message may carry (one more for a large body)
+_JOINED = b"PHYB"  # a joined batch body starts with this (a pickle starts with its PROTO opcode)
+_PART = struct.Struct("!QI")  # one joined part: body bytes, file descriptors
 _ACCEPT_TIMEOUT_S = 60.0
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
@@ -74,6 +77,14 @@ class Encoded:
         """Close the tensor files now (every receiver has its own descriptor or mapping by then)."""
         if self._finalizer is not None:
             self._finalizer()
+
+    def take(self) -> list[int]:
+        """Hand the tensor files to a new owner (`join`): this one no longer closes them."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        fds, self.fds = self.fds, []
+        return fds
 
 
 def _close_all(fds: list[int]) -> None:
@@ -202,12 +213,45 @@ def encode(obj: Any, *, cuda_ipc: bool = True) -> Encoded:
     raise AssertionError("unreachable")
 
 
+def join(parts: Sequence[Encoded]) -> Encoded:
+    """Several encoded payloads as one message body (a batch: written once, decoded as a list).
+
+    Layout: `PHYB`, the part count, then (body bytes, descriptor count) per part, then the bodies;
+    the descriptors follow in part order. The joined message owns the parts' descriptors."""
+    header = [_JOINED, struct.pack("!I", len(parts))]
+    header += [_PART.pack(len(p.body), len(p.fds)) for p in parts]
+    fds = [fd for p in parts for fd in p.take()]
+    if len(fds) > MAX_BATCH_FDS:
+        _close_all(fds)
+        raise ValueError(f"a batch carries {len(fds)} shared-memory tensors, more than one message can pass "
+                         f"({MAX_BATCH_FDS}); the batcher bounds this, so this is a bug")
+    return Encoded(b"".join(header + [p.body for p in parts]), fds)
+
+
 def decode(body: Any, fds: list[int], *, private: bool) -> Any:
-    """The object `encode` pickled; closes `fds` (the mappings keep the pages)."""
+    """The object `encode` pickled (a list for a `join`ed body); closes `fds` (the mappings keep the pages)."""
     try:
+        if bytes(body[:len(_JOINED)]) == _JOINED:
+            return _decode_joined(memoryview(body), fds, private)
         return _Unpickler(io.BytesIO(body), fds, private).load()
     finally:
         _close_all(fds)
+
+
+def _decode_joined(view: memoryview, fds: list[int], private: bool) -> list:
+    (count,) = struct.unpack_from("!I", view, len(_JOINED))
+    offset = len(_JOINED) + 4
+    sizes = [_PART.unpack_from(view, offset + i * _PART.size) for i in range(count)]
+    offset += count * _PART.size
+    if offset + sum(n for n, _ in sizes) != len(view) or sum(k for _, k in sizes) != len(fds):
+        raise pickle.UnpicklingError(f"a joined message of {count} part(s) does not match its {len(view)} bytes "
+                                     f"and {len(fds)} descriptor(s)")
+    out, first_fd = [], 0
+    for nbytes, nfds in sizes:
+        part = io.BytesIO(view[offset:offset + nbytes])
+        out.append(_Unpickler(part, fds[first_fd:first_fd + nfds], private).load())
+        offset, first_fd = offset + nbytes, first_fd + nfds
+    return out
 
 
 # -- framing --------------------------------------------------------------------------------------

@@ -147,8 +147,9 @@ class RankActor:
         """The consumer stopped: the next emit returns False on every rank (also before it started)."""
         self._streams.setdefault(seq, ChunkSink()).cancel()
 
-    async def setup(self, spec: RankSpec) -> int:
-        """Join the replica's process groups and build the plugin model (on the execution thread)."""
+    async def setup(self, spec: RankSpec) -> tuple[int, bool]:
+        """Join the replica's process groups and build the plugin model (on the execution thread);
+        (pid, whether the model has step_batch)."""
         self._rank = spec.rank
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _setup_rank, self, spec)
@@ -207,6 +208,10 @@ class RankActor:
             raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
         if kind == "step":
             return self._runner.step(payload), OK
+        if kind == "batch":  # one step of several requests; exception items travel as values
+            requests = [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in payload]
+            out = self._runner.step_batch(requests)
+            return (None if out is None else [_portable(v) if isinstance(v, BaseException) else v for v in out]), OK
         if kind == "stream":
             request, max_buffered = payload
             sink = None
@@ -239,7 +244,7 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
                        device=device, dtype=getattr(torch, spec.params_dtype), parallel=spec.parallel,
                        node_id=ray.get_runtime_context().get_node_id())
     actor._runner = RankRunner(spec.entry, spec.plugin_args, ctx)
-    return os.getpid()
+    return os.getpid(), actor._runner.batchable
 
 
 def _cuda_index(spec: RankSpec) -> int:

@@ -93,6 +93,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         except BaseException:
             self._teardown()
             raise
+        self.enable_batching(deployment.batching, self._batchable)
         loops = [(self._liveness_loop, "liveness")] + ([] if self._lane else [(self._reply_loop, "replies")])
         for target, what in loops:
             threading.Thread(target=target, name=f"phyai-replica-{plan.index}-{what}", daemon=True).start()
@@ -122,8 +123,9 @@ class RayReplicaExecutor(ReplicaExecutor):
         port = self._proc.base_port + self.index if self._proc.base_port else \
             gather_within([self._actors[0].free_port.remote()], deadline, self.index, "pick a port")[0]
         specs = [self._spec(rank, plan, entry, args, device_type, port, deadline) for rank in range(plan.world_size)]
-        gather_within([a.setup.remote(s) for a, s in zip(self._actors, specs)], deadline, self.index,
-                      "start (process groups and plugin create)", nodes=[i.node_id for i in self._infos])
+        ready = gather_within([a.setup.remote(s) for a, s in zip(self._actors, specs)], deadline, self.index,
+                              "start (process groups and plugin create)", nodes=[i.node_id for i in self._infos])
+        self._batchable = all(batchable for _, batchable in ready)
         logger.info("replica %d ready: %d rank(s) on node(s) %s, rendezvous %s:%d", self.index, plan.world_size,
                     sorted({i.node_id[:8] for i in self._infos}), self._infos[0].ip, port)
 
@@ -198,6 +200,18 @@ class RayReplicaExecutor(ReplicaExecutor):
             return ray.put(payload)
         return payload
 
+    def _weight(self, payload: Any) -> int:
+        return len(payload.fds) if isinstance(payload, ipc.Encoded) else 0
+
+    def _max_batch_weight(self) -> int | None:
+        return ipc.MAX_BATCH_FDS if isinstance(self._lane, IpcLane) else None
+
+    def _lane_payload(self, work: Work) -> Any:
+        """A batch's payloads as one message: joined encodings on the socket lane, a list elsewhere."""
+        if work.kind == "batch" and isinstance(self._lane, IpcLane):
+            return ipc.join(work.payload)
+        return work.payload
+
     def _launch(self, work: Work) -> None:
         """Send `work` to every rank with the next sequence number, or fail the replica at once."""
         sent = _Sent(self._seq, set(range(self.world_size)))
@@ -207,7 +221,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             reply_ranks = frozenset(range(self.world_size)) if work.kind == "call" and work.all_ranks else \
                 frozenset((self._output_rank,))
             window = min(self._lane.in_flight + 1, self._lane.capacity)
-            self._lane.send(work, LaneRequest(sent.seq, work.kind, work.payload, reply_ranks, window))
+            self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
             return
         replies = []
         try:
@@ -313,7 +327,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind in ("step", "stream") and rank == self._output_rank:
+        if work.kind in ("step", "stream", "batch") and rank == self._output_rank:
             self.scheduler.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == "call":

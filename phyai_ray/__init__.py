@@ -26,6 +26,7 @@ _EXPORTS = {
     "DeploymentConfig": "phyai_ray.config.deployment",
     "WorkerSupervisorConfig": "phyai_ray.config.deployment",
     "PlacementSpec": "phyai_ray.config.deployment",
+    "BatchingConfig": "phyai_ray.config.batching",
     "Entry": "phyai_ray.plugins.entry",
     "register_plugin": "phyai_ray.plugins.registry",
     "P": "phyai_ray.collectives",

@@ -50,6 +50,7 @@ class Engine:
         self._executors = self._dispatcher.executors  # one list, shared with the dispatcher
         self._close_lock, self._restart_lock = threading.Lock(), threading.Lock()
         self._closed = False
+        self._batching = self.deployment.batching.enabled and self.mode != "external"
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, session: Any = None) -> Future:
@@ -65,7 +66,8 @@ class Engine:
         """
         self._check_open()
         self.entry.validate_request(request)
-        return self._dispatcher.submit(request, session)
+        key, size = self._batch_tags(request)
+        return self._dispatcher.submit(request, session, key=key, size=size)
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None) -> Any:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
@@ -76,7 +78,8 @@ class Engine:
         """
         self._check_open()
         self.entry.validate_request(request)
-        future = self._dispatcher.submit(request, session, caller_runs=True)
+        key, size = self._batch_tags(request)
+        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size)
         if future.done():
             return future.result()
         limit = timeout if timeout is not None else self._default_wait_s()
@@ -87,6 +90,26 @@ class Engine:
                 raise
             raise TimeoutError(f"step() waited {limit:.1f}s for a result; the request keeps its place and "
                                "its future still resolves (use submit() to keep it)") from None
+
+    def _batch_tags(self, request: Any) -> tuple[Any, int]:
+        """(batch key, samples) of a request from the plugin's `batch_key` / `request_size`, checked here."""
+        if not self._batching:
+            return None, 1
+        key, size = self.entry.batch_key(request), self.entry.request_size(request)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"plugin {self.entry.display_name()}: batch_key returned an unhashable "
+                            f"{type(key).__name__} ({key!r:.80}); return a tuple, str or number") from None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"plugin {self.entry.display_name()}: request_size returned {size!r}; it must be an "
+                             "int >= 1 (the samples the request carries)")
+        return key, size
+
+    def batch_stats(self) -> list[dict[str, Any]]:
+        """Per replica: histograms of samples per step and of each request's queue wait (seconds)."""
+        return [{"replica": e.index, "batching": e.batching, **e.scheduler.batch_snapshot()}
+                for e in list(self._executors)]
 
     def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
                timeout: float | None = None) -> Iterator[Any]:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from phyai_ray.config.batching import BatchingConfig
 from phyai_ray.config.deployment import DeploymentConfig, WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig, EngineArgs, EngineConfig
 from phyai_ray.config.parallel import (AttentionParallelConfig, DenseParallelConfig, MoeParallelConfig,
@@ -34,6 +35,7 @@ GENERATED: tuple[tuple[str, type[BaseModel], str], ...] = (
     ("attention", AttentionParallelConfig, "attention-"),
     ("moe", MoeParallelConfig, "moe-"),
     ("process", WorkerSupervisorConfig, ""),
+    ("batching", BatchingConfig, ""),
 )
 # (flag, section, model, field): hand-named flags whose type, choices and help still come from the model.
 RENAMED: tuple[tuple[str, str, type[BaseModel], str], ...] = (
@@ -144,5 +146,7 @@ def build_configs(ns: argparse.Namespace) -> tuple[EngineArgs, DeploymentConfig]
     engine = _build(EngineArgs, "engine", plugin=getattr(ns, "plugin", None),
                     plugin_args=getattr(ns, "plugin_args", None) or {}, config=config)
     process = _build(WorkerSupervisorConfig, "process", **_given(ns, "process"))
-    deployment = _build(DeploymentConfig, "deployment", process_config=process, **_given(ns, "deployment"))
+    batching = _build(BatchingConfig, "batching", **_given(ns, "batching"))
+    deployment = _build(DeploymentConfig, "deployment", process_config=process, batching=batching,
+                        **_given(ns, "deployment"))
     return engine, deployment

@@ -73,6 +73,32 @@ class RankRunner:
             out = self.model.step(request)
         return out if self.ctx.is_output_rank else None
 
+    @property
+    def batchable(self) -> bool:
+        """Whether the per-rank model can run several requests as one step (`step_batch`)."""
+        return callable(getattr(self.model, "step_batch", None))
+
+    def step_batch(self, requests: list) -> list | None:
+        """Run several requests as one step; the output rank returns one result (or exception) per request.
+
+        A list of the wrong length becomes one TypeError per request: every rank ran the step, so
+        the replica stays consistent and only these requests fail."""
+        if self._control is not None and self._control.asleep_level:
+            raise RuntimeError(f"rank {self.ctx.rank} received a batch while asleep (level "
+                               f"{self._control.asleep_level}); wake_up() must come first")
+        with self.ctx.groups.activate():
+            out = self.model.step_batch(list(requests))
+        if not self.ctx.is_output_rank:
+            return None
+        if isinstance(out, tuple):
+            out = list(out)
+        if not isinstance(out, list) or len(out) != len(requests):
+            got = f"{len(out)} item(s)" if isinstance(out, list) else type(out).__name__
+            error = TypeError(f"plugin {self.entry.display_name()}: step_batch of {len(requests)} request(s) returned "
+                              f"{got}; it must return a list with one result (or exception) per request, in order")
+            return [error] * len(requests)
+        return out
+
     def stream(self, request: Any, sink: Any) -> Any:
         """Run one request with the model's `stream(request, emit)`, chunks going to `sink` (output rank)."""
         fn = getattr(self.model, "stream", None)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from phyai_ray.config.base import ConfigModel
+from phyai_ray.config.batching import BatchingConfig
 from phyai_ray.errors import DeploymentConfigError
 
 Mode = Literal["auto", "inline", "local", "cluster", "external"]
@@ -111,6 +112,9 @@ class DeploymentConfig(ConfigModel):
         "Explicit devices select local mode.")
     process_config: WorkerSupervisorConfig = Field(
         default_factory=WorkerSupervisorConfig, description="Ports and deadlines of the rank workers.")
+    batching: BatchingConfig = Field(
+        default_factory=BatchingConfig, description="Dynamic batching of queued requests inside each replica "
+        "(plugins with step_batch); off by default.")
     address: str | None = Field(
         None, description="Ray address for cluster mode ('auto', 'ray://host:10001', 'host:6379').")
     placement_strategy: Strategy = Field(

@@ -16,7 +16,7 @@ def create_executors(mode: str, entry: Any, args: Any, deployment: Any) -> list[
         return [InlineExecutor(lambda: build_inline_runner(entry, args.plugin_args, parallel, device),
                                execution_timeout_s=proc.execution_timeout_s,
                                startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s,
-                               max_queued=proc.max_queued_requests)]
+                               max_queued=proc.max_queued_requests, batching=deployment.batching)]
     if mode == "external":
         from phyai_ray.executors.external import ExternalExecutor
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.executors.batching import BatchPolicy
 from phyai_ray.executors.control import ReplicaControl, ReplicaState
 from phyai_ray.executors.delivery import CallbackThread
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
@@ -63,16 +64,43 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
                                           delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any, *, caller_runs: bool = False) -> Future:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
         """Queue `request` for every rank; the future resolves to the output rank's result.
 
         Raises EngineUnavailableError when the replica failed, EngineOverloadedError when its
         queue is full (nothing was queued in either case). `caller_runs` is a hint from a caller
         that is about to wait anyway (`Engine.step`): an executor whose rank lives in this process
-        may then run the request on the calling thread; the others ignore it.
+        may then run the request on the calling thread; the others ignore it. `key` and `size`
+        (the plugin's `batch_key` / `request_size`) place the request in a batch when batching is on.
         """
         self._check_healthy()
-        return self.scheduler.submit("step", self._prepare(request), self._step_limit_s)
+        payload = self._prepare(request)
+        return self.scheduler.submit("step", payload, self._step_limit_s, key=key, size=size,
+                                     weight=self._weight(payload))
+
+    def enable_batching(self, batching: Any, batchable: bool) -> None:
+        """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
+        if batching is None or not batching.enabled:
+            return
+        if not batchable:
+            logger.info("replica %d: max_batch_size=%d, but the plugin's per-rank model has no step_batch(requests); "
+                        "every request runs as a step of its own", self.index, batching.max_batch_size)
+            return
+        self.scheduler.policy = BatchPolicy(batching.max_batch_size, batching.max_delay_s,
+                                            tuple(batching.preferred_batch_sizes), self._max_batch_weight())
+        logger.info("replica %d: batching up to %d samples per step (max_batch_delay_ms=%s)", self.index,
+                    batching.max_batch_size, batching.max_batch_delay_ms)
+
+    @property
+    def batching(self) -> bool:
+        return self.scheduler.policy is not None
+
+    def _weight(self, payload: Any) -> int:
+        """What one prepared request costs against `_max_batch_weight` (e.g. descriptors it carries)."""
+        return 0
+
+    def _max_batch_weight(self) -> int | None:
+        return None
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         """Queue a streamed request; returns its future (the final result) and a chunk reader."""

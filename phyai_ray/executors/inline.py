@@ -33,7 +33,7 @@ class InlineExecutor(ReplicaExecutor):
 
     def __init__(self, build_runner: Callable[[], RankRunner], *, index: int = 0, world_size: int = 1,
                  execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
-                 max_queued: int | None = None, max_ongoing: int | None = 1) -> None:
+                 max_queued: int | None = None, max_ongoing: int | None = 1, batching: Any = None) -> None:
         super().__init__(index, world_size, max_ongoing=max_ongoing, max_queued=max_queued,
                          step_limit_s=execution_timeout_s)
         self._shutdown_s = shutdown_timeout_s
@@ -49,8 +49,9 @@ class InlineExecutor(ReplicaExecutor):
             self.close()
             raise
         self._device_guard = _device_guard(self._runner)
+        self.enable_batching(batching, self._runner.batchable)
 
-    def submit(self, request: Any, *, caller_runs: bool = False) -> Future:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
         """As every replica; with `caller_runs` and nothing queued or running, run it on this thread.
 
         The scheduler counts it as dispatched while it runs, so a request from another thread
@@ -59,9 +60,9 @@ class InlineExecutor(ReplicaExecutor):
         plugin and returns when it does.
         """
         if not caller_runs:
-            return super().submit(request)
+            return super().submit(request, key=key, size=size)
         self._check_healthy()
-        future = self.scheduler.submit("step", request, self._step_limit_s, here=True)
+        future = self.scheduler.submit("step", request, self._step_limit_s, here=True, key=key, size=size)
         work = future.work
         if work.here:
             if self._device_guard is None:
@@ -77,7 +78,7 @@ class InlineExecutor(ReplicaExecutor):
     def _run(self, work: Work) -> None:
         """On the plugin's thread: run `work` unless its deadline already failed it (one rank: safe)."""
         try:
-            if work.future.done() and self.skips_expired:
+            if self.skips_expired and not work.unfinished:
                 return
             if self._failure is not None:
                 self.scheduler.deliver(work, error=self.unavailable_error())
@@ -98,7 +99,11 @@ class InlineExecutor(ReplicaExecutor):
 
     def _execute(self, work: Work) -> Any:
         if work.kind == "step":
+            if self.batching:  # the same code path as a batch: an exception item fails the request
+                return _only(self._runner.step_batch([work.payload]))
             return self._runner.step(work.payload)
+        if work.kind == "batch":
+            return self._runner.step_batch(work.payload)
         if work.kind == "stream":
             return self._runner.stream(*work.payload)
         method, args, kwargs = work.payload
@@ -141,6 +146,17 @@ class LocalReader:
     def cancel(self) -> None:
         if not self.future.cancel():
             self.sink.cancel()
+
+
+def _only(results: list) -> Any:
+    """The one result of a batch of one; an exception item is raised (it fails only this request)."""
+    if not isinstance(results, list) or len(results) != 1:
+        raise TypeError(f"step_batch of 1 request returned {type(results).__name__} of "
+                        f"{len(results) if isinstance(results, list) else '?'} item(s); it must return a list with one "
+                        "result per request")
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
 
 
 def _device_guard(runner: RankRunner) -> Callable[[], Any] | None:

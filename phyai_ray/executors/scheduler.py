@@ -16,6 +16,11 @@
 * `cancel()` of a queued request's future returns True and nothing reaches a rank; once dispatched
   it returns False. Every exit path (result, error, cancel, deadline, overload, group failure,
   close) keeps `queued`, `dispatched`, `served` and `errored` exact.
+* Batching (`policy`, set by the executor when the plugin has `step_batch` and batching is on):
+  each dispatch takes a batch of compatible queued requests (`batching.form_batch`) and sends it
+  as ONE "batch" work to every rank; each member keeps its own future, deadline and accounting,
+  and the output rank's list of results is handed out member by member. A dispatch slot holds a
+  whole batch, so with `max_ongoing` 2 the next batch forms while one runs.
 
 Pure Python, no Ray: the executor supplies `launch(work)` (send to every rank, called in dispatch
 order under the scheduler's lock) and `on_hung(work, running_s)`. One timer thread per replica
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.delivery import CallbackThread, EngineFuture
 
 logger = logging.getLogger(__name__)
@@ -44,26 +50,54 @@ REQUEST_KINDS = ("step", "stream")  # counted as requests; "call" (collective_rp
 
 
 class Work:
-    """One request ("step") or control call ("call") of one replica.
+    """One request ("step", "stream"), control call ("call") or batch of requests ("batch") of one replica.
 
     `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
-    without `launch`, and the caller runs it right after `submit` returns.
+    without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
+    `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
+    its `payload` is the list of their payloads.
     """
 
     __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here")
+                 "ident", "state", "here", "key", "size", "weight", "members")
 
-    def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture, all_ranks: bool = False) -> None:
+    def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
+                 all_ranks: bool = False) -> None:
         self.kind, self.payload, self.limit_s, self.future, self.all_ranks = kind, payload, limit_s, future, all_ranks
         self.submitted = time.monotonic()
         self.dispatched: float | None = None
         self.ident = next(_ids)
         self.state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
         self.here = False
+        self.key: Any = None
+        self.size, self.weight = 1, 0
+        self.members: list[Work] = []
+
+    @classmethod
+    def batch(cls, members: list["Work"]) -> "Work":
+        """One step of several requests; its deadline is its earliest member's."""
+        first = min(members, key=lambda m: m.deadline)
+        work = cls("batch", [m.payload for m in members], first.limit_s, None)
+        work.submitted, work.members = first.submitted, members
+        work.size = sum(m.size for m in members)
+        return work
 
     @property
     def deadline(self) -> float:
         return self.submitted + self.limit_s
+
+    @property
+    def unfinished(self) -> bool:
+        """Some future of this work (its own, or a member's) has no outcome yet."""
+        if self.kind == "batch":
+            return any(not m.future.done() for m in self.members)
+        return not self.future.done()
+
+    def requests(self) -> list["Work"]:
+        """The requests this work carries: its members, itself, or none (a control call)."""
+        if self.kind == "batch":
+            return self.members
+        return [self] if self.kind in REQUEST_KINDS else []
 
 
 @dataclass(frozen=True)
@@ -103,10 +137,14 @@ class ReplicaScheduler:
         self._wake_at = float("inf")
         self._held = False  # paused, asleep or updating: requests queue but nothing is dispatched
         self.weight_version: Any = None  # stamped on every future at dispatch
+        self.policy: BatchPolicy | None = None  # batching on: every dispatch takes a batch
+        self._flush_at = float("inf")  # a batch head waits for more requests until then
+        self.stats = BatchStats()
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
-               control: bool = False, here: bool = False) -> EngineFuture:
+               control: bool = False, here: bool = False, key: Any = None, size: int = 1,
+               weight: int = 0) -> EngineFuture:
         """Queue a request (or dispatch a control call at once); returns its future.
 
         `here=True`: when nothing is queued or dispatched, the request is dispatched without
@@ -115,6 +153,7 @@ class ReplicaScheduler:
         """
         future = EngineFuture(self._delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
+        work.key, work.size, work.weight = key, size, weight
         future.work, future.replica = work, self.index
         with self._lock:
             if self._refusal is not None:
@@ -142,8 +181,13 @@ class ReplicaScheduler:
 
     def counts(self) -> Counts:
         with self._lock:
-            running = sum(1 for w in self._dispatched if w.kind in REQUEST_KINDS and not w.future.done())
+            running = sum(1 for w in self._dispatched for r in w.requests() if not r.future.done())
             return Counts(len(self._queued), running, self._served, self._errored)
+
+    def batch_snapshot(self) -> dict[str, Any]:
+        """Histograms of samples per dispatched step and of each request's queue wait."""
+        with self._lock:
+            return self.stats.snapshot()
 
     def carry_counts(self, other: "ReplicaScheduler") -> None:
         """Continue the served / errored totals of a replica this one replaces."""
@@ -169,13 +213,39 @@ class ReplicaScheduler:
     def _pump(self) -> None:
         """Move queued requests to the ranks while there is a free slot (lock held)."""
         while self._queued and self._has_slot() and self._refusal is None and not self._held:
+            if self.policy is not None:
+                if not self._pump_batch():
+                    return
+                continue
             work = self._queued.popleft()
             if work.future.start():  # False: cancelled while queued
                 self._dispatch(work)
 
+    def _pump_batch(self) -> bool:
+        """Dispatch the next batch; False when the head waits for a fuller one (the clock wakes it)."""
+        now = time.monotonic()
+        formed = form_batch(self._queued, self.policy, now, lambda w: not w.future.done() and w.deadline > now)
+        for work in formed.dead:  # never dispatched: expired ones fail, cancelled ones are already done
+            self.deliver(work, error=self._timeout_error(work, now))
+        if formed.wait_until is not None:
+            self._flush_at = formed.wait_until
+            self._arm(formed.wait_until)
+            return False
+        members = [w for w in formed.batch if w.future.start()]  # False: cancelled this instant
+        if members:
+            self._dispatch(Work.batch(members))
+        return True
+
     def _dispatch(self, work: Work) -> None:
         work.dispatched = time.monotonic()
-        work.future.weight_version = self.weight_version
+        requests = work.requests()
+        for request in requests:
+            request.future.weight_version = self.weight_version
+            request.dispatched = work.dispatched
+        if requests:
+            self.stats.record(sum(r.size for r in requests), [work.dispatched - r.submitted for r in requests])
+        if work.future is not None:
+            work.future.weight_version = self.weight_version
         self._dispatched.append(work)
         if len(self._dispatched) == 1:
             self._head_since = work.dispatched
@@ -185,13 +255,33 @@ class ReplicaScheduler:
 
     # -- completion -----------------------------------------------------------------------------
     def deliver(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
-        """Resolve `work`'s future (it may still be running on other ranks); requests are counted once."""
+        """Resolve `work`'s future (it may still be running on other ranks); requests are counted once.
+
+        A batch: `error` fails every member; else `value` is the output rank's list, one result per
+        member in order, where an exception instance fails only its member."""
+        if work.kind == "batch":
+            self._deliver_batch(work, value, error)
+            return
         if _settle(work.future, value, error) and work.kind in REQUEST_KINDS:
             with self._lock:
                 if error is None:
                     self._served += 1
                 else:
                     self._errored += 1
+
+    def _deliver_batch(self, work: Work, values: Any, error: BaseException | None) -> None:
+        members = work.members
+        if error is None and (not isinstance(values, list) or len(values) != len(members)):
+            got = f"a list of {len(values)}" if isinstance(values, list) else type(values).__name__
+            error = TypeError(f"replica {self.index}: step_batch of {len(members)} request(s) returned {got}; it must "
+                              "return a list with one result (or exception) per request, in order")
+        for i, member in enumerate(members):
+            if error is not None:
+                self.deliver(member, error=error)
+            elif isinstance(values[i], BaseException):
+                self.deliver(member, error=values[i])
+            else:
+                self.deliver(member, values[i])
 
     def finished(self, work: Work) -> None:
         """Every rank is done with `work`: free its slot, start the next one's running clock."""
@@ -262,7 +352,8 @@ class ReplicaScheduler:
             if not (cancel_queued and work.future.cancel()):
                 self.deliver(work, error=refusal())
         for work in dispatched:
-            self.deliver(work, error=refusal())
+            for request in work.requests() or [work]:
+                self.deliver(request, error=refusal())
 
     def dispatched_work(self) -> list[Work]:
         with self._lock:
@@ -290,6 +381,9 @@ class ReplicaScheduler:
                 if delay > 0:
                     self._cond.wait(timeout=min(delay, 5.0))
                     continue
+                if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
+                    self._flush_at = float("inf")
+                    self._pump()
             self.expire(time.monotonic())
 
     def expire(self, now: float) -> None:
@@ -312,11 +406,14 @@ class ReplicaScheduler:
         expired = []
         while self._queued and self._queued[0].deadline <= now:
             expired.append(self._queued.popleft())
-        expired += [w for w in self._dispatched if w.deadline <= now and not w.future.done()]
+        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
+                    if r.deadline <= now and not r.future.done()]
         return expired, None
 
     def _next_deadline(self) -> float:
-        times = [w.deadline for w in self._dispatched if not w.future.done()]
+        times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
+                 if not r.future.done()]
+        times.append(self._flush_at)
         if self._queued:
             times.append(self._queued[0].deadline)
         if self._dispatched:

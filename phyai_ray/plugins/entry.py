@@ -41,8 +41,19 @@ class Entry:
     def validate_request(self, request: Any) -> None:
         """Reject a bad request in the dispatcher, before any rank sees it (raise any exception)."""
 
+    def batch_key(self, request: Any) -> Any:
+        """Requests with different keys never share a batch (shape, guidance scale, sampling parameters).
+
+        Runs in the dispatcher, after `validate_request`, only when batching is on; the key must be
+        hashable. Default: one key for every request."""
+        return None
+
+    def request_size(self, request: Any) -> int:
+        """How many samples `request` carries (counted against `max_batch_size`); runs in the dispatcher."""
+        return 1
+
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
-        """Build the per-rank model; it needs a `step(request)` method."""
+        """Build the per-rank model; it needs a `step(request)` method (and `step_batch(requests)` to batch)."""
         raise NotImplementedError(f"plugin {self.display_name()} must implement create(plugin_args, ctx)")
 
     def display_name(self) -> str:

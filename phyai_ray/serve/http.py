@@ -51,7 +51,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     """The ASGI app of one replica group; every group of the app serves the same one."""
     api = FastAPI(title=f"phyai-ray: {runner.entry.display_name()}", version=__version__,
                   description=__doc__.split("\n\n")[1] + _auth_note(options))
-    metrics = EdgeMetrics(runner.groups, own=lambda: [runner.report()])
+    metrics = EdgeMetrics(runner.groups, own=lambda: [runner.report()], batches=lambda: runner.engine.batch_stats())
     _add_error_handlers(api)
     _add_probe_routes(api, runner, metrics)
     _add_step_route(api, runner, options)

@@ -19,6 +19,13 @@ group's Serve replica id):
     phyai_replica_served{engine_replica}           gauge (requests that returned a result)
     phyai_replica_failures{engine_replica}         gauge (requests that ended in an error)
     phyai_replica_restarts_total                   counter (in-place restarts, rebuild_failed=True)
+    phyai_replica_batch_size{engine_replica}       histogram (samples per step the group's ranks ran;
+                                                   Triton's exec_count / inference_count per step)
+    phyai_replica_queue_wait_seconds{engine_replica}  histogram (time each request waited in the
+                                                   group's engine queue before its step was dispatched)
+
+The two batching histograms are the answering group's (like the latency histogram), read from its
+engine's scheduler at scrape time; they are filled with batching off too (every step then has 1).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import logging
 from typing import Any, Callable, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +76,45 @@ class _GroupCollector:
         return [requests, *families.values()]
 
 
+class _BatchCollector:
+    """The answering group's batch-size and queue-wait histograms, from its engine's schedulers."""
+
+    def __init__(self, label: Callable[[], str], stats: Callable[[], list[dict[str, Any]]]) -> None:
+        self.label, self.stats = label, stats
+
+    def collect(self) -> Iterable[Any]:
+        families = {"batch_size": HistogramMetricFamily(
+                        "phyai_replica_batch_size", "samples per step run by the replica group's ranks",
+                        labels=["engine_replica"]),
+                    "queue_wait_seconds": HistogramMetricFamily(
+                        "phyai_replica_queue_wait_seconds", "time a request waited in the engine queue before "
+                        "its step was dispatched", labels=["engine_replica"])}
+        try:
+            stats = self.stats()
+        except Exception as exc:  # the engine is being replaced: no sample this scrape
+            logger.debug("batch stats unavailable: %s", exc)
+            stats = []
+        for replica in stats:
+            label = self.label() if len(stats) == 1 else f"{self.label()}-{replica['replica']}"
+            for name, family in families.items():
+                snap = replica[name]
+                buckets = [(_le(bound), float(count)) for bound, count in snap["buckets"]]
+                family.add_metric([label], buckets, snap["sum"])
+        return list(families.values())
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
 class EdgeMetrics:
     """Request counter, latency histogram and in-flight gauge, mirrored into Ray's metrics."""
 
-    def __init__(self, statuses: Callable[[tuple], Iterable[Any]], own: Callable[[], Iterable[Any]]) -> None:
+    def __init__(self, statuses: Callable[[tuple], Iterable[Any]], own: Callable[[], Iterable[Any]],
+                 batches: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         """`statuses(request_counts)`: every group's report (for /metrics); `own()`: this group's only
-        (for Ray's export, which tags each Serve replica itself)."""
+        (for Ray's export, which tags each Serve replica itself); `batches()`: this group's engine's
+        `batch_stats()`."""
         self.statuses = lambda: statuses(self.request_counts())
         self.own = own
         self.registry = CollectorRegistry(auto_describe=True)
@@ -85,6 +125,8 @@ class EdgeMetrics:
         self.rebuilds = Counter("phyai_replica_restarts", "replica groups restarted in place", registry=self.registry)
         self.latency.labels(route="/v1/step")  # the series exists before the first request
         self.registry.register(_GroupCollector(self.statuses))
+        if batches is not None:
+            self.registry.register(_BatchCollector(lambda: group_label(next(iter(own()))), batches))
         self._in_flight = 0
         self.ray = _RayMirror.create()
 

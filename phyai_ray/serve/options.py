@@ -116,7 +116,7 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[EngineArgs, DeploymentConfi
     ns = argparse.Namespace(plugin=values["plugin"], plugin_args=_plugin_args(values.get("plugin_args")))
     for key, (section, field) in engine_keys.items():
         value = values.get(key)
-        setattr(ns, f"{section}.{field}", _int_tuple(value) if field == "devices" else value)
+        setattr(ns, f"{section}.{field}", _int_tuple(value, field) if field in _INT_TUPLES else value)
     engine, deployment = build_configs(ns)
     given = {k: _json_value(v) if k == "autoscaling_config" else v for k, v in values.items() if k in option_names}
     given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
@@ -145,11 +145,14 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _int_tuple(value: Any) -> Any:
+_INT_TUPLES = ("devices", "preferred_batch_sizes")
+
+
+def _int_tuple(value: Any, field: str) -> Any:
     """`devices=0,1` (a string from the command line) -> (0, 1); YAML lists pass through."""
     if isinstance(value, str):
         try:
             return tuple(int(part) for part in value.split(",") if part.strip())
         except ValueError:
-            raise ValueError(f"devices={value!r} must be comma-separated integers, e.g. devices=0,1") from None
+            raise ValueError(f"{field}={value!r} must be comma-separated integers, e.g. {field}=0,1") from None
     return value

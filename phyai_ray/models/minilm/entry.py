@@ -66,6 +66,11 @@ class MiniLMEntry(Entry):
         """`{"sentences": [...]}`: 1 to 256 non-empty strings (raises ValueError with an example)."""
         MiniLMRequest.parse(request)
 
+    def request_size(self, request: Any) -> int:
+        """Samples in a request: its sentences (padding to the longest in a batch changes no embedding:
+        the attention mask and mean pooling ignore padded positions)."""
+        return len(request["sentences"])
+
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
         from phyai_ray.models.minilm.model import MiniLMModel
 

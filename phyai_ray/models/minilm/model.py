@@ -39,7 +39,15 @@ class MiniLMModel:
 
     def step(self, request: Mapping[str, Any]) -> torch.Tensor:
         """Embed `request["sentences"]`: float32 [n, hidden] on CPU, each row of unit L2 norm."""
-        sentences = MiniLMRequest.parse(request).sentences
+        return self._embed(MiniLMRequest.parse(request).sentences)
+
+    def step_batch(self, requests: list[Mapping[str, Any]]) -> list[torch.Tensor]:
+        """Several requests as ONE forward: their sentences embedded together, split back per request."""
+        parsed = [MiniLMRequest.parse(r).sentences for r in requests]
+        embeddings = self._embed([s for sentences in parsed for s in sentences])
+        return list(embeddings.split([len(sentences) for sentences in parsed]))
+
+    def _embed(self, sentences: list[str]) -> torch.Tensor:
         batch = self.tokenize(sentences)
         with torch.inference_mode():
             embeddings = self.encoder(**batch)

@@ -21,7 +21,8 @@ from typing import Any
 
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
 from phyai_ray.models.reference_dit.model import ReferenceDiT
-from phyai_ray.models.reference_dit.request import ReferenceDiTRequest, check_layout, parse_request
+from phyai_ray.models.reference_dit.request import (ReferenceDiTRequest, batch_key, check_layout, parse_request,
+                                                    request_size)
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
 
@@ -57,6 +58,13 @@ class ReferenceDiTEntry(Entry):
         parsed = parse_request(request, cfg)
         if self.parallel is not None:
             check_layout(parsed, self.parallel)
+
+    def batch_key(self, request: Any) -> tuple:
+        """(sequence length, guidance scale): requests that differ in either never share a forward."""
+        return batch_key(request)
+
+    def request_size(self, request: Any) -> int:
+        return request_size(request)
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> ReferenceDiT:
         return ReferenceDiT(ReferenceDiTConfig.from_args(plugin_args), ctx)

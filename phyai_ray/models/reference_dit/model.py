@@ -27,7 +27,7 @@ from phyai_ray.collectives import P
 from phyai_ray.models.reference_dit import weights as W
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
 from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, MoeMLP, norm
-from phyai_ray.models.reference_dit.request import ParsedRequest, check_layout, parse_request
+from phyai_ray.models.reference_dit.request import ParsedRequest, check_layout, join_requests, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,21 @@ class ReferenceDiT:
         """Logits [B, S, vocab] float32 on the output rank, None elsewhere."""
         req = parse_request(request, self.cfg)
         check_layout(req, self.ctx.parallel)
+        return self._run(req)
+
+    @torch.inference_mode()
+    def step_batch(self, requests: list[Any]) -> list[torch.Tensor] | None:
+        """Several requests of one batch key (same sequence length and guidance scale) as ONE forward:
+        their samples are concatenated along the batch and the logits split back, one tensor per request."""
+        parsed = [parse_request(r, self.cfg) for r in requests]
+        joined = join_requests(parsed)
+        check_layout(joined, self.ctx.parallel)
+        out = self._run(joined)
+        if out is None:
+            return None
+        return list(out.split([p.batch for p in parsed]))
+
+    def _run(self, req: ParsedRequest) -> torch.Tensor | None:
         guided = req.guidance_scale is not None
         if self.branches == 1:
             branches = [True, False] if guided else [True]

@@ -76,6 +76,31 @@ def parse_request(request: Any, cfg: ReferenceDiTConfig) -> ParsedRequest:
     return ParsedRequest(tokens, labels, _scale(request.get("guidance_scale")))
 
 
+def batch_key(request: dict) -> tuple:
+    """What requests must share to run as one forward: the sequence length and the guidance scale."""
+    tokens = request["tokens"]
+    seq = tokens.shape[1] if isinstance(tokens, torch.Tensor) else len(tokens[0])
+    return seq, _scale(request.get("guidance_scale"))
+
+
+def request_size(request: dict) -> int:
+    """Samples in a request: the batch dimension of its tokens."""
+    tokens = request["tokens"]
+    return int(tokens.shape[0]) if isinstance(tokens, torch.Tensor) else len(tokens)
+
+
+def join_requests(parsed: list[ParsedRequest]) -> ParsedRequest:
+    """Requests of one batch key as one: samples concatenated in order."""
+    keys = {(p.seq, p.guidance_scale) for p in parsed}
+    if len(keys) != 1:
+        raise ValueError(f"reference_dit can batch only requests of one sequence length and guidance scale, got "
+                         f"{sorted(keys, key=str)}; batch_key keeps them apart")
+    if len(parsed) == 1:
+        return parsed[0]
+    return ParsedRequest(torch.cat([p.tokens for p in parsed]), torch.cat([p.labels for p in parsed]),
+                         parsed[0].guidance_scale)
+
+
 def check_layout(parsed: ParsedRequest, parallel: Any) -> None:
     """Raise `ValueError` when batch or sequence do not split evenly over the topology."""
     splits = [("sequence", parsed.seq, "attention.cp_size", parallel.attention.cp_size)]

@@ -1,0 +1,52 @@
+"""`BatchingConfig`: how a replica's scheduler groups queued requests into one step (opt-in per plugin).
+
+    DeploymentConfig.local(replica_count=2, batching=BatchingConfig(max_batch_size=32, max_batch_delay_ms=2))
+    phyai-ray serve --plugin reference_dit --max-batch-size 32 --max-batch-delay-ms 2
+    serve run phyai_ray.serve:build_app plugin=reference_dit max_batch_size=32 max_batch_delay_ms=2
+
+It lives in `DeploymentConfig`, beside `replica_count` and the queue bounds of `process_config`,
+because it decides how requests are scheduled onto replicas, not what a replica computes: the
+same plugin and `EngineConfig` give the same results with batching on or off, and one model can
+be deployed batched behind HTTP and unbatched in a latency-critical robot loop. Batching applies
+only to plugins whose per-rank model has `step_batch(requests)`; for others it changes nothing.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from phyai_ray.config.base import ConfigModel
+from phyai_ray.errors import DeploymentConfigError
+
+
+class BatchingConfig(ConfigModel):
+    """Dynamic batching inside one replica group: Triton's dynamic batcher, Ray Serve's @serve.batch."""
+
+    max_batch_size: int = Field(
+        1, ge=1, le=1 << 20, description="Most samples (Entry.request_size of each request) one step runs; "
+        "1 turns batching off. A single request larger than this runs as a batch of its own.")
+    max_batch_delay_ms: float = Field(
+        0.0, ge=0, le=60_000, description="0: dispatch whatever waits as soon as the ranks have room (a batch "
+        "forms from the requests that queued while the previous step ran). > 0: when fewer than max_batch_size "
+        "samples wait, wait up to this long after the oldest one arrived for more (never past half its "
+        "execution_timeout_s): more throughput at light load, up to this much more latency.")
+    preferred_batch_sizes: tuple[int, ...] = Field(
+        (), description="Batch sizes to dispatch as soon as they are reached (e.g. the sizes a CUDA graph was "
+        "captured for): a batch that can end exactly at one is cut there and dispatched without waiting.")
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "BatchingConfig":
+        bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
+        if bad or len(set(self.preferred_batch_sizes)) != len(self.preferred_batch_sizes):
+            raise DeploymentConfigError(
+                f"preferred_batch_sizes={self.preferred_batch_sizes} must be distinct sizes in [1, max_batch_size="
+                f"{self.max_batch_size}], e.g. (8, 16) with max_batch_size=16")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch_size > 1
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_batch_delay_ms / 1000.0

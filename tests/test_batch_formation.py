@@ -1,0 +1,204 @@
+"""Batch formation and the batching scheduler, without Ray: pure tables and a recording launcher.
+
+Run: `.venv/bin/pytest tests/test_batch_formation.py -q`
+
+`Item` is a stand-in for a queued request (named as such: only `form_batch` reads it); the
+scheduler tests use the real `ReplicaScheduler` with a launcher that records what it was given.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+
+from phyai_ray.errors import RequestTimeoutError
+from phyai_ray.executors.batching import BatchPolicy, Histogram, form_batch
+from phyai_ray.executors.delivery import CallbackThread
+from phyai_ray.executors.scheduler import ReplicaScheduler
+
+
+@dataclass(eq=False)
+class Item:
+    """A stand-in queued request: what form_batch reads."""
+
+    name: str
+    key: str = "a"
+    size: int = 1
+    weight: int = 0
+    submitted: float = 0.0
+    limit_s: float = 60.0
+    alive: bool = True
+
+
+def names(items) -> list[str]:
+    return [i.name for i in items]
+
+
+def queue(spec: str, **kw) -> deque:
+    """'a1 a2 b1' -> items named a1, a2, b1 with keys a, a, b."""
+    return deque(Item(n, key=n[0], **kw) for n in spec.split())
+
+
+def live(item: Item) -> bool:
+    return item.alive
+
+
+def test_the_head_leads_same_key_requests_join_in_order_and_others_keep_their_place():
+    q = queue("a1 a2 b1 a3 b2 a4")
+    formed = form_batch(q, BatchPolicy(max_size=3), now=0.0, live=live)
+    assert names(formed.batch) == ["a1", "a2", "a3"] and formed.wait_until is None
+    assert names(q) == ["b1", "b2", "a4"]
+    assert names(form_batch(q, BatchPolicy(max_size=3), 0.0, live).batch) == ["b1", "b2"]
+    assert names(q) == ["a4"]
+
+
+@pytest.mark.parametrize("sizes, batch, left", [
+    ([2, 2, 1, 3], ["r0", "r1", "r2"], ["r3"]),  # 2 + 2 + 1 = 5 fills it; r3 waits
+    ([4, 3, 1], ["r0", "r2"], ["r1"]),  # r1 does not fit (4 + 3 > 5) and is passed over, not dropped
+    ([9, 1], ["r0"], ["r1"]),  # a request larger than max_size runs alone
+])
+def test_samples_never_pass_max_size(sizes, batch, left):
+    q = deque(Item(f"r{i}", size=s) for i, s in enumerate(sizes))
+    formed = form_batch(q, BatchPolicy(max_size=5), 0.0, live)
+    assert names(formed.batch) == batch and names(q) == left
+
+
+def test_expired_or_cancelled_requests_never_join_and_leave_the_queue():
+    q = queue("a1 a2 a3 a4")
+    q[0].alive = q[2].alive = False
+    formed = form_batch(q, BatchPolicy(max_size=8), 0.0, live)
+    assert names(formed.batch) == ["a2", "a4"] and names(formed.dead) == ["a1", "a3"] and not q
+
+
+def test_a_delay_holds_a_short_batch_until_full_or_its_flush_time():
+    policy = BatchPolicy(max_size=4, max_delay_s=0.010)
+    q = queue("a1 a2", submitted=100.0)
+    formed = form_batch(q, policy, now=100.004, live=live)
+    assert formed.batch == [] and formed.wait_until == pytest.approx(100.010) and names(q) == ["a1", "a2"]
+    assert names(form_batch(q, policy, now=100.010, live=live).batch) == ["a1", "a2"]
+    q = queue("a1 a2 a3 a4", submitted=100.0)
+    assert names(form_batch(q, policy, now=100.001, live=live).batch) == ["a1", "a2", "a3", "a4"]  # full: now
+
+
+def test_the_delay_never_passes_half_the_requests_time_limit():
+    q = queue("a1", submitted=0.0, limit_s=0.004)
+    formed = form_batch(q, BatchPolicy(max_size=4, max_delay_s=1.0), now=0.0, live=live)
+    assert formed.wait_until == pytest.approx(0.002)
+
+
+def test_a_preferred_size_cuts_the_batch_and_dispatches_without_waiting():
+    policy = BatchPolicy(max_size=8, max_delay_s=1.0, preferred=(2, 4))
+    q = queue("a1 a2 a3 a4 a5 a6")
+    assert names(form_batch(q, policy, 0.0, live).batch) == ["a1", "a2", "a3", "a4"]
+    assert names(form_batch(q, policy, 0.0, live).batch) == ["a5", "a6"]
+
+
+def test_max_weight_bounds_what_one_message_carries():
+    q = deque(Item(f"r{i}", weight=100) for i in range(4))
+    assert names(form_batch(q, BatchPolicy(max_size=8, max_weight=250), 0.0, live).batch) == ["r0", "r1"]
+
+
+def test_histogram_is_cumulative_with_an_inf_bucket():
+    h = Histogram((1, 4))
+    for v in (1, 2, 3, 9):
+        h.observe(v)
+    assert h.snapshot() == {"buckets": [(1, 1), (4, 3), (float("inf"), 4)], "sum": 15.0, "count": 4}
+
+
+# -- the scheduler with batching on, fed by a recording launcher -----------------------------------
+class Recorder:
+    """Records launched work; `finish()` answers the oldest launched batch with one result per member."""
+
+    def __init__(self) -> None:
+        self.launched: list = []
+        self.scheduler: ReplicaScheduler | None = None
+
+    def launch(self, work) -> None:
+        self.launched.append(work)
+
+    def finish(self, values=None) -> None:
+        work = self.launched.pop(0)
+        out = values if values is not None else [m.payload for m in work.members]
+        self.scheduler.deliver(work, out)
+        self.scheduler.finished(work)
+
+
+def batching_scheduler(max_size: int = 4, delay_s: float = 0.0, max_ongoing: int = 1, max_queued: int = 100):
+    rec = Recorder()
+    sched = ReplicaScheduler(0, max_ongoing=max_ongoing, max_queued=max_queued, launch=rec.launch,
+                             on_hung=lambda w, s: None, delivery=CallbackThread("test-callbacks"))
+    sched.policy = BatchPolicy(max_size=max_size, max_delay_s=delay_s)
+    rec.scheduler = sched
+    return sched, rec
+
+
+def test_queued_requests_form_batches_while_one_runs_and_accounting_stays_exact():
+    sched, rec = batching_scheduler(max_size=4)
+    futures = [sched.submit("step", f"p{i}", 30.0, key=i % 2) for i in range(7)]
+    assert [w.kind for w in rec.launched] == ["batch"] and rec.launched[0].payload == ["p0"]
+    assert sched.counts().queued == 6 and sched.counts().dispatched == 1
+    rec.finish()
+    assert rec.launched[0].payload == ["p1", "p3", "p5"]  # the head (key 1) leads; key 0 waits its turn
+    rec.finish()
+    assert rec.launched[0].payload == ["p2", "p4", "p6"]
+    rec.finish()
+    assert [f.result(timeout=1) for f in futures] == [f"p{i}" for i in range(7)]
+    counts = sched.counts()
+    assert (counts.queued, counts.dispatched, counts.served, counts.errored) == (0, 0, 7, 0)
+
+
+def test_an_exception_item_fails_only_its_request_and_a_short_list_fails_the_batch():
+    sched, rec = batching_scheduler(max_size=4)
+    first = sched.submit("step", "x", 30.0)
+    futures = [sched.submit("step", i, 30.0) for i in range(3)]
+    rec.finish()
+    rec.finish([0, ValueError("bad item"), 2])
+    assert first.result(timeout=1) == "x" and futures[0].result(timeout=1) == 0 and futures[2].result(timeout=1) == 2
+    with pytest.raises(ValueError, match="bad item"):
+        futures[1].result(timeout=1)
+    blocker = sched.submit("step", "blocker", 30.0)
+    more = [sched.submit("step", i, 30.0) for i in range(2)]
+    rec.finish()
+    rec.finish([1])  # the plugin returned one result for two requests
+    for f in more:
+        with pytest.raises(TypeError, match="one result"):
+            f.result(timeout=1)
+    assert blocker.result(timeout=1) == "blocker"
+    assert (sched.counts().served, sched.counts().errored) == (4, 3)
+
+
+def test_cancelled_and_expired_requests_never_reach_the_launcher():
+    sched, rec = batching_scheduler(max_size=8)
+    blocker = sched.submit("step", "running", 30.0)
+    cancelled = sched.submit("step", "cancelled", 30.0)
+    short = sched.submit("step", "expires", 0.05)
+    kept = sched.submit("step", "kept", 30.0)
+    assert cancelled.cancel()
+    with pytest.raises(RequestTimeoutError, match="never reached a rank"):
+        short.result(timeout=5)
+    rec.finish()
+    assert rec.launched[0].payload == ["kept"]
+    rec.finish()
+    assert blocker.result(timeout=1) == "running" and kept.result(timeout=1) == "kept"
+
+
+def test_the_clock_dispatches_a_waiting_head_after_max_batch_delay():
+    sched, rec = batching_scheduler(max_size=8, delay_s=0.2)
+    arrived = time.monotonic()
+    future = sched.submit("step", "alone", 30.0)
+    assert rec.launched == []
+
+    def answer() -> None:
+        while not rec.launched:
+            time.sleep(0.001)
+        rec.finish()
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    assert future.result(timeout=5) == "alone"
+    waited = time.monotonic() - arrived
+    assert 0.2 <= waited < 1.0, f"dispatched {waited:.3f}s after arrival with max_batch_delay 0.2s"
+    helper.join(timeout=5)
