@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.models.minilm.assets import PACKAGE, MiniLMConfig, model_dir, require
+from phyai_ray.models.minilm.assets import PACKAGE, MiniLMConfig, load_tokenizer, model_dir, require
 from phyai_ray.models.minilm.request import MiniLMRequest
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
@@ -66,9 +66,18 @@ class MiniLMEntry(Entry):
         """`{"sentences": [...]}`: 1 to 256 non-empty strings (raises ValueError with an example)."""
         MiniLMRequest.parse(request)
 
+    @cached_property
+    def tokenizer(self) -> Any:
+        return load_tokenizer(model_dir(), self.config.max_seq_length)
+
+    def batch_key(self, request: Any) -> int:
+        """The request's padded length (its longest sentence in tokens): padded further to share a
+        batch, a sentence's embedding moves by up to ~2e-6 (relative, L2), twice what float32 GEMMs of
+        another batch size alone do (~8e-7), so only requests that pad alike share a forward."""
+        return max(len(self.tokenizer.encode(s).ids) for s in request["sentences"])
+
     def request_size(self, request: Any) -> int:
-        """Samples in a request: its sentences (padding to the longest in a batch changes no embedding:
-        the attention mask and mean pooling ignore padded positions)."""
+        """Samples in a request: its sentences."""
         return len(request["sentences"])
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
