@@ -52,6 +52,7 @@ class ExternalExecutor(InlineExecutor):
     # on local timing: no queue bound (one rank could shed what another admits), every request goes
     # straight to the plugin's thread, and one whose deadline passed still runs (its future fails).
     skips_expired = False
+    worker_idle_exit_s = None  # the engine's thread built the launcher's groups: it must stay
 
     def __init__(self, entry: Entry, plugin_args: dict[str, Any], parallel: Any, device_config: Any, *,
                  execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
@@ -73,10 +74,12 @@ class ExternalExecutor(InlineExecutor):
                          startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
                          max_queued=None, max_ongoing=None)
 
-    def submit(self, request: Any, *, caller_runs: bool = False) -> Any:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Any:
         """Always on the engine's thread, the one that built the process groups: running steps of a
         launcher world on the caller's thread while that thread owns none of its groups made torchrun
-        ranks abort at teardown ("terminate called without an active exception")."""
+        ranks abort at teardown ("terminate called without an active exception"). No batching here:
+        each rank's engine would form batches from its own timing, and ranks that share collectives
+        must run the same steps."""
         return super().submit(request)
 
     def close(self) -> None:

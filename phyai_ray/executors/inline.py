@@ -30,6 +30,7 @@ class InlineExecutor(ReplicaExecutor):
 
     mode = "inline"
     skips_expired = True  # one rank: a request whose deadline passed before it started is skipped
+    worker_idle_exit_s: float | None = 0.5  # see SerialWorker: no second OpenMP pool left behind
 
     def __init__(self, build_runner: Callable[[], RankRunner], *, index: int = 0, world_size: int = 1,
                  execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
@@ -37,7 +38,7 @@ class InlineExecutor(ReplicaExecutor):
         super().__init__(index, world_size, max_ongoing=max_ongoing, max_queued=max_queued,
                          step_limit_s=execution_timeout_s)
         self._shutdown_s = shutdown_timeout_s
-        self._worker = SerialWorker(name=f"phyai-{self.mode}-{index}")
+        self._worker = SerialWorker(name=f"phyai-{self.mode}-{index}", idle_exit_s=self.worker_idle_exit_s)
         started = self._worker.call(build_runner)
         try:
             self._runner: RankRunner = started.result(timeout=startup_timeout_s)
@@ -50,6 +51,8 @@ class InlineExecutor(ReplicaExecutor):
             raise
         self._device_guard = _device_guard(self._runner)
         self.enable_batching(batching, self._runner.batchable)
+        if self.worker_idle_exit_s is not None:
+            self._worker.retire()  # the plugin was built; the first step may run on the caller's thread
 
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
         """As every replica; with `caller_runs` and nothing queued or running, run it on this thread.
@@ -57,9 +60,11 @@ class InlineExecutor(ReplicaExecutor):
         The scheduler counts it as dispatched while it runs, so a request from another thread
         queues behind it (one call at a time, in order) and the hang clock fails the replica if
         this call runs past its limit: the other callers get the error; this thread is in the
-        plugin and returns when it does.
+        plugin and returns when it does. While the worker thread is alive (queued requests ran on
+        it in the last `worker_idle_exit_s`), the request goes to it instead: one thread running the
+        plugin keeps one OpenMP pool (see `SerialWorker`).
         """
-        if not caller_runs:
+        if not caller_runs or self._worker.active:
             return super().submit(request, key=key, size=size)
         self._check_healthy()
         future = self.scheduler.submit("step", request, self._step_limit_s, here=True, key=key, size=size)
@@ -73,7 +78,14 @@ class InlineExecutor(ReplicaExecutor):
         return future
 
     def _launch(self, work: Work) -> None:
-        self._worker.put(lambda: self._run(work))
+        self._worker.put(lambda: self._guarded(self._run, work))
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` with the rank's CUDA device current (a fresh worker thread starts on device 0)."""
+        if self._device_guard is None:
+            return fn(*args)
+        with self._device_guard():
+            return fn(*args)
 
     def _run(self, work: Work) -> None:
         """On the plugin's thread: run `work` unless its deadline already failed it (one rank: safe)."""
@@ -112,7 +124,7 @@ class InlineExecutor(ReplicaExecutor):
 
     def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
         """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""
-        return self._worker.call(lambda: [self._runner.control(op, self.rank_args(op, args, 0))])
+        return self._worker.call(lambda: [self._guarded(self._runner.control, op, self.rank_args(op, args, 0))])
 
     def _teardown(self) -> None:
         self._worker.stop()
