@@ -21,14 +21,14 @@ import torch
 from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        EngineUnavailableError, ParallelConfig, ReplicaStateError, WeightSender,
                        WeightUpdateRefusedError)
-from tests.plugins.weights import RevealTPEntry
+from tests.plugins.weights import RevealTPEntry, ShardedRevealEntry
 
 pytestmark = pytest.mark.ray
 BALLAST = 1024
 
 
-def _engine(ballast: int = BALLAST, chunks: int = 1) -> Engine:
-    args = EngineArgs(plugin=RevealTPEntry, plugin_args={"ballast": ballast, "chunks": chunks}, config=EngineConfig(
+def _engine(ballast: int = BALLAST, chunks: int = 1, plugin: type = RevealTPEntry) -> Engine:
+    args = EngineArgs(plugin=plugin, plugin_args={"ballast": ballast, "chunks": chunks}, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     return Engine(args, DeploymentConfig(mode="local", replica_count=2, cpus_per_rank=0.5))
 
@@ -40,13 +40,13 @@ def _weights(value: float, ballast: int = BALLAST, chunks: int = 1,
     return list({**named, **override}.items())
 
 
-def _assert_serving(engine: Engine, version: int | None, value: float) -> None:
+def _assert_serving(engine: Engine, version: int | None, value: float, width: int = 8) -> None:
     """Both replicas SERVING at `version`, and every result (from both) made of weights equal to `value`."""
     status = engine.replica_status()
     assert [(s.state, s.weight_version, s.healthy) for s in status] == [("SERVING", version, True)] * 2
     futures = [engine.submit({}) for _ in range(8)]
     for f in futures:
-        torch.testing.assert_close(f.result(timeout=30), torch.full((2, 8), float(value)), rtol=0, atol=0)
+        torch.testing.assert_close(f.result(timeout=30), torch.full((2, width), float(value)), rtol=0, atol=0)
         assert f.weight_version == version
     assert {f.replica for f in futures} == {0, 1}
 
@@ -77,6 +77,19 @@ def test_a_refused_update_leaves_every_replica_on_its_previous_weights(ray_sessi
             _assert_serving(engine, 1, 1.0)
         gloo.update(engine, _weights(3), version=3)  # the transfer groups are still in step
         _assert_serving(engine, 3, 3.0)
+
+
+def test_a_model_with_weight_specs_is_checked_first_and_loads_once_per_bucket(ray_session):
+    with _engine(plugin=ShardedRevealEntry) as engine:
+        sender = WeightSender("object_store", bucket_bytes=16, timeout_s=60)  # one tensor per bucket
+        sender.init_transfer(engine)
+        sender.update(engine, _weights(1, chunks=0), version=1)
+        _assert_serving(engine, 1, 1.0, width=6)
+        assert engine.collective_rpc("load_calls", all_ranks=True) == [[2, 2], [2, 2]]
+        with pytest.raises(WeightUpdateRefusedError, match=r"'a': shape \[2\], the model's is \[4\]"):
+            sender.update(engine, _weights(2, chunks=0, a=torch.full((2,), 2.0)), version=2)
+        _assert_serving(engine, 1, 1.0, width=6)
+        assert engine.collective_rpc("load_calls", all_ranks=True) == [[2, 2], [2, 2]]  # nothing reached it
 
 
 def test_an_expired_lease_returns_an_untouched_replica_and_fails_a_partial_one(ray_session):

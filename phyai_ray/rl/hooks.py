@@ -11,7 +11,8 @@ on the rank's control lane, while no request runs there:
     load_weights(weights)       weights: a list of (name, full tensor) from the trainer; by default
                                 copied into the parameters and buffers of the same name
     weight_specs()              {name: (full shape, dtype)} an update is checked against before any
-                                weight changes (default: the module's parameters and buffers)
+                                weight changes (default: the module's parameters and buffers); a
+                                model that defines it gets load_weights once per bucket
 
 The defaults act on a plain `torch.nn.Module`: the model itself, or its `module` attribute. A
 weight update reaches a rank as three ops: `check_weights` (every rank, nothing received), then

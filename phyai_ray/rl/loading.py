@@ -11,7 +11,8 @@
                             in step for the next update
 
 The model's specs are `weight_specs()` of the per-rank model, `{name: (full shape, dtype)}` of
-the tensors the trainer sends (a model that defines it gets `load_weights` once per bucket); for
+the tensors the trainer sends (a model that defines it gets `load_weights` once per bucket, and
+must copy what it keeps: the tensors are views of the bucket's buffer); for
 a plain `torch.nn.Module` without `load_weights`, its parameters and buffers (the ones dropped by
 `sleep(level=2)` keep the shape they had). A model with `load_weights` and no `weight_specs`
 cannot be checked here: its update is received whole and given to `load_weights` at once (its own
@@ -86,9 +87,10 @@ class WeightLoader:
             self.model.load_weights(weights)
             self.unloaded.clear()
             return
-        scratch: dict[str, Any] = {}
-        for bucket in buckets:
-            self._apply(list(unflatten(bucket, receive(bucket, _reused(scratch, bucket, self.ctx.device)))))
+        scratch: dict[str, Any] | None = None if hasattr(self.model, "load_weights") else {}
+        for bucket in buckets:  # only the default loader, which copies, may get a reused buffer
+            into = None if scratch is None else _reused(scratch, bucket, self.ctx.device)
+            self._apply(list(unflatten(bucket, receive(bucket, into))))
 
     def drain(self, buckets: tuple[Bucket, ...], receive: Callable[..., Any]) -> None:
         """Receive and drop every bucket the trainer broadcasts (object_store / cuda_ipc: nothing to do)."""

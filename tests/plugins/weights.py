@@ -73,3 +73,40 @@ class RevealTPEntry(Entry):
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> RevealTP:
         return RevealTP(plugin_args, ctx)
+
+
+class ShardedReveal:
+    """Not a torch module: each rank keeps its half of `a` [4] and all of `b` [4]. It declares the
+    full shapes (`weight_specs`), so updates are checked before loading and `load_weights` runs once
+    per bucket, slicing its own part; `step` gathers every rank's [a part, b]: [tp, 6]."""
+
+    def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
+        tp, rank = ctx.group_size("dense_tp"), ctx.group_rank("dense_tp")
+        self.part = slice(rank * 4 // tp, (rank + 1) * 4 // tp)
+        self.a, self.b = torch.zeros(4 // tp), torch.zeros(4)
+        self.loads = 0
+
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"a": ((4,), torch.float32), "b": ((4,), torch.float32)}
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.loads += 1
+        for name, tensor in weights:
+            if name == "a":
+                self.a = tensor[self.part].clone()
+            else:
+                self.b = tensor.clone()
+
+    def step(self, request: Any) -> torch.Tensor:
+        return P.all_gather(torch.cat([self.a, self.b])[None], group="dense_tp")
+
+    def load_calls(self) -> int:
+        return self.loads
+
+
+class ShardedRevealEntry(Entry):
+    name = "sharded_reveal"
+    parallel_domains = frozenset({"dense"})
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> ShardedReveal:
+        return ShardedReveal(plugin_args, ctx)
