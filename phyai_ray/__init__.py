@@ -41,6 +41,7 @@ _EXPORTS = {
     "RequestTimeoutError": "phyai_ray.errors",
     "RequestAbortedError": "phyai_ray.errors",
     "ReplicaStateError": "phyai_ray.errors",
+    "WeightUpdateRefusedError": "phyai_ray.errors",
     "ReplicaState": "phyai_ray.executors.control",
     "ControlReport": "phyai_ray.executors.control",
     "EngineActor": "phyai_ray.rl.actor",

@@ -226,9 +226,15 @@ class Engine:
         return self._control("init_weight_transfer", lambda e: (specs[e.index],), replicas, timeout, wait=wait)
 
     def start_weight_update(self, version: Any, replicas: Sequence[int] | None = None,
-                            timeout: float | None = None) -> list[ControlReport]:
-        """UPDATING: dispatch stops and the ranks drain; requests queue until finish_weight_update()."""
-        return self._control("start_weight_update", (version,), replicas, timeout)
+                            timeout: float | None = None, lease_s: float | None = None) -> list[ControlReport]:
+        """UPDATING: dispatch stops and the ranks drain; requests queue until finish_weight_update().
+
+        The update has a lease: each next phase is due within `lease_s` (default 300 s) of the
+        previous one; past it a replica that loaded nothing returns to its previous state and
+        version, and one that loaded part of the update fails (it never serves mixed weights)."""
+        if lease_s is not None and not lease_s > 0:
+            raise ValueError(f"start_weight_update(lease_s={lease_s}): the lease must be a positive number of seconds")
+        return self._control("start_weight_update", (version, lease_s), replicas, timeout)
 
     def update_weights(self, buckets: Sequence[Any], replicas: Sequence[int] | None = None,
                        timeout: float | None = None, wait: bool = True) -> Any:
@@ -351,7 +357,9 @@ class Engine:
 
 
 def _gather(futures: list[Future], out: Future) -> None:
-    """Resolve `out` with every future's result in order, or the first exception."""
+    """Resolve `out` with every future's result in order, or the first exception once all have settled
+    (each is bounded by its call's timeout), so a refusal is raised only when every replica is done."""
+    wait(futures)
     try:
         out.set_result([f.result() for f in futures])
     except BaseException as exc:

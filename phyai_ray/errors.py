@@ -16,7 +16,10 @@ like, so callers may catch either:
     ├── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
     │                                     from submission); the replica keeps serving
     ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
-    └── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
+    ├── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
+    └── WeightUpdateRefusedError(ValueError)
+                                          a weight update whose names, shapes or dtypes do not
+                                          match the model; nothing was changed
 """
 
 from __future__ import annotations
@@ -143,3 +146,26 @@ def _rebuild_aborted(message, replica) -> RequestAbortedError:
 
 def _rebuild_state_error(message, replica, state, op) -> ReplicaStateError:
     return ReplicaStateError(message, replica=replica, state=state, op=op)
+
+
+class WeightUpdateRefusedError(PhyAIError, ValueError):
+    """A weight update refused before any weight changed: a name, shape or dtype does not match the model.
+
+    The replica keeps serving its previous version with its previous weights (the update is over:
+    start a new one). `problems` lists each mismatch (tensor, shapes or dtypes), `version` is the
+    refused version and `serving_version` the one still served.
+    """
+
+    def __init__(self, message: str, *, replica: int | None = None, version: Any = None,
+                 serving_version: Any = None, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.replica, self.version, self.serving_version = replica, version, serving_version
+        self.problems = tuple(problems)
+
+    def __reduce__(self):
+        return (_rebuild_refused, (str(self), self.replica, self.version, self.serving_version, self.problems))
+
+
+def _rebuild_refused(message, replica, version, serving_version, problems) -> WeightUpdateRefusedError:
+    return WeightUpdateRefusedError(message, replica=replica, version=version, serving_version=serving_version,
+                                    problems=problems)

@@ -160,7 +160,8 @@ class DispatcherMachine(RuleBasedStateMachine):
         self.errored[e.index] += len(unfinished)
 
     @rule(data=st.data(), op=st.sampled_from(["pause", "resume", "sleep", "wake_up", "start_weight_update",
-                                              "finish_weight_update"]), mode=st.sampled_from(["wait", "abort", "keep"]))
+                                              "update_weights", "finish_weight_update"]),
+          mode=st.sampled_from(["wait", "abort", "keep"]))
     def control(self, data, op, mode):
         """A control call: allowed ones move the state as the table says, illegal ones change nothing."""
         e = data.draw(st.sampled_from(self.executors))
@@ -171,12 +172,18 @@ class DispatcherMachine(RuleBasedStateMachine):
         before = e.state.value
         allowed = {"pause": {"SERVING", "PAUSED"}, "resume": {"SERVING", "PAUSED"},
                    "sleep": {"SERVING", "PAUSED", "SLEEPING"}, "wake_up": {"SERVING", "PAUSED", "SLEEPING"},
-                   "start_weight_update": {"SERVING", "PAUSED", "SLEEPING"},
+                   "start_weight_update": {"SERVING", "PAUSED", "SLEEPING"}, "update_weights": {"UPDATING"},
                    "finish_weight_update": {"UPDATING"}}[op]
         args = {"sleep": (1,), "wake_up": (None,), "start_weight_update": (self.tick,),
+                "update_weights": (("bucket",),),
                 "finish_weight_update": (getattr(e._life, "pending_version", None),)}.get(op, (mode,))
         if before not in allowed:
             with pytest.raises(ReplicaStateError, match=f"is {before}: {op}"):
+                e.control(op, args, timeout_s=1, mode=mode)
+            assert e.state.value == before
+            return
+        if op == "finish_weight_update" and not e._life.update.complete:  # no update_weights since the start
+            with pytest.raises(ReplicaStateError, match=r"finish_weight_update\(\) refused"):
                 e.control(op, args, timeout_s=1, mode=mode)
             assert e.state.value == before
             return

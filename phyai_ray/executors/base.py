@@ -112,10 +112,12 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
 
     def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
                        all_ranks: bool = False) -> Future:
-        """Call `method` of the per-rank model on every rank, right after the dispatched requests."""
+        """Call `method` of the per-rank model on every rank, right after the dispatched requests
+        (never beside a control call, refused while UPDATING: see `control.rpc_admission`)."""
         self._check_healthy()
         payload = self._prepare((method, tuple(args), dict(kwargs)))
-        return self.scheduler.submit("call", payload, timeout_s, all_ranks=all_ranks, control=True)
+        with self.rpc_admission(timeout_s):
+            return self.scheduler.submit("call", payload, timeout_s, all_ranks=all_ranks, control=True)
 
     def counts(self) -> Counts:
         return self.scheduler.counts()

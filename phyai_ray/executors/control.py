@@ -10,19 +10,27 @@ within their deadlines (the dispatcher prefers SERVING replicas). Every control 
 dispatch and drains what is at the ranks (pause "keep" does not wait), then fans out to EVERY rank
 of the replica over the control lane with a deadline. A control call that fails or times out on
 any rank fails the replica: a half-updated replica never serves. An illegal transition raises
-`ReplicaStateError` and changes nothing.
+`ReplicaStateError` and changes nothing. Weight updates are all-or-nothing (`updates.py`: checks
+before any weight changes, a lease, no waking without weights).
+
+collective_rpc and control calls never overlap on a replica: an rpc arriving while a control call
+runs waits for it (within the rpc's timeout), and a control call waits for the rpcs already at
+the ranks (it drains them). An rpc is refused (`ReplicaStateError`) while the replica is UPDATING,
+when its weights may be partly loaded; in SERVING, PAUSED and SLEEPING it reaches the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, RequestAbortedError
+from phyai_ray.executors.updates import DEFAULT_LEASE_S, WeightUpdates, _Update
 
 
 class ReplicaState(str, enum.Enum):
@@ -78,9 +86,11 @@ class _Lifecycle:
     asleep: set[str] = field(default_factory=set)
     pending_version: Any = None
     transfer: Any = None  # the backend of init_weight_transfer
+    update: _Update | None = None  # the weight update in progress (UPDATING)
+    weights_dropped: bool = False  # slept at level 2; waking needs the weights refilled
 
 
-class ReplicaControl:
+class ReplicaControl(WeightUpdates):
     """The state machine of one replica executor; mixed into `ReplicaExecutor`.
 
     The executor provides `scheduler`, `index`, `world_size`, `_fail(error)`, `failure` and
@@ -106,13 +116,44 @@ class ReplicaControl:
     def control(self, op: str, args: tuple = (), *, timeout_s: float, mode: str = "wait") -> ControlReport:
         """Run control call `op` on this replica (see the module table); blocks up to `timeout_s`."""
         started = time.monotonic()
-        with self._control_lock:
+        deadline = started + timeout_s
+        with self._exclusive(f"{op}()", timeout_s):
             self._check_transition(op)
-            aborted = self._quiesce(op, mode, started + timeout_s)
-            ranks = self._fan_out(op, args, started + timeout_s)
+            if op == "wake_up":
+                self._check_weights_loaded(args[0], deadline)
+            aborted = self._quiesce(op, mode, deadline)
+            if op == "update_weights":
+                ranks = self._update_weights(args[0], deadline)
+            else:
+                ranks = self._fan_out(op, args[:1] if op == "start_weight_update" else args, deadline)
             self._after(op, args)
         return ControlReport(self.index, op, self.state.value, self.weight_version, tuple(ranks), aborted,
                              time.monotonic() - started)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str, timeout_s: float) -> Iterator[None]:
+        """Hold this replica's control lock: one control call (or rpc admission) at a time."""
+        if not self._control_lock.acquire(timeout=max(timeout_s, 0.0)):
+            raise TimeoutError(f"replica {self.index}: {what} waited {timeout_s:.1f}s for the control call running "
+                               "on this replica to finish; nothing was changed (raise the timeout)")
+        try:
+            yield
+        finally:
+            self._control_lock.release()
+
+    @contextlib.contextmanager
+    def rpc_admission(self, timeout_s: float) -> Iterator[None]:
+        """Admit a collective_rpc: never beside a running control call, never while UPDATING."""
+        with self._exclusive("collective_rpc", timeout_s):
+            if self.failure is not None:
+                raise self.unavailable_error()
+            if self._life.state is ReplicaState.UPDATING:
+                raise ReplicaStateError(
+                    f"replica {self.index} is UPDATING: collective_rpc is refused while a weight update (to version "
+                    f"{self._life.pending_version!r}) may have loaded part of the weights; call it after "
+                    "finish_weight_update(), or before start_weight_update()", replica=self.index,
+                    state="UPDATING", op="collective_rpc")
+            yield
 
     def failed_report(self, op: str, error: BaseException, started: float) -> ControlReport:
         return ControlReport(self.index, op, self.state.value, self.weight_version, (), 0,
@@ -130,6 +171,8 @@ class ReplicaControl:
             raise ReplicaStateError(
                 f"replica {self.index} is {state}: {op}() is allowed only from {sorted(_ALLOWED[op])}; "
                 f"{_HINTS.get(state, 'check replica_status()')}", replica=self.index, state=state, op=op)
+        if op == "finish_weight_update":
+            self._check_update_complete()
 
     def _quiesce(self, op: str, mode: str, deadline: float) -> int:
         """Stop dispatch and drain the ranks as `op` needs; returns how many queued requests were aborted."""
@@ -174,6 +217,7 @@ class ReplicaControl:
             if life.state is not ReplicaState.SLEEPING:
                 life.before.append(life.state)
             life.state, life.asleep = ReplicaState.SLEEPING, set(ALL_TAGS)
+            life.weights_dropped = life.weights_dropped or args[0] == 2
         elif op == "wake_up":
             life.asleep -= set(args[0] or ALL_TAGS)
             if life.state is ReplicaState.SLEEPING and not life.asleep:
@@ -183,9 +227,12 @@ class ReplicaControl:
         elif op == "start_weight_update":
             life.before.append(life.state)
             life.state, life.pending_version = ReplicaState.UPDATING, args[0]
+            self._start_lease(args[0], args[1] if len(args) > 1 and args[1] is not None else DEFAULT_LEASE_S)
+        elif op == "update_weights":
+            self._renew_lease()
         elif op == "finish_weight_update":
             self.scheduler.weight_version = life.pending_version
-            life.state = life.before.pop()
+            self._end_update()
         self._restore_dispatch()
 
     def _restore_dispatch(self) -> None:

@@ -4,7 +4,12 @@
     sender = WeightSender("gloo")
     sender.init_transfer(engine)        ------->  init_weight_transfer: ranks join a transfer group
     sender.update(engine, model.named_parameters(), version=3)
-        start_weight_update(3)          ------->  UPDATING: dispatch stops, ranks drain
-        update_weights(...) + send      ------->  every rank receives the buckets and loads them
+        start_weight_update(3, lease)   ------->  UPDATING: dispatch stops, ranks drain, the lease starts
+        update_weights(...) + send      ------->  every rank checks names / shapes / dtypes, then
+                                                  receives and loads the buckets one by one
         finish_weight_update()          ------->  caches reset, version 3 published, state restored
+
+A mismatch refuses the update before any weight changes (`WeightUpdateRefusedError`; the replicas
+keep their previous version); a lease that expires returns an untouched replica and fails one
+that loaded part of the update (`phyai_ray.executors.updates`, `phyai_ray.rl.loading`).
 """

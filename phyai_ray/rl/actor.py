@@ -86,8 +86,9 @@ class _EngineActor:
         return await asyncio.to_thread(lambda: self.engine.init_weight_transfer(backend, **kwargs))
 
     @ray.method(**CONTROL)
-    async def start_weight_update(self, version: Any, replicas: Any = None, timeout: float | None = None) -> list:
-        return await asyncio.to_thread(self.engine.start_weight_update, version, replicas, timeout)
+    async def start_weight_update(self, version: Any, replicas: Any = None, timeout: float | None = None,
+                                  lease_s: float | None = None) -> list:
+        return await asyncio.to_thread(self.engine.start_weight_update, version, replicas, timeout, lease_s)
 
     @ray.method(**CONTROL)
     async def update_weights(self, buckets: Any, replicas: Any = None, timeout: float | None = None) -> list:

@@ -10,8 +10,14 @@ on the rank's control lane, while no request runs there:
     reset_cache()               nothing by default (after every weight update, and on request)
     load_weights(weights)       weights: a list of (name, full tensor) from the trainer; by default
                                 copied into the parameters and buffers of the same name
+    weight_specs()              {name: (full shape, dtype)} an update is checked against before any
+                                weight changes (default: the module's parameters and buffers); a
+                                model that defines it gets load_weights once per bucket
 
-The defaults act on a plain `torch.nn.Module`: the model itself, or its `module` attribute.
+The defaults act on a plain `torch.nn.Module`: the model itself, or its `module` attribute. A
+weight update reaches a rank as three ops: `check_weights` (every rank, nothing received), then
+`update_weights` (bucket by bucket) or, for a refused update, `drain_weights`
+(`phyai_ray.rl.loading`).
 """
 
 from __future__ import annotations
@@ -19,18 +25,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from phyai_ray.rl.transfer import Bucket, TransferSpec, empty_flat, join_group, open_cuda, unflatten
+from phyai_ray.rl.loading import WeightLoader, torch_module
+from phyai_ray.rl.transfer import Bucket, TransferSpec, WeightCheck, empty_flat, join_group, open_cuda
 
 logger = logging.getLogger(__name__)
-
-
-def torch_module(model: Any) -> Any:
-    import torch
-
-    for candidate in (model, getattr(model, "module", None)):
-        if isinstance(candidate, torch.nn.Module):
-            return candidate
-    return None
 
 
 class RankControl:
@@ -42,6 +40,7 @@ class RankControl:
         self.version: Any = None
         self._group: Any = None
         self._spec: TransferSpec | None = None
+        self.loader = WeightLoader(model, ctx)
 
     def run(self, op: str, args: tuple) -> Any:
         return getattr(self, op)(*args)
@@ -56,6 +55,8 @@ class RankControl:
     def sleep(self, level: int) -> dict[str, Any]:
         if hasattr(self.model, "sleep"):
             self.model.sleep(level)
+            if level == 2:
+                self.loader.dropped_by_model()
         elif self.asleep_level < level:
             self._default_sleep(level)
         self.asleep_level = max(self.asleep_level, level)
@@ -89,18 +90,27 @@ class RankControl:
     def start_weight_update(self, version: Any) -> int:
         return self.ctx.rank
 
+    def check_weights(self, buckets: tuple[Bucket, ...]) -> WeightCheck:
+        """Names, shapes and dtypes of the update against the model; nothing is received or changed."""
+        return self.loader.check(buckets)
+
     def update_weights(self, buckets: tuple[Bucket, ...]) -> int:
-        """Receive every bucket, then load them all at once (a model sees the whole update)."""
-        weights = []
-        for bucket in buckets:
-            weights += unflatten(bucket, self._receive(bucket))
-        self._load(weights)
+        """Receive and load the (checked) buckets one by one; a model without weight_specs sees them whole."""
+        self.loader.load(buckets, self._receive)
         if any(b.ipc for b in buckets):
             import torch
 
-            del weights
             torch.cuda.ipc_collect()  # drop this process's mappings of the trainer's memory
         return len(buckets)
+
+    def drain_weights(self, buckets: tuple[Bucket, ...]) -> int:
+        """A refused update: take the trainer's broadcast and drop it, so its send completes."""
+        self.loader.drain(buckets, self._receive)
+        return len(buckets)
+
+    def unloaded_weights(self) -> WeightCheck:
+        """The weights sleep(level=2) dropped that no update has refilled yet."""
+        return self.loader.unloaded_report()
 
     def finish_weight_update(self, version: Any) -> int:
         self.version = version
@@ -109,7 +119,8 @@ class RankControl:
         self._hook("reset_cache")
         return self.ctx.rank
 
-    def _receive(self, bucket: Bucket) -> Any:
+    def _receive(self, bucket: Bucket, into: Any = None) -> Any:
+        """The bucket's flat tensor; a broadcast lands in `into` when given (a reused buffer)."""
         if bucket.ipc is not None:
             return open_cuda(bucket, self.ctx.device)
         if bucket.ref is not None:
@@ -119,41 +130,20 @@ class RankControl:
         if self._group is None:
             raise RuntimeError(f"rank {self.ctx.rank}: update_weights without a transfer group; call "
                                "init_weight_transfer(backend) first")
-        flat = empty_flat(bucket, self.ctx.device)
+        flat = into if into is not None else empty_flat(bucket, self.ctx.device)
         self._group.broadcast(flat, 0).wait()
         return flat
-
-    def _load(self, weights: list[tuple[str, Any]]) -> None:
-        if hasattr(self.model, "load_weights"):
-            self.model.load_weights(weights)
-            return
-        module = torch_module(self.model)
-        if module is None:
-            raise TypeError(f"per-rank model {type(self.model).__name__} has no load_weights(weights) and is not a "
-                            "torch.nn.Module; define load_weights to receive (name, tensor) pairs")
-        own = dict(module.named_parameters()) | dict(module.named_buffers())
-        unknown = [n for n, _ in weights if n not in own]
-        if unknown:
-            raise KeyError(f"load_weights: {len(unknown)} name(s) not in the model, e.g. {unknown[:3]}")
-        import torch
-
-        with torch.no_grad():
-            for name, tensor in weights:
-                target = own[name]
-                if target.numel() == 0:  # dropped by sleep(level=2): take the new tensor whole
-                    target.data = tensor.to(device=self.ctx.device, dtype=target.dtype).clone()
-                else:
-                    target.copy_(tensor)
 
     # -- defaults for a torch.nn.Module ---------------------------------------------------------------
     def _default_sleep(self, level: int) -> None:
         module = torch_module(self.model)
         if module is None:
             return
-        import torch
-
+        if level == 2:
+            self.loader.drop()
+            return
         for tensor in list(module.parameters()) + list(module.buffers()):
-            tensor.data = tensor.data.to("cpu") if level == 1 else torch.empty(0, dtype=tensor.dtype)
+            tensor.data = tensor.data.to("cpu")
 
     def _default_wake(self) -> None:
         module = torch_module(self.model)

@@ -5,9 +5,13 @@
     reports = sender.update(target, model.named_parameters(), version=step)
 
 `target` is an `Engine` in this process or an `EngineActor` handle. `update` runs
-`start_weight_update(version)`, then `update_weights(buckets)` on the replicas while this process
-sends the buckets, then `finish_weight_update()` on the replicas that received everything. A
-replica that fails on the way is FAILED (reported, never served half-updated); the others finish.
+`start_weight_update(version, lease_s)`, then `update_weights(buckets)` on the replicas while this
+process sends the buckets, then `finish_weight_update()` on the replicas that received everything.
+A replica that fails on the way is FAILED (reported, never served half-updated); the others finish.
+An update whose names, shapes or dtypes do not match the model is refused before any weight
+changes: `update` raises `WeightUpdateRefusedError` and every replica keeps its previous version.
+If this process dies mid-update, the lease (default: three times `timeout_s`) ends it on the
+replicas.
 
 vLLM-style code can call the phases itself: `engine.update_weights(sender.prepare(params),
 wait=False)`, then `sender.send()`, then wait and `engine.finish_weight_update()`.
@@ -47,9 +51,10 @@ class WeightSender:
     """Flattens `named_parameters()` into size-capped buckets and delivers them to rollout replicas."""
 
     def __init__(self, backend: str = "object_store", *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 master_addr: str | None = None, timeout_s: float = 120.0) -> None:
+                 master_addr: str | None = None, timeout_s: float = 120.0, lease_s: float | None = None) -> None:
         check_backend(backend, "cuda" if backend in ("nccl", "cuda_ipc") else "cpu")
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
+        self.lease_s = lease_s if lease_s is not None else 3 * timeout_s
         self.master_addr = master_addr
         self._store: Any = None
         self._groups: dict[int, Any] = {}  # replica -> this process's member (rank 0) of its group
@@ -100,15 +105,18 @@ class WeightSender:
                replicas: list[int] | None = None) -> list:
         """start_weight_update(version) -> update_weights while sending -> finish_weight_update."""
         t = self._target(target)
-        started = t.call("start_weight_update", version, replicas=replicas, timeout=self.timeout_s)
-        chosen = [r.replica for r in started if r.error is None]
-        buckets = self.prepare(named_parameters)
-        receiving = t.start("update_weights", buckets, replicas=chosen, timeout=self.timeout_s)
-        unreached = self.send(chosen)
-        received = receiving.result(timeout=self.timeout_s + 30)
-        done = [r.replica for r in received if r.error is None and r.replica not in unreached]
-        finished = t.call("finish_weight_update", replicas=done, timeout=self.timeout_s) if done else []
-        self._shared.clear()  # every rank copied its weights: the shared buckets may go
+        buckets = self.prepare(named_parameters)  # before the start: a bad tensor here leaves replicas untouched
+        try:
+            started = t.call("start_weight_update", version, replicas=replicas, timeout=self.timeout_s,
+                             lease_s=self.lease_s)
+            chosen = [r.replica for r in started if r.error is None]
+            receiving = t.start("update_weights", buckets, replicas=chosen, timeout=self.timeout_s)
+            unreached = self.send(chosen)
+            received = receiving.result(timeout=self.timeout_s + 30)  # raises WeightUpdateRefusedError
+            done = [r.replica for r in received if r.error is None and r.replica not in unreached]
+            finished = t.call("finish_weight_update", replicas=done, timeout=self.timeout_s) if done else []
+        finally:
+            self._shared.clear()  # every rank copied its weights (or refused them): the shared buckets may go
         by_replica = {r.replica: r for r in [*started, *received, *finished]}
         return [by_replica[i] for i in sorted(by_replica)]
 

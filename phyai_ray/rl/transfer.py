@@ -42,6 +42,14 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class WeightCheck:
+    """One rank's verdict on an update before any weight changes: each mismatch as one line."""
+
+    rank: int
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TransferSpec:
     """How the ranks of one replica reach the trainer (gloo / nccl); None fields for object_store."""
 
