@@ -23,7 +23,7 @@ import pytest
 import requests
 import torch
 
-from phyai_ray import DenseParallelConfig, DeploymentConfig, EngineArgs, EngineConfig, ParallelConfig
+from phyai_ray import BatchingConfig, DenseParallelConfig, DeploymentConfig, EngineArgs, EngineConfig, ParallelConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
@@ -55,8 +55,9 @@ def url() -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"),
                                                         parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
-    deployment = DeploymentConfig.local(replica_count=2, process_config=WorkerSupervisorConfig(
-        execution_timeout_s=EXECUTION_TIMEOUT_S, startup_timeout_s=120))
+    deployment = DeploymentConfig.local(replica_count=2, batching=BatchingConfig(max_batch_size=16),
+                                        process_config=WorkerSupervisorConfig(
+                                            execution_timeout_s=EXECUTION_TIMEOUT_S, startup_timeout_s=120))
     try:
         serve.run(create_app(args, deployment, api_key=KEY, max_body_bytes=MAX_BODY, health_check_period_s=1.0), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -110,6 +111,27 @@ def test_step_round_trips_tensors_over_both_groups(url: str) -> None:
                         10, "both groups to report what they served")  # each report is at most ~0.5 s old
     assert all(r["served"] >= 1 for r in groups.values())
     assert all(len(r["pids"]) == 2 and r["world_size"] == 2 for r in groups.values()), groups
+
+
+def test_requests_from_many_http_clients_batch_inside_each_group(url: str) -> None:
+    xs = [torch.randint(-5, 5, (1 + i % 3, 8)).float() for i in range(24)]
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(lambda x: step(url, x, sleep_s=0.3), xs))
+    results = [codec.decode(r.json()["result"]) for r in replies]
+    assert all(torch.equal(res["y"], reference(x)) for res, x in zip(results, xs))
+    assert max(res["batch"] for res in results) > 1, "no two HTTP requests shared a step"
+    assert len({res["pid"] for res in results}) == 2  # both groups served, each batching its own queue
+    lines = metric_lines(url)
+    count = lines['phyai_replica_batch_size_count{engine_replica="%s"}' % _answering(lines)]
+    total = lines['phyai_replica_batch_size_sum{engine_replica="%s"}' % _answering(lines)]
+    assert total > count >= 1  # more samples than steps: the answering group batched
+    assert any(k.startswith("phyai_replica_queue_wait_seconds_bucket") for k in lines)
+
+
+def _answering(lines: dict[str, float]) -> str:
+    """The group whose batch histograms /metrics showed (the answering group's)."""
+    [label] = {k.split('engine_replica="')[1].split('"')[0] for k in lines if k.startswith("phyai_replica_batch_size_count")}
+    return label
 
 
 JSON = {**AUTH, "Content-Type": "application/json"}

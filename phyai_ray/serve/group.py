@@ -46,7 +46,8 @@ def group_config(engine_args: EngineArgs, deployment: DeploymentConfig, placemen
     """The DeploymentConfig of the ONE group a Serve replica runs: inline for one rank, else its ranks
     in bundles 0..N-1 of the replica's placement group (which Serve owns)."""
     world = engine_args.config.parallel.infer_replica_world_size()
-    common = dict(process_config=deployment.process_config, runtime_env=deployment.runtime_env)
+    common = dict(process_config=deployment.process_config, runtime_env=deployment.runtime_env,
+                  batching=deployment.batching)
     if world == 1:
         return DeploymentConfig(mode="inline", **common)
     if placement_group is None:

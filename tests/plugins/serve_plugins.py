@@ -6,6 +6,7 @@
 `y` equals `tests.plugins.tiny.reference(x)` bit for bit on any dense_tp size (integer weights).
 `sleep_s` makes every rank sleep first, so a request can outlive `execution_timeout_s`.
 `pid` is the output rank's process (inline: the Serve replica's): it names the group that served.
+`step_batch` runs several requests as one product (`batch`: how many shared the step).
 The validator rejects an `x` that is not [batch, 8] before any rank sees it.
 """
 
@@ -36,9 +37,17 @@ class RowRequest(BaseModel):
 
 class ServedRowTP(TinyRowTP):
     def step(self, request: dict[str, Any]) -> dict[str, Any]:
-        if request.get("sleep_s"):
-            time.sleep(request["sleep_s"])
-        return {"y": super().step(request), "tp": P.size("dense_tp"), "pid": os.getpid()}
+        return self.step_batch([request])[0]
+
+    def step_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of every request as one product; `batch` is how many requests shared the step."""
+        pause = max(float(r.get("sleep_s") or 0.0) for r in requests)
+        if pause:
+            time.sleep(pause)
+        xs = [torch.as_tensor(r["x"], dtype=self.weight.dtype) for r in requests]
+        y = super().step({"x": torch.cat(xs)})
+        return [{"y": part, "tp": P.size("dense_tp"), "pid": os.getpid(), "batch": len(requests)}
+                for part in y.split([x.shape[0] for x in xs])]
 
 
 @register_plugin
