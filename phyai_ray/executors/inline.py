@@ -60,11 +60,9 @@ class InlineExecutor(ReplicaExecutor):
         The scheduler counts it as dispatched while it runs, so a request from another thread
         queues behind it (one call at a time, in order) and the hang clock fails the replica if
         this call runs past its limit: the other callers get the error; this thread is in the
-        plugin and returns when it does. While the worker thread is alive (queued requests ran on
-        it in the last `worker_idle_exit_s`), the request goes to it instead: one thread running the
-        plugin keeps one OpenMP pool (see `SerialWorker`).
+        plugin and returns when it does.
         """
-        if not caller_runs or self._worker.active:
+        if not caller_runs:
             return super().submit(request, key=key, size=size)
         self._check_healthy()
         future = self.scheduler.submit("step", request, self._step_limit_s, here=True, key=key, size=size)
@@ -89,20 +87,18 @@ class InlineExecutor(ReplicaExecutor):
 
     def _run(self, work: Work) -> None:
         """On the plugin's thread: run `work` unless its deadline already failed it (one rank: safe)."""
-        try:
-            if self.skips_expired and not work.unfinished:
-                return
-            if self._failure is not None:
-                self.scheduler.deliver(work, error=self.unavailable_error())
-                return
-            try:
-                value = self._execute(work)
-            except BaseException as exc:  # the plugin's own exception goes to the caller as is
-                self.scheduler.deliver(work, error=exc)
-            else:
-                self.scheduler.deliver(work, value)
-        finally:
+        if self.skips_expired and not work.unfinished:
             self.scheduler.finished(work)
+            return
+        if self._failure is not None:
+            self.scheduler.complete(work, error=self.unavailable_error())
+            return
+        try:
+            value = self._execute(work)
+        except BaseException as exc:  # the plugin's own exception goes to the caller as is
+            self.scheduler.complete(work, error=exc)
+        else:
+            self.scheduler.complete(work, value)
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         sink = ChunkSink(max_buffered)

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
 REQUEST_KINDS = ("step", "stream")  # counted as requests; "call" (collective_rpc) is not
+_CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
 
 
 class Work:
@@ -134,7 +135,8 @@ class ReplicaScheduler:
         self._served = self._errored = 0
         self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
         self._timer: threading.Thread | None = None
-        self._wake_at = float("inf")
+        self._wake_at = float("inf")  # the earliest deadline the clock knows of
+        self._wakes_by = float("inf")  # when the clock thread wakes anyway (it re-reads every deadline then)
         self._held = False  # paused, asleep or updating: requests queue but nothing is dispatched
         self.weight_version: Any = None  # stamped on every future at dispatch
         self.policy: BatchPolicy | None = None  # batching on: every dispatch takes a batch
@@ -298,6 +300,13 @@ class ReplicaScheduler:
             if not self._dispatched:
                 self._cond.notify_all()  # wake drain()
 
+    def complete(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
+        """`deliver` and `finished` in one lock hold (one rank: its reply is its finish). The slot is
+        free before the caller wakes, so its next submit does not queue behind this bookkeeping."""
+        with self._lock:
+            self.deliver(work, value, error)
+            self.finished(work)
+
     def _cancelled(self, future: EngineFuture) -> None:
         """A queued future was cancelled by its caller: it leaves the queue, nothing reaches a rank."""
         with self._lock:
@@ -361,8 +370,10 @@ class ReplicaScheduler:
 
     # -- clocks ---------------------------------------------------------------------------------
     def _arm(self, when: float) -> None:
-        """Make the timer thread wake by `when` (lock held)."""
-        if when >= self._wake_at:
+        """Make the timer thread wake by `when` (lock held). No wake-up when it wakes earlier anyway:
+        a request's default deadline is minutes away, and waking the clock on every submit would
+        put a third thread on the request path."""
+        if when >= self._wake_at or when >= self._wakes_by:
             return
         self._wake_at = when
         if self._timer is None:
@@ -377,9 +388,12 @@ class ReplicaScheduler:
                 if self._refusal is not None:
                     return
                 self._wake_at = self._next_deadline()
-                delay = self._wake_at - time.monotonic()
+                now = time.monotonic()
+                delay = self._wake_at - now
                 if delay > 0:
-                    self._cond.wait(timeout=min(delay, 5.0))
+                    self._wakes_by = now + min(delay, _CLOCK_TICK_S)
+                    self._cond.wait(timeout=min(delay, _CLOCK_TICK_S))
+                    self._wakes_by = float("-inf")  # awake: every _arm notifies until it waits again
                     continue
                 if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
                     self._flush_at = float("inf")

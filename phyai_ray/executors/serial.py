@@ -15,10 +15,12 @@ steps that follow a burst of queued requests.
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
+
+_STOP, _RETIRE = object(), object()
 
 
 class SerialWorker:
@@ -26,22 +28,19 @@ class SerialWorker:
 
     def __init__(self, name: str, idle_exit_s: float | None = None) -> None:
         self._name, self._idle_exit_s = name, idle_exit_s
-        self._jobs: deque[Callable[[], None]] = deque()
-        self._cond = threading.Condition()
-        self._stopped = self._retiring = False
-        self._thread: threading.Thread | None = None  # the one thread that may run jobs now
-        with self._cond:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards starting and ending the thread, not each job
+        self._thread: threading.Thread | None = None  # the one thread that runs jobs now
+        self._stopped = False
+        with self._lock:
             self._start()
 
     def put(self, job: Callable[[], None]) -> None:
-        with self._cond:
-            if self._stopped:
-                return
-            self._jobs.append(job)
-            if self._thread is None:
-                self._start()
-            else:
-                self._cond.notify()
+        self._jobs.put(job)
+        if self._thread is None:  # it ended idle (read after the put: see _idle)
+            with self._lock:
+                if self._thread is None and not self._stopped:
+                    self._start()
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn()` after the jobs already queued; its result or exception lands in the future."""
@@ -55,25 +54,17 @@ class SerialWorker:
             except BaseException as exc:
                 future.set_exception(exc)
         self.put(job)
-        if self._stopped:
-            future.cancel()
         return future
 
     def retire(self) -> None:
-        """End the thread now if it has no job, else once it has none (a later job starts a new one)."""
-        with self._cond:
-            if self._jobs:
-                self._retiring = True
-            else:
-                self._thread = None  # it sees it was let go and ends; `active` is False at once
-            self._cond.notify_all()
+        """End the thread once it has run what is queued (a later job starts a new one)."""
+        if self._idle_exit_s is not None:
+            self._jobs.put(_RETIRE)
 
     def stop(self) -> None:
-        """Let the thread exit after the job it is running (queued jobs are dropped)."""
-        with self._cond:
-            self._stopped = True
-            self._jobs.clear()
-            self._cond.notify_all()
+        """Let the thread exit after the jobs queued so far; later jobs are dropped."""
+        self._stopped = True
+        self._jobs.put(_STOP)
 
     def join(self, timeout_s: float) -> bool:
         thread = self._thread
@@ -87,26 +78,30 @@ class SerialWorker:
         """Whether the calling thread is this worker's thread."""
         return threading.current_thread() is self._thread
 
-    @property
-    def active(self) -> bool:
-        """Whether a thread of this worker is running or waiting for jobs (it has not ended idle)."""
-        return self._thread is not None
-
     def _start(self) -> None:
         """Lock held: start the thread that runs the queue."""
         self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        me = threading.current_thread()
         while True:
-            with self._cond:
-                while not self._jobs and not self._stopped and self._thread is me:
-                    if self._retiring or (not self._cond.wait(timeout=self._idle_exit_s) and not self._jobs
-                                          and not self._stopped and self._thread is me):
-                        self._thread, self._retiring = None, False  # the next put starts a new thread
-                        return
-                if self._stopped or self._thread is not me:
+            try:
+                job = self._jobs.get(timeout=self._idle_exit_s)
+            except queue.Empty:
+                job = _RETIRE
+            if job is _STOP:
+                return
+            if job is _RETIRE:
+                if self._idle():
                     return
-                job = self._jobs.popleft()
+                continue
             job()
+
+    def _idle(self) -> bool:
+        """Lock held inside: end this thread if nothing is queued. A `put` enqueues before it reads
+        `_thread`, so a job is either seen here or starts a new thread."""
+        with self._lock:
+            if not self._jobs.empty():
+                return False
+            self._thread = None
+            return True
