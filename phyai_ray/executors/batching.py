@@ -40,6 +40,11 @@ class BatchPolicy:
     max_weight: int | None = None
     scan_limit: int = 4096  # queued requests looked at per batch (bounds the cost of a deep queue)
 
+    @property
+    def idle_gap_s(self) -> float:
+        """How long a replica must have been idle before a lone request runs on the caller's thread."""
+        return max(0.002, self.max_delay_s)
+
     def flush_at(self, head: Queued) -> float:
         """When a head waiting for a fuller batch is dispatched anyway."""
         return head.submitted + min(self.max_delay_s, head.limit_s / 2)

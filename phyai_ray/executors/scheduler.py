@@ -141,6 +141,7 @@ class ReplicaScheduler:
         self.weight_version: Any = None  # stamped on every future at dispatch
         self.policy: BatchPolicy | None = None  # batching on: every dispatch takes a batch
         self._flush_at = float("inf")  # a batch head waits for more requests until then
+        self._last_finish = float("-inf")  # when the ranks last finished a step
         self.stats = BatchStats()
 
     # -- admission ------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class ReplicaScheduler:
             if control:
                 future.start()
                 self._dispatch(work)
-            elif here and not self._held and not self._queued and not self._dispatched:
+            elif here and not self._held and not self._queued and not self._dispatched and self._quiet():
                 future.start()
                 work.here = True
                 self._dispatch(work)
@@ -174,6 +175,12 @@ class ReplicaScheduler:
                 self._pump()
             self._arm(work.deadline)
         return future
+
+    def _quiet(self) -> bool:
+        """Lock held: with batching on, the caller's thread runs a request alone only when the replica
+        has been idle for `BatchPolicy.idle_gap_s`: right after a step, more requests are on their way
+        (the clients it answered send their next ones), and one run alone would cost a whole step."""
+        return self.policy is None or time.monotonic() - self._last_finish >= self.policy.idle_gap_s
 
     def has_room(self) -> bool:
         """Whether a request submitted now would be admitted."""
@@ -293,6 +300,7 @@ class ReplicaScheduler:
                 self._dispatched.remove(work)
             except ValueError:
                 return  # already failed out by a group failure or close
+            self._last_finish = time.monotonic()
             if was_head and self._dispatched:
                 self._head_since = time.monotonic()
                 self._arm(self._head_since + self._dispatched[0].limit_s)

@@ -21,13 +21,20 @@ from typing import Any
 
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
 from phyai_ray.models.reference_dit.model import ReferenceDiT
-from phyai_ray.models.reference_dit.request import (ReferenceDiTRequest, batch_key, check_layout, parse_request,
+from phyai_ray.models.reference_dit.request import (ReferenceDiTRequest, batch_key, check_layout, check_request,
                                                     request_size)
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
 
 
 _ANY_SHAPE = ReferenceDiTConfig(vocab=1 << 20, classes=1 << 16, max_seq=1 << 16)  # bounds of every model
+
+
+class _Shape:
+    """What `check_layout` reads of a request: its batch and sequence length."""
+
+    def __init__(self, batch: int, seq: int) -> None:
+        self.batch, self.seq = batch, seq
 
 
 @register_plugin
@@ -55,9 +62,9 @@ class ReferenceDiTEntry(Entry):
 
     def validate_request(self, request: Any) -> None:
         cfg = self.config or _ANY_SHAPE
-        parsed = parse_request(request, cfg)
+        batch, seq = check_request(request, cfg)
         if self.parallel is not None:
-            check_layout(parsed, self.parallel)
+            check_layout(_Shape(batch, seq), self.parallel)
 
     def batch_key(self, request: Any) -> tuple:
         """(sequence length, guidance scale): requests that differ in either never share a forward."""

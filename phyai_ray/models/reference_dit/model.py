@@ -27,7 +27,7 @@ from phyai_ray.collectives import P
 from phyai_ray.models.reference_dit import weights as W
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
 from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, MoeMLP, norm
-from phyai_ray.models.reference_dit.request import ParsedRequest, check_layout, join_requests, parse_request
+from phyai_ray.models.reference_dit.request import ParsedRequest, batch_key, check_layout, parse_batch, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +88,15 @@ class ReferenceDiT:
     def step_batch(self, requests: list[Any]) -> list[torch.Tensor] | None:
         """Several requests of one batch key (same sequence length and guidance scale) as ONE forward:
         their samples are concatenated along the batch and the logits split back, one tensor per request."""
-        parsed = [parse_request(r, self.cfg) for r in requests]
-        joined = join_requests(parsed)
+        if len({batch_key(r) for r in requests}) != 1:
+            raise ValueError("reference_dit can batch only requests of one sequence length and guidance scale; "
+                             "its batch_key keeps them apart")
+        joined, sizes = parse_batch(requests, self.cfg)
         check_layout(joined, self.ctx.parallel)
         out = self._run(joined)
         if out is None:
             return None
-        return list(out.split([p.batch for p in parsed]))
+        return list(out.split(sizes))
 
     def _run(self, req: ParsedRequest) -> torch.Tensor | None:
         guided = req.guidance_scale is not None

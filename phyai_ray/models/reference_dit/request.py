@@ -76,6 +76,54 @@ def parse_request(request: Any, cfg: ReferenceDiTConfig) -> ParsedRequest:
     return ParsedRequest(tokens, labels, _scale(request.get("guidance_scale")))
 
 
+def check_request(request: Any, cfg: ReferenceDiTConfig) -> tuple[int, int]:
+    """`parse_request`'s checks, without building tensors when the ids are nested lists: (batch, seq).
+
+    The dispatcher runs this for every request, on the caller's thread; torch calls there would
+    release and re-take the GIL several times per request, which slows every other thread."""
+    if not isinstance(request, dict) or not isinstance(request.get("tokens"), list) or \
+            not isinstance(request.get("labels", []), (list, type(None))):
+        parsed = parse_request(request, cfg)
+        return parsed.batch, parsed.seq
+    unknown = set(request) - set(ReferenceDiTRequest.model_fields)
+    if unknown:
+        raise ValueError(f"unknown request keys {sorted(unknown)}; known: {sorted(ReferenceDiTRequest.model_fields)}")
+    tokens = request["tokens"]
+    if not tokens or not all(type(row) is list and row and len(row) == len(tokens[0]) for row in tokens) or \
+            not all(type(v) is int for row in tokens for v in row):
+        parsed = parse_request(request, cfg)  # the tensor path names what is wrong
+        return parsed.batch, parsed.seq
+    batch, seq = len(tokens), len(tokens[0])
+    _check_values(min(min(row) for row in tokens), max(max(row) for row in tokens), "tokens", cfg.vocab, "vocab")
+    if seq > cfg.max_seq:
+        raise ValueError(f"tokens has sequence length {seq} > max_seq={cfg.max_seq}; "
+                         "shorten it or raise plugin_args['max_seq']")
+    labels = request.get("labels")
+    if labels is not None:
+        if not all(type(v) is int for v in labels):
+            parse_request(request, cfg)
+        if len(labels) != batch:
+            raise ValueError(f"labels has {len(labels)} entries but tokens has batch {batch}")
+        _check_values(min(labels), max(labels), "labels", cfg.classes, "classes")
+    _scale(request.get("guidance_scale"))
+    return batch, seq
+
+
+def parse_batch(requests: list[Any], cfg: ReferenceDiTConfig) -> tuple[ParsedRequest, list[int]]:
+    """Requests of one batch key as ONE parsed request (samples in order) and each one's samples.
+
+    Nested lists are joined first and turned into tensors once; tensors are parsed one by one."""
+    if all(isinstance(r, dict) and isinstance(r.get("tokens"), list) and isinstance(r.get("labels"), (list, type(None)))
+           for r in requests):
+        rows = [row for r in requests for row in r["tokens"]]
+        labels = [v for r in requests for v in (r.get("labels") or [0] * len(r["tokens"]))]
+        joined = parse_request({"tokens": rows, "labels": labels, "guidance_scale": requests[0].get("guidance_scale")},
+                               cfg)
+        return joined, [len(r["tokens"]) for r in requests]
+    parsed = [parse_request(r, cfg) for r in requests]
+    return join_requests(parsed), [p.batch for p in parsed]
+
+
 def batch_key(request: dict) -> tuple:
     """What requests must share to run as one forward: the sequence length and the guidance scale."""
     tokens = request["tokens"]
@@ -130,7 +178,10 @@ def _int_tensor(value: Any, name: str, ndim: int) -> torch.Tensor:
 
 
 def _check_range(tensor: torch.Tensor, name: str, limit: int, field: str) -> None:
-    low, high = int(tensor.min()), int(tensor.max())
+    _check_values(int(tensor.min()), int(tensor.max()), name, limit, field)
+
+
+def _check_values(low: int, high: int, name: str, limit: int, field: str) -> None:
     if low < 0 or high >= limit:
         raise ValueError(f"{name} values must lie in [0, {limit}) ({field}={limit}), got min {low}, max {high}")
 
