@@ -31,7 +31,6 @@ import logging
 import mmap
 import os
 import pickle
-import secrets
 import select
 import selectors
 import socket
@@ -46,6 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 from ray import cloudpickle
 
+from actors import peer
 from actors.lane import BoundedLane
 from actors.protocol import LaneRequest
 
@@ -55,7 +55,6 @@ LARGE_TENSOR_BYTES = 1 << 20  # CPU tensors this large travel in shared memory, 
 BODY_IN_MEMFD_BYTES = 256 << 10  # message bodies beyond this travel in shared memory too
 _HEADER = struct.Struct("!IBQQ")  # file descriptors, body-in-memfd flag, meta bytes, body bytes
 _MAX_FDS = 253  # SCM_RIGHTS limit per message
-_ACCEPT_TIMEOUT_S = 60.0
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
@@ -300,30 +299,6 @@ def cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def listener() -> tuple[socket.socket, Any, bytes]:
-    """A listening Unix socket (abstract name on Linux), its address, and the token a client must send first."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    address: Any = "\0phyai-ray-" + secrets.token_hex(12)
-    sock.bind(address)
-    sock.listen(1)
-    sock.settimeout(_ACCEPT_TIMEOUT_S)
-    return sock, address, secrets.token_bytes(16)
-
-
-def accept(sock: socket.socket, token: bytes) -> socket.socket:
-    """The one client of `sock`, once it sent `token` (both within the accept deadline)."""
-    try:
-        conn, _ = sock.accept()
-    finally:
-        sock.close()
-    conn.settimeout(_ACCEPT_TIMEOUT_S)
-    if _recv_exactly(conn, len(token)) != token:
-        conn.close()
-        raise ConnectionError("a client of the request socket sent the wrong token")
-    conn.settimeout(None)
-    return conn
-
-
 # -- the driver's end -----------------------------------------------------------------------------
 class _Message:
     """One request being written: its bytes and descriptors stay until every rank has it, then the
@@ -356,17 +331,12 @@ class IpcLane(BoundedLane):
         super().__init__(capacity, on_unsent)
         self._on_reply, self._on_broken = on_reply, on_broken
         here_cuda = cuda_visible()
-        opened = ray.get([actor.open_ipc.remote(here_cuda) for actor in actors], timeout=timeout_s)
-        self.cuda_ipc = all(rank_cuda for _, _, rank_cuda in opened)  # CUDA request tensors go by handle
+        opened = ray.get([actor.open_ipc.remote(here_cuda, os.getpid()) for actor in actors], timeout=timeout_s)
+        self.cuda_ipc = all(rank_cuda for _, _, rank_cuda, _ in opened)  # CUDA request tensors go by handle
         self._socks: list[socket.socket] = []
-        try:
-            for address, token, _ in opened:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._socks.append(sock)
-                sock.settimeout(timeout_s)
-                sock.connect(address)
-                sock.sendall(token)
-                sock.settimeout(None)
+        try:  # each rank's listener must be that rank's process (its pid comes over Ray): `actors.peer`
+            for address, token, _, pid in opened:
+                self._socks.append(peer.connect_rank(address, token, pid, timeout_s))
         except BaseException:
             self._close_sockets()
             raise

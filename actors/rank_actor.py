@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from actors import ipc
+from actors import ipc, peer
 from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
 
@@ -102,23 +102,24 @@ class RankActor:
         return chunks, done
 
     @ray.method(concurrency_group=CONTROL)
-    async def open_ipc(self, engine_cuda: bool) -> tuple[str, bytes, bool]:
-        """Listen for the engine's request socket: (address, token, whether this rank sees a GPU).
+    async def open_ipc(self, engine_cuda: bool, engine_pid: int) -> tuple[str, bytes, bool, int]:
+        """Listen for the engine's request socket: (address, token, whether this rank sees a GPU, pid).
 
-        One client; its requests run in order. CUDA results go to an engine that sees a GPU as
-        CUDA IPC handles, else as CPU copies."""
+        One client, process `engine_pid` (the kernel's record of the connecting process, checked
+        by `actors.peer`); its requests run in order. CUDA results go to an engine that sees a GPU
+        as CUDA IPC handles, else as CPU copies."""
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} was asked for a request socket before setup finished")
-        listening, address, token = ipc.listener()
-        threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda), name="phyai-rank-ipc",
-                         daemon=True).start()
-        return address, token, ipc.cuda_visible()
+        listening, address, token = peer.listen()
+        threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda, engine_pid),
+                         name="phyai-rank-ipc", daemon=True).start()
+        return address, token, ipc.cuda_visible(), os.getpid()
 
-    def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool) -> None:
+    def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool, engine_pid: int) -> None:
         """The request thread: read a request, run it, write the reply; ends when the engine closes the socket."""
         try:
-            conn = ipc.accept(listening, token)
-        except (OSError, ConnectionError) as exc:
+            conn = peer.accept_engine(listening, token, engine_pid)
+        except OSError as exc:
             logger.warning("rank %s: the engine did not connect its request socket: %s", self._rank, exc)
             return
         with conn:

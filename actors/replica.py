@@ -37,7 +37,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors import ipc
+from actors import ipc, peer
 from actors.compiled import CompiledLane
 from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
@@ -171,6 +171,8 @@ class RayReplicaExecutor(ReplicaExecutor):
                                on_reply=self._on_lane_reply, on_broken=self._on_socket_broken,
                                on_unsent=self._on_unsent)
             except Exception as exc:
+                if isinstance(exc, peer.PeerError):  # a foreign process on the line: never fall back silently
+                    raise StartupError(f"replica {self.index}: {exc}", replica=self.index) from exc
                 if choice == "ipc":
                     raise
                 logger.warning("replica %d: connecting its request sockets failed (%s: %s); using actor calls",
