@@ -134,6 +134,7 @@ class RankActor:
                 seq, kind, reply_ranks, window = pickle.loads(meta)
                 reply = self._run_lane(LaneRequest(seq, kind, None, reply_ranks, window),
                                        lambda: ipc.decode(body, fds, private=True))
+                ipc.close_fds(fds)  # a request that failed before its payload was read: decode did not close them
                 try:
                     encoded = ipc.encode(reply, cuda_ipc=engine_cuda)
                 except Exception as exc:  # the result does not pickle: the engine gets why

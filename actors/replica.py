@@ -190,12 +190,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         Actor calls: `ray.put`. Compiled: small payloads go by value through the channel (written
         once for every rank); large ones as one `ray.put` reference, put here."""
         if isinstance(self._lane, IpcLane):
-            try:
-                return ipc.encode(payload, cuda_ipc=self._lane.cuda_ipc)
-            except Exception as exc:
-                raise TypeError(f"replica {self.index}: the request does not pickle ({type(exc).__name__}: {exc}); "
-                                "requests and rpc arguments must be picklable (tensors, numbers, containers, "
-                                "importable classes); nothing was queued") from exc
+            return self._lane.prepare(payload)
         if self._lane is None or _tensor_bytes(payload) > _BY_REFERENCE_BYTES:
             return ray.put(payload)
         return payload
