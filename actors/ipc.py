@@ -348,6 +348,19 @@ def _send_some(sock: socket.socket, message: Any, offset: int) -> int:
         return offset
 
 
+def _writable(socks: list[socket.socket], timeout_s: float) -> list[bool]:
+    """Which of `socks` take a write now (or have failed: the write then says why), waiting up to
+    `timeout_s` in the kernel. `poll`, not `select`: descriptors may be beyond 1024."""
+    poller = select.poll()
+    for sock in socks:
+        try:
+            poller.register(sock, select.POLLOUT)
+        except (OSError, ValueError):  # closed under us: close() or the reader says why
+            return [True] * len(socks)
+    ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}  # POLLOUT, POLLERR or POLLHUP
+    return [sock.fileno() in ready for sock in socks]
+
+
 def _fd_bytes(fds: list[int]) -> bytes:
     return struct.pack(f"{len(fds)}i", *fds)
 
@@ -473,14 +486,11 @@ class IpcLane(BoundedLane):
                 if self._closed:
                     return
                 pending = [rank for rank, queue in enumerate(self._unwritten) if queue]
-            try:
-                _, ready, _ = select.select([], [self._socks[rank] for rank in pending], [], 1.0)
-            except (OSError, ValueError):  # a socket closed under us: close() or the reader says why
-                ready = [self._socks[rank] for rank in pending]
+            ready = _writable([self._socks[rank] for rank in pending], 1.0)
             broken = None
             with self._lock:
-                for rank in pending:
-                    if self._socks[rank] in ready and broken is None:
+                for rank, sock in zip(pending, ready):
+                    if sock and broken is None:
                         broken = self._advance(rank)
             if broken is not None:
                 self._broken(*broken)

@@ -97,3 +97,34 @@ def test_running_out_of_descriptors_says_so():
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert "True" in out.stdout and "too many open files" in out.stdout.lower(), out.stdout + out.stderr
     assert "ulimit -n" in out.stdout and "256" in out.stdout, out.stdout
+
+
+def _thread_cpu_s(name_suffix: str) -> float:
+    """CPU seconds (user + system) the live thread whose name ends in `name_suffix` has used."""
+    import threading
+
+    [thread] = [t for t in threading.enumerate() if t.name.endswith(name_suffix)]
+    with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.ray
+def test_the_lane_writer_waits_in_the_kernel_with_socket_descriptors_above_1024(ray_session):
+    filler = []
+    while not filler or filler[-1] < 1100:  # the lane's sockets get descriptors beyond select()'s range
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+    try:
+        with _engine("ipc", max_ongoing_requests=8) as engine:
+            assert engine.step({"sleep": 0}) is not None
+            spent = _thread_cpu_s("-ipc-writer")
+            chunk = torch.ones(60_000)  # 240 KB bodies in the socket itself: 8 of them outgrow its buffer
+            started = time.monotonic()
+            futures = [engine.submit({"sleep": 0.2, "tag": i, "chunk": chunk}) for i in range(16)]
+            assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
+            waited, spent = time.monotonic() - started, _thread_cpu_s("-ipc-writer") - spent
+            assert engine.collective_rpc("executed", replica=0) == [None] + list(range(16))
+    finally:
+        for fd in filler:
+            os.close(fd)
+    assert waited > 1.0 and spent < 0.25 * waited, f"the writer spent {spent:.2f} s of CPU in {waited:.2f} s"
