@@ -41,6 +41,11 @@ class Entry:
     def validate_request(self, request: Any) -> None:
         """Reject a bad request in the dispatcher, before any rank sees it (raise any exception)."""
 
+    def max_sequence_tokens(self) -> int | None:
+        """Token plugins: the longest prompt + completion the model takes (the OpenAI route refuses
+        longer requests before it copies them); None when there is no such limit."""
+        return None
+
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
         """Build the per-rank model; it needs a `step(request)` method."""
         raise NotImplementedError(f"plugin {self.display_name()} must implement create(plugin_args, ctx)")

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
 _END = object()
+MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
 
 class CompletionRequest(BaseModel):
@@ -60,9 +61,29 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+def _prompts(body: CompletionRequest) -> list:
+    return body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+
+
+def check_sizes(body: CompletionRequest, limit: int | None) -> None:
+    """Refuse a request too long for the model (`limit`: its longest prompt + completion) or one
+    that `n` would expand beyond `MAX_COPIED_TOKENS`, before anything is copied."""
+    prompts = _prompts(body)
+    longest = max((len(p) for p in prompts), default=0)
+    if limit is not None and longest + body.max_tokens > limit:
+        raise OpenAIError(400, f"the longest prompt ({longest} ids) + max_tokens ({body.max_tokens}) = "
+                               f"{longest + body.max_tokens} exceeds the model's {limit} tokens; shorten the prompt "
+                               "or lower max_tokens", param="prompt" if longest >= limit else "max_tokens")
+    total = sum(len(p) for p in prompts)
+    if total * body.n > MAX_COPIED_TOKENS:
+        raise OpenAIError(400, f"n ({body.n}) x prompt ids ({len(prompts)} prompt(s), longest {longest}: {total}) = "
+                               f"{total * body.n} exceeds {MAX_COPIED_TOKENS}; lower n or send fewer prompts",
+                          param="n")
+
+
 def plugin_request(body: CompletionRequest) -> dict[str, Any]:
     """The plugin's request for an OpenAI body (token ids only: no tokenizer is configured)."""
-    prompts = body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+    prompts = _prompts(body)
     if isinstance(body.prompt, str) or any(isinstance(p, str) for p in prompts):
         raise OpenAIError(400, "this server has no tokenizer: send the prompt as token ids, e.g. "
                                "prompt=[1, 2, 3] or prompt=[[1, 2], [3]]", param="prompt")
@@ -84,13 +105,8 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) 
 
     @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
     async def completions(body: dict[str, Any]) -> Any:
-        try:
-            request = CompletionRequest.model_validate(body)
-            if request.model not in (None, name):
-                raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
-                                  type="not_found_error", param="model")
-            plugin = plugin_request(request)
-            await asyncio.to_thread(_validate, runner, plugin)
+        try:  # parsing, size checks, the n copies and the plugin's validator: off the event loop
+            request, plugin = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
                 return StreamingResponse(_events(runner, plugin, request, name), media_type="text/event-stream")
             outputs = await _generate(runner, plugin)
@@ -101,11 +117,19 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) 
             return _mapped(exc).response()
 
 
-def _validate(runner: Any, plugin: dict[str, Any]) -> None:
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, dict[str, Any]]:
+    """The validated OpenAI request and the plugin's request for it; sizes are checked before any copy."""
+    request = CompletionRequest.model_validate(body)
+    if request.model not in (None, name):
+        raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
+                          type="not_found_error", param="model")
+    check_sizes(request, runner.entry.max_sequence_tokens())
+    plugin = plugin_request(request)
     try:
         runner.entry.validate_request(plugin)
     except Exception as exc:
         raise OpenAIError(400, f"the model rejected the request: {exc}") from None
+    return request, plugin
 
 
 async def _generate(runner: Any, plugin: dict[str, Any]) -> list:
@@ -124,7 +148,7 @@ def _logprobs(ids: list[int], lps: list[float]) -> dict[str, Any]:
 
 
 def _completion(outputs: list, request: CompletionRequest, name: str) -> dict[str, Any]:
-    prompt_tokens = sum(len(p) for p in plugin_request(request)["prompts"])
+    prompt_tokens = sum(len(p) for p in _prompts(request)) * request.n
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name, "choices": [_choice(i, o, request.logprobs is not None) for i, o in enumerate(outputs)],
