@@ -52,13 +52,13 @@ class CompletionRequest(BaseModel):
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.type, self.param = status, type, param
+        self.status, self.type, self.param, self.headers = status, type, param, headers
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _prompts(body: CompletionRequest) -> list:
@@ -199,15 +199,18 @@ def _mapped(exc: Exception) -> OpenAIError:
     from pydantic import ValidationError
 
     from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+    from phyai_ray.serve.errors import RETRY_AFTER
 
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         return OpenAIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            param=str(first["loc"][0]) if first["loc"] else None)
     if isinstance(exc, EngineOverloadedError):
-        return OpenAIError(503, str(exc), type="overloaded_error")
+        return OpenAIError(503, str(exc), type="overloaded_error", headers=dict(RETRY_AFTER))
     if isinstance(exc, RequestTimeoutError):
         return OpenAIError(504, str(exc), type="timeout_error")
     if isinstance(exc, EngineUnavailableError):
-        return OpenAIError(500 if exc.reason == "exception" else 503, str(exc), type="server_error")
+        if exc.reason == "exception":
+            return OpenAIError(500, str(exc), type="server_error")
+        return OpenAIError(503, str(exc), type="server_error", headers=dict(RETRY_AFTER))
     return OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
