@@ -42,8 +42,12 @@ class RankActor:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")
-        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control")
-        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream")
+        # control and stream threads start after setup (their first use needs the runner), and bind
+        # the rank's CUDA device as the lanes' threads do (the current device is per thread)
+        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control",
+                                                initializer=self._bind_device)
+        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream",
+                                               initializer=self._bind_device)
         self._streams: dict[int, ChunkSink] = {}  # seq -> chunks of a streamed request (output rank)
         self._next_seq = 0
         self._turn: asyncio.Condition | None = None
@@ -51,6 +55,9 @@ class RankActor:
         self._rank: int | None = None
         self._held = self._peak_held = 0  # execute calls this actor holds (arrived, not yet replied)
         self._lane_thread: bool | None = None
+
+    def _bind_device(self) -> None:
+        _bind_thread(self._runner)
 
     @ray.method(concurrency_group=CONTROL)
     async def info(self) -> ActorInfo:
@@ -146,8 +153,9 @@ class RankActor:
 
     @ray.method(concurrency_group=CONTROL)
     async def cancel_stream(self, seq: int) -> None:
-        """The consumer stopped: the next emit returns False on every rank (also before it started)."""
-        self._streams.setdefault(seq, ChunkSink()).cancel()
+        """The consumer stopped: the next emit returns False on every rank (also before it started);
+        the buffer is forgotten once the stream has ended (nobody reads it any more)."""
+        self._streams.setdefault(seq, ChunkSink()).cancel(then=lambda: self._streams.pop(seq, None))
 
     async def setup(self, spec: RankSpec) -> int:
         """Join the replica's process groups and build the plugin model (on the execution thread)."""

@@ -99,3 +99,4 @@ def test_a_process_that_connects_first_is_refused_and_the_engine_still_connects(
                 assert intruder.line() == "refused"
         assert (reply.status, reply.value["pid"]) == ("ok", rank_pid)
         assert engine.step({"sleep": 0}).tolist() == [3.0, 3.0]  # the engine's own lane is untouched
+
