@@ -29,7 +29,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-_END = object()
+from phyai_ray.serve.pump import StreamPump
+
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
 
@@ -160,34 +161,27 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
     """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation."""
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
-    chunks, box = runner.engine.stream(plugin), {}
+    pump, final = StreamPump(runner.engine.stream(plugin), name="phyai-sse-pump"), []
     try:
         while True:
-            chunk = await asyncio.to_thread(_pull, chunks, box)
-            if chunk is _END:
+            kind, value = await pump.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                final = value or []
                 break
             choices = [{"index": b, "text": "", "token_ids": [t], "finish_reason": None,
                         "logprobs": _logprobs([t], [lp]) if request.logprobs is not None else None}
-                       for b, (t, lp) in enumerate(zip(chunk["token_ids"], chunk["log_probs"])) if t is not None]
+                       for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
             if choices:
                 yield f"data: {json.dumps({**head, 'choices': choices})}\n\n"
-        final = [_finish(b, o) for b, o in enumerate(box.get("final") or [])]
-        yield f"data: {json.dumps({**head, 'choices': final})}\n\n"
+        yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
     except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
         error = _mapped(exc)
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.type, 'code': error.status}})}\n\n"
     finally:
-        await asyncio.to_thread(chunks.close)
+        pump.close()  # never blocks; the stream is cancelled on every rank at most one chunk later
     yield "data: [DONE]\n\n"
-
-
-def _pull(chunks: Any, box: dict) -> Any:
-    """The next chunk, or _END with the stream's final result kept in box["final"]."""
-    try:
-        return next(chunks)
-    except StopIteration as stop:
-        box["final"] = stop.value
-        return _END
 
 
 def _finish(index: int, out: Any) -> dict[str, Any]:
