@@ -42,10 +42,10 @@ class CallbackThread:
     def post(self, fn: Callable[[Any], Any], arg: Any) -> None:
         with self._cond:
             self._items.append((fn, arg))
-            if self._current is not None and not self._watching:
-                self._watching = True
-                threading.Thread(target=self._watch, name=f"{self._name}-watch", daemon=True).start()
-            if self._running:
+            if self._running:  # it queues behind a callback that may be running: watch for a stall
+                if not self._watching:
+                    self._watching = True
+                    threading.Thread(target=self._watch, name=f"{self._name}-watch", daemon=True).start()
                 self._cond.notify_all()
                 return
             self._running = True
