@@ -26,12 +26,13 @@ socket closes (its process exited) ends the lane with `on_broken(rank, exc)`.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import mmap
 import os
 import pickle
-import secrets
+import resource
 import select
 import selectors
 import socket
@@ -46,6 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 from ray import cloudpickle
 
+from actors import peer
 from actors.lane import BoundedLane
 from actors.protocol import LaneRequest
 
@@ -58,25 +60,49 @@ _MAX_FDS = 253  # SCM_RIGHTS limit per message
 MAX_BATCH_FDS = _MAX_FDS - 1  # tensor files one batch message may carry (one more for a large body)
 _JOINED = b"PHYB"  # a joined batch body starts with this (a pickle starts with its PROTO opcode)
 _PART = struct.Struct("!QI")  # one joined part: body bytes, file descriptors
-_ACCEPT_TIMEOUT_S = 60.0
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
 # -- encoding: cloudpickle, with large CPU tensors in memfd files -----------------------------------
+class _Budget:
+    """Tensor memfds held by live `Encoded` payloads in this process, at most a quarter of its
+    descriptor limit: requests queued with large tensors never run the process out of descriptors
+    (beyond the budget a tensor travels in the message body, which is one memfd while it is sent)."""
+
+    def __init__(self) -> None:
+        self._lock, self.held = threading.Lock(), 0
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.held >= resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4:
+                return False
+            self.held += 1
+            return True
+
+    def give_back(self, count: int) -> None:
+        with self._lock:
+            self.held -= count
+
+
+_BUDGET = _Budget()
+
+
 @dataclass(eq=False)
 class Encoded:
-    """A payload pickled once; `fds` are memfd files holding its large tensors (closed when this is dropped)."""
+    """A payload pickled once; `fds` are memfd files holding its large tensors (closed when this is
+    dropped, or by `close`; they count against the process's `_BUDGET`)."""
 
     body: bytes
     fds: list[int]
 
     def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, _close_all, list(self.fds)) if self.fds else None
+        self._finalizer = weakref.finalize(self, _release, list(self.fds)) if self.fds else None
 
     def close(self) -> None:
         """Close the tensor files now (every receiver has its own descriptor or mapping by then)."""
         if self._finalizer is not None:
             self._finalizer()
+        self.fds = []  # never send a closed descriptor's number (it may name another file by now)
 
     def take(self) -> list[int]:
         """Hand the tensor files to a new owner (`join`): this one no longer closes them."""
@@ -87,12 +113,21 @@ class Encoded:
         return fds
 
 
-def _close_all(fds: list[int]) -> None:
+def _release(fds: list[int]) -> None:
+    """Close tensor memfds and give them back to the budget."""
+    count = len(fds)
+    close_fds(fds)
+    _BUDGET.give_back(count)
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close every descriptor of `fds` and empty the list (so a second call closes nothing)."""
     for fd in fds:
         try:
             os.close(fd)
         except OSError:
             pass
+    fds.clear()
 
 
 def _persistent_id(pickler: Any, obj: Any) -> Any:
@@ -108,9 +143,14 @@ def _persistent_id(pickler: Any, obj: Any) -> Any:
     if obj.device.type != "cpu":
         return None
     dtype, shape = str(obj.dtype).removeprefix("torch."), tuple(obj.shape)
-    if obj.numel() * obj.element_size() < LARGE_TENSOR_BYTES or len(pickler.fds) >= _MAX_FDS - 1:
+    if obj.numel() * obj.element_size() < LARGE_TENSOR_BYTES or len(pickler.fds) >= _MAX_FDS - 1 \
+            or not _BUDGET.take():
         return ("bytes", _flat_bytes(obj).tobytes(), dtype, shape, obj.requires_grad)
-    pickler.fds.append(_bytes_file(memoryview(_flat_bytes(obj)), "phyai-tensor"))
+    try:
+        pickler.fds.append(_bytes_file(memoryview(_flat_bytes(obj)), "phyai-tensor"))
+    except BaseException:
+        _BUDGET.give_back(1)
+        raise
     return ("memfd", len(pickler.fds) - 1, dtype, shape, obj.requires_grad)
 
 
@@ -149,7 +189,12 @@ def _flat_bytes(tensor: torch.Tensor) -> Any:
 
 
 def _bytes_file(data: memoryview, name: str) -> int:
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise _out_of_descriptors(exc) from exc
     try:
         os.ftruncate(fd, data.nbytes)
         done = 0
@@ -159,6 +204,17 @@ def _bytes_file(data: memoryview, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _out_of_descriptors(exc: OSError) -> OSError:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        opened = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        opened = -1
+    return OSError(exc.errno, f"{os.strerror(exc.errno)}: no file descriptor left for the shared-memory file of "
+                   f"a large tensor or message ({opened} open in this process, limit {soft}); raise the limit "
+                   "(`ulimit -n`, RLIMIT_NOFILE) or hold fewer large requests at once (max_queued_requests)")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -203,12 +259,12 @@ def encode(obj: Any, *, cuda_ipc: bool = True) -> Encoded:
             pickler(buffer, fds, cuda_ipc).dump(obj)
             return Encoded(buffer.getvalue(), fds)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            _close_all(fds)
+            _release(fds)
             if pickler is _CloudPickler:
                 raise
             logger.debug("fast pickling failed (%s); using cloudpickle", exc)
         except BaseException:
-            _close_all(fds)
+            _release(fds)
             raise
     raise AssertionError("unreachable")
 
@@ -222,20 +278,21 @@ def join(parts: Sequence[Encoded]) -> Encoded:
     header += [_PART.pack(len(p.body), len(p.fds)) for p in parts]
     fds = [fd for p in parts for fd in p.take()]
     if len(fds) > MAX_BATCH_FDS:
-        _close_all(fds)
+        _release(fds)
         raise ValueError(f"a batch carries {len(fds)} shared-memory tensors, more than one message can pass "
                          f"({MAX_BATCH_FDS}); the batcher bounds this, so this is a bug")
     return Encoded(b"".join(header + [p.body for p in parts]), fds)
 
 
 def decode(body: Any, fds: list[int], *, private: bool) -> Any:
-    """The object `encode` pickled (a list for a `join`ed body); closes `fds` (the mappings keep the pages)."""
+    """The object `encode` pickled (a list for a `join`ed body); closes `fds` and empties the list (the
+    mappings keep the pages)."""
     try:
         if bytes(body[:len(_JOINED)]) == _JOINED:
             return _decode_joined(memoryview(body), fds, private)
         return _Unpickler(io.BytesIO(body), fds, private).load()
     finally:
-        _close_all(fds)
+        close_fds(fds)
 
 
 def _decode_joined(view: memoryview, fds: list[int], private: bool) -> list:
@@ -277,7 +334,7 @@ def send_encoded(sock: socket.socket, meta: bytes, encoded: Encoded) -> None:
     try:
         send_frame(sock, data, fds)
     finally:
-        _close_all([fd for fd in fds if fd not in encoded.fds])
+        close_fds([fd for fd in fds if fd not in encoded.fds])
         encoded.close()
 
 
@@ -286,17 +343,18 @@ def recv_frame(sock: socket.socket) -> tuple[bytes, Any, list[int]] | None:
     head, fds = _recv_head(sock)
     if head is None:
         return None
-    count, in_fd, meta_len, body_len = _HEADER.unpack(head)
-    if len(fds) != count:
-        _close_all(fds)
-        raise ConnectionError(f"a message announced {count} file descriptor(s) and carried {len(fds)}")
-    meta, body = _recv_exactly(sock, meta_len), _recv_exactly(sock, body_len)
-    if in_fd:
-        fd = fds.pop()
-        try:
+    try:
+        count, in_fd, meta_len, body_len = _HEADER.unpack(head)
+        if len(fds) != count:
+            raise ConnectionError(f"a message announced {count} file descriptor(s) and carried {len(fds)}")
+        meta, body = _recv_exactly(sock, meta_len), _recv_exactly(sock, body_len)
+        if in_fd:
+            fd = fds[-1]
             body = _map(fd, private=True) if os.fstat(fd).st_size else b""
-        finally:
-            os.close(fd)
+            os.close(fds.pop())
+    except BaseException:
+        close_fds(fds)
+        raise
     return meta, body, fds
 
 
@@ -306,7 +364,7 @@ def _recv_head(sock: socket.socket) -> tuple[bytes | None, list[int]]:
     fds = [fd for level, kind, raw in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
            for fd in struct.unpack(f"{len(raw) // 4}i", raw[:len(raw) - len(raw) % 4])]
     if not data:
-        _close_all(fds)
+        close_fds(fds)
         return None, []
     if len(data) < _HEADER.size:
         data += _recv_exactly(sock, _HEADER.size - len(data))
@@ -335,6 +393,19 @@ def _send_some(sock: socket.socket, message: Any, offset: int) -> int:
         return offset
 
 
+def _writable(socks: list[socket.socket], timeout_s: float) -> list[bool]:
+    """Which of `socks` take a write now (or have failed: the write then says why), waiting up to
+    `timeout_s` in the kernel. `poll`, not `select`: descriptors may be beyond 1024."""
+    poller = select.poll()
+    for sock in socks:
+        try:
+            poller.register(sock, select.POLLOUT)
+        except (OSError, ValueError):  # closed under us: close() or the reader says why
+            return [True] * len(socks)
+    ready = {fd for fd, _ in poller.poll(timeout_s * 1000)}  # POLLOUT, POLLERR or POLLHUP
+    return [sock.fileno() in ready for sock in socks]
+
+
 def _fd_bytes(fds: list[int]) -> bytes:
     return struct.pack(f"{len(fds)}i", *fds)
 
@@ -342,30 +413,6 @@ def _fd_bytes(fds: list[int]) -> bytes:
 def cuda_visible() -> bool:
     """Whether this process can open CUDA IPC handles (it sees a GPU)."""
     return torch.cuda.is_available()
-
-
-def listener() -> tuple[socket.socket, Any, bytes]:
-    """A listening Unix socket (abstract name on Linux), its address, and the token a client must send first."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    address: Any = "\0phyai-ray-" + secrets.token_hex(12)
-    sock.bind(address)
-    sock.listen(1)
-    sock.settimeout(_ACCEPT_TIMEOUT_S)
-    return sock, address, secrets.token_bytes(16)
-
-
-def accept(sock: socket.socket, token: bytes) -> socket.socket:
-    """The one client of `sock`, once it sent `token` (both within the accept deadline)."""
-    try:
-        conn, _ = sock.accept()
-    finally:
-        sock.close()
-    conn.settimeout(_ACCEPT_TIMEOUT_S)
-    if _recv_exactly(conn, len(token)) != token:
-        conn.close()
-        raise ConnectionError("a client of the request socket sent the wrong token")
-    conn.settimeout(None)
-    return conn
 
 
 # -- the driver's end -----------------------------------------------------------------------------
@@ -384,7 +431,7 @@ class _Message:
         """One more rank has the whole message; after the last, close its descriptors."""
         self.unwritten -= 1
         if self.unwritten == 0:
-            _close_all([fd for fd in self.fds if fd not in self.payload.fds])
+            close_fds([fd for fd in self.fds if fd not in self.payload.fds])
             self.payload.close()
             self.fds, self.data = [], memoryview(b"")
 
@@ -399,18 +446,15 @@ class IpcLane(BoundedLane):
 
         super().__init__(capacity, on_unsent)
         self._on_reply, self._on_broken = on_reply, on_broken
+        self._name = name
+        self._prepared: weakref.WeakSet[Encoded] = weakref.WeakSet()  # closed with the lane, wherever they wait
         here_cuda = cuda_visible()
-        opened = ray.get([actor.open_ipc.remote(here_cuda) for actor in actors], timeout=timeout_s)
-        self.cuda_ipc = all(rank_cuda for _, _, rank_cuda in opened)  # CUDA request tensors go by handle
+        opened = ray.get([actor.open_ipc.remote(here_cuda, os.getpid()) for actor in actors], timeout=timeout_s)
+        self.cuda_ipc = all(rank_cuda for _, _, rank_cuda, _ in opened)  # CUDA request tensors go by handle
         self._socks: list[socket.socket] = []
-        try:
-            for address, token, _ in opened:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._socks.append(sock)
-                sock.settimeout(timeout_s)
-                sock.connect(address)
-                sock.sendall(token)
-                sock.settimeout(None)
+        try:  # each rank's listener must be that rank's process (its pid comes over Ray): `actors.peer`
+            for address, token, _, pid in opened:
+                self._socks.append(peer.connect_rank(address, token, pid, timeout_s))
         except BaseException:
             self._close_sockets()
             raise
@@ -427,6 +471,36 @@ class IpcLane(BoundedLane):
     def in_flight(self) -> int:
         """Messages written whose replies are not all read yet."""
         return self._in_flight
+
+    def prepare(self, payload: Any) -> Encoded:
+        """`payload` pickled once for every rank, in the caller's thread (large tensors in shared
+        memory). Its descriptors close when every rank has it, or with the lane, whichever comes
+        first. Raises TypeError when it does not pickle, OSError when descriptors run out."""
+        try:
+            encoded = encode(payload, cuda_ipc=self.cuda_ipc)
+        except OSError:
+            raise
+        except Exception as exc:
+            where = self._name.removeprefix("phyai-").replace("-", " ")
+            raise TypeError(f"{where}: the request does not pickle ({type(exc).__name__}: {exc}); requests "
+                            "and rpc arguments must be picklable (tensors, numbers, containers, importable "
+                            "classes); nothing was queued") from exc
+        with self._lock:
+            self._prepared.add(encoded)
+            closed = self._closed
+        if closed:
+            encoded.close()
+        return encoded
+
+    def join(self, parts: Sequence[Encoded]) -> Encoded:
+        """A batch's prepared payloads as one message (see `join`), closed with the lane like them."""
+        joined = join(parts)
+        with self._lock:
+            self._prepared.add(joined)
+            closed = self._closed
+        if closed:
+            joined.close()
+        return joined
 
     def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
         """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
@@ -467,14 +541,11 @@ class IpcLane(BoundedLane):
                 if self._closed:
                     return
                 pending = [rank for rank, queue in enumerate(self._unwritten) if queue]
-            try:
-                _, ready, _ = select.select([], [self._socks[rank] for rank in pending], [], 1.0)
-            except (OSError, ValueError):  # a socket closed under us: close() or the reader says why
-                ready = [self._socks[rank] for rank in pending]
+            ready = _writable([self._socks[rank] for rank in pending], 1.0)
             broken = None
             with self._lock:
-                for rank in pending:
-                    if self._socks[rank] in ready and broken is None:
+                for rank, sock in zip(pending, ready):
+                    if sock and broken is None:
                         broken = self._advance(rank)
             if broken is not None:
                 self._broken(*broken)
@@ -550,10 +621,19 @@ class IpcLane(BoundedLane):
         self._on_broken(rank, exc)
 
     def close(self) -> None:
-        """Stop both threads and close every socket (the ranks' request threads then end)."""
+        """Stop both threads, close every socket (the ranks' request threads then end) and every
+        shared-memory file a rank did not take: unwritten, in the backlog, or still queued."""
         with self._lock:
             self._closed = True
             self._writable.notify_all()
+            unwritten = [message for queue in self._unwritten for message, _ in queue]
+            prepared = list(self._prepared)
+        for message in unwritten:
+            close_fds([fd for fd in message.fds if fd not in message.payload.fds])
+            message.fds = []
+            message.payload.close()
+        for encoded in prepared:
+            encoded.close()
         self._close_sockets()
         for thread in self._threads:
             if thread is not threading.current_thread():

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from actors import ipc
+from actors import ipc, peer
 from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
 
@@ -42,8 +42,12 @@ class RankActor:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")
-        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control")
-        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream")
+        # control and stream threads start after setup (their first use needs the runner), and bind
+        # the rank's CUDA device as the lanes' threads do (the current device is per thread)
+        self._control_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank-control",
+                                                initializer=self._bind_device)
+        self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream",
+                                               initializer=self._bind_device)
         self._streams: dict[int, ChunkSink] = {}  # seq -> chunks of a streamed request (output rank)
         self._next_seq = 0
         self._turn: asyncio.Condition | None = None
@@ -51,6 +55,9 @@ class RankActor:
         self._rank: int | None = None
         self._held = self._peak_held = 0  # execute calls this actor holds (arrived, not yet replied)
         self._lane_thread: bool | None = None
+
+    def _bind_device(self) -> None:
+        _bind_thread(self._runner)
 
     @ray.method(concurrency_group=CONTROL)
     async def info(self) -> ActorInfo:
@@ -102,23 +109,24 @@ class RankActor:
         return chunks, done
 
     @ray.method(concurrency_group=CONTROL)
-    async def open_ipc(self, engine_cuda: bool) -> tuple[str, bytes, bool]:
-        """Listen for the engine's request socket: (address, token, whether this rank sees a GPU).
+    async def open_ipc(self, engine_cuda: bool, engine_pid: int) -> tuple[str, bytes, bool, int]:
+        """Listen for the engine's request socket: (address, token, whether this rank sees a GPU, pid).
 
-        One client; its requests run in order. CUDA results go to an engine that sees a GPU as
-        CUDA IPC handles, else as CPU copies."""
+        One client, process `engine_pid` (the kernel's record of the connecting process, checked
+        by `actors.peer`); its requests run in order. CUDA results go to an engine that sees a GPU
+        as CUDA IPC handles, else as CPU copies."""
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} was asked for a request socket before setup finished")
-        listening, address, token = ipc.listener()
-        threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda), name="phyai-rank-ipc",
-                         daemon=True).start()
-        return address, token, ipc.cuda_visible()
+        listening, address, token = peer.listen()
+        threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda, engine_pid),
+                         name="phyai-rank-ipc", daemon=True).start()
+        return address, token, ipc.cuda_visible(), os.getpid()
 
-    def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool) -> None:
+    def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool, engine_pid: int) -> None:
         """The request thread: read a request, run it, write the reply; ends when the engine closes the socket."""
         try:
-            conn = ipc.accept(listening, token)
-        except (OSError, ConnectionError) as exc:
+            conn = peer.accept_engine(listening, token, engine_pid)
+        except OSError as exc:
             logger.warning("rank %s: the engine did not connect its request socket: %s", self._rank, exc)
             return
         with conn:
@@ -133,6 +141,7 @@ class RankActor:
                 seq, kind, reply_ranks, window = pickle.loads(meta)
                 reply = self._run_lane(LaneRequest(seq, kind, None, reply_ranks, window),
                                        lambda: ipc.decode(body, fds, private=True))
+                ipc.close_fds(fds)  # a request that failed before its payload was read: decode did not close them
                 try:
                     encoded = ipc.encode(reply, cuda_ipc=engine_cuda)
                 except Exception as exc:  # the result does not pickle: the engine gets why
@@ -144,8 +153,9 @@ class RankActor:
 
     @ray.method(concurrency_group=CONTROL)
     async def cancel_stream(self, seq: int) -> None:
-        """The consumer stopped: the next emit returns False on every rank (also before it started)."""
-        self._streams.setdefault(seq, ChunkSink()).cancel()
+        """The consumer stopped: the next emit returns False on every rank (also before it started);
+        the buffer is forgotten once the stream has ended (nobody reads it any more)."""
+        self._streams.setdefault(seq, ChunkSink()).cancel(then=lambda: self._streams.pop(seq, None))
 
     async def setup(self, spec: RankSpec) -> tuple[int, bool]:
         """Join the replica's process groups and build the plugin model (on the execution thread);

@@ -37,7 +37,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors import ipc
+from actors import ipc, peer
 from actors.compiled import CompiledLane
 from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
@@ -173,6 +173,8 @@ class RayReplicaExecutor(ReplicaExecutor):
                                on_reply=self._on_lane_reply, on_broken=self._on_socket_broken,
                                on_unsent=self._on_unsent)
             except Exception as exc:
+                if isinstance(exc, peer.PeerError):  # a foreign process on the line: never fall back silently
+                    raise StartupError(f"replica {self.index}: {exc}", replica=self.index) from exc
                 if choice == "ipc":
                     raise
                 logger.warning("replica %d: connecting its request sockets failed (%s: %s); using actor calls",
@@ -190,12 +192,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         Actor calls: `ray.put`. Compiled: small payloads go by value through the channel (written
         once for every rank); large ones as one `ray.put` reference, put here."""
         if isinstance(self._lane, IpcLane):
-            try:
-                return ipc.encode(payload, cuda_ipc=self._lane.cuda_ipc)
-            except Exception as exc:
-                raise TypeError(f"replica {self.index}: the request does not pickle ({type(exc).__name__}: {exc}); "
-                                "requests and rpc arguments must be picklable (tensors, numbers, containers, "
-                                "importable classes); nothing was queued") from exc
+            return self._lane.prepare(payload)
         if self._lane is None or _tensor_bytes(payload) > _BY_REFERENCE_BYTES:
             return ray.put(payload)
         return payload
@@ -209,7 +206,7 @@ class RayReplicaExecutor(ReplicaExecutor):
     def _lane_payload(self, work: Work) -> Any:
         """A batch's payloads as one message: joined encodings on the socket lane, a list elsewhere."""
         if work.kind == "batch" and isinstance(self._lane, IpcLane):
-            return ipc.join(work.payload)
+            return self._lane.join(work.payload)
         return work.payload
 
     def _launch(self, work: Work) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_MAX_BUFFERED = 64
 
@@ -31,6 +31,7 @@ class ChunkSink:
         self._chunks: deque = deque()
         self._cond = threading.Condition()
         self.cancelled = self.closed = False
+        self._then: Callable[[], None] | None = None  # runs once a cancelled sink is closed
 
     def put(self, chunk: Any) -> bool:
         """Add a chunk, waiting while the buffer is full; False once the consumer cancelled."""
@@ -56,13 +57,23 @@ class ChunkSink:
     def close(self) -> None:
         with self._cond:
             self.closed = True
+            then, self._then = self._then, None
             self._cond.notify_all()
+        if then is not None:
+            then()
 
-    def cancel(self) -> None:
+    def cancel(self, then: Callable[[], None] | None = None) -> None:
+        """Drop what is buffered; the producer's next `put` returns False. `then` runs once the
+        producer has closed the sink (at once, if it already has): the owner forgets it there."""
         with self._cond:
             self.cancelled = True
             self._chunks.clear()
             self._cond.notify_all()
+            closed = self.closed
+            if not closed:
+                self._then = then
+        if closed and then is not None:
+            then()
 
 
 def collective_emit(sink: ChunkSink | None, ctx: Any) -> Any:

@@ -73,3 +73,23 @@ def test_errors_come_in_openais_shape(client):
     assert info.value.body["type"] == "invalid_request_error" and "999" in info.value.body["message"]
     with pytest.raises(openai.NotFoundError, match="not served here"):
         oai.completions.create(model="gpt-4", prompt=[1], max_tokens=4)
+
+
+def test_an_oversized_prompt_is_refused_before_it_is_copied(client):
+    import tracemalloc
+
+    oai, _ = client
+    prompt = [1] * 200_000  # times n=64: 12.8 M ids (~100 MB of lists) if copied first
+    tracemalloc.start()
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model="reference_lm", prompt=prompt, max_tokens=4, n=64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 * 2 ** 20, f"refusing it allocated {peak / 2 ** 20:.0f} MiB"
+    assert "200004" in info.value.body["message"] and "256" in info.value.body["message"], info.value.body
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match=r"n \(64\) x prompt ids \(1024 prompt\(s\), longest 128: "
+                                                     r"131072\) = 8388608 exceeds 4194304; lower n"):
+        oai.completions.create(model="reference_lm", prompt=[[1] * 128] * 1024, max_tokens=4, n=64)

@@ -4,50 +4,102 @@ A result is set by whatever thread learns it (a Ray reply thread, the plugin's t
 (`result()`, `wait()`) wake at once. User done-callbacks are handed to a `CallbackThread` instead of
 running on the setting thread, so a callback may call the engine again (even `engine.step()`):
 the reply it waits for is set by another thread, never by the one the callback occupies.
+
+Isolation: a callback that raises anything (`SystemExit` included) is logged and delivery goes
+on. A callback that runs longer than `STALL_S` keeps its thread, and the callbacks after it move
+to a fresh one, so one blocking callback delays the others of its replica by at most `STALL_S`.
+asyncio waiters (`asyncio.wrap_future`, as Serve and `EngineActor` wait) do not queue behind user
+callbacks at all: their hand-off only schedules the loop (`call_soon_threadsafe`), so it runs on the
+setting thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
+STALL_S = 2.0  # a callback running this long no longer holds up the ones after it
+
 
 class CallbackThread:
-    """Runs posted callbacks in order on one daemon thread that exits when idle."""
+    """Runs posted callbacks in order on one daemon thread that exits when idle (see the module docstring)."""
 
-    def __init__(self, name: str, idle_s: float = 2.0) -> None:
-        self._name, self._idle_s = name, idle_s
+    def __init__(self, name: str, idle_s: float = 2.0, stall_s: float = STALL_S) -> None:
+        self._name, self._idle_s, self._stall_s = name, idle_s, stall_s
         self._items: deque[tuple[Callable[[Any], Any], Any]] = deque()
         self._cond = threading.Condition()
-        self._running = False
+        self._running = False  # a delivering thread of the current generation exists
+        self._generation = 0  # bumped when a stalled thread is left to its callback
+        self._current: tuple[Callable[[Any], Any], float] | None = None  # the callback running, since when
+        self._watching = False
 
     def post(self, fn: Callable[[Any], Any], arg: Any) -> None:
         with self._cond:
             self._items.append((fn, arg))
-            if self._running:
-                self._cond.notify()
+            if self._running:  # it queues behind a callback that may be running: watch for a stall
+                if not self._watching:
+                    self._watching = True
+                    threading.Thread(target=self._watch, name=f"{self._name}-watch", daemon=True).start()
+                self._cond.notify_all()
                 return
             self._running = True
-        threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+        self._spawn(self._generation)
 
-    def _loop(self) -> None:
+    def _spawn(self, generation: int) -> None:
+        threading.Thread(target=self._loop, args=(generation,), name=self._name, daemon=True).start()
+
+    def _loop(self, generation: int) -> None:
         while True:
             with self._cond:
+                if self._generation != generation:
+                    return  # this thread stalled in a callback; a fresh one delivers now
                 if not self._items:
                     self._cond.wait(timeout=self._idle_s)
+                if self._generation != generation:
+                    return
                 if not self._items:
                     self._running = False
                     return
                 fn, arg = self._items.popleft()
+                self._current = (fn, time.monotonic())
             try:
                 fn(arg)
-            except Exception:  # a user's callback must not stop delivery to the others
+            except BaseException:  # a user's callback must not stop delivery to the others
                 logger.exception("a done-callback raised (ignored, as concurrent.futures does)")
+            with self._cond:
+                if self._generation == generation:
+                    self._current = None
+
+    def _watch(self) -> None:
+        """While callbacks wait behind a running one: past `stall_s`, move them to a fresh thread."""
+        with self._cond:
+            while self._items and self._running:
+                if self._current is None:  # between callbacks: the next one starts soon
+                    self._cond.wait(self._stall_s)
+                    continue
+                fn, since = self._current
+                left = since + self._stall_s - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                logger.warning("done-callback %r has run for %.1f s; the %d callback(s) after it go on on a "
+                               "fresh thread", fn, time.monotonic() - since, len(self._items))
+                self._generation += 1
+                self._current = None
+                self._spawn(self._generation)
+            self._watching = False
+
+
+def _hands_to_a_loop(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is asyncio's `wrap_future` hand-off (it only schedules the waiting loop)."""
+    return getattr(fn, "__module__", None) == "asyncio.futures" and \
+        getattr(fn, "__qualname__", "").startswith("_chain_future.")
 
 
 class EngineFuture(Future):
@@ -68,7 +120,7 @@ class EngineFuture(Future):
         self.weight_version: Any = None
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        if self.done():  # as concurrent.futures does: a finished future calls back at once, here
+        if self.done() or _hands_to_a_loop(fn):  # at once, here / on the setting thread (never blocks)
             super().add_done_callback(fn)
         else:
             super().add_done_callback(lambda f: self._delivery.post(fn, f))

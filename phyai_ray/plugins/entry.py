@@ -52,6 +52,11 @@ class Entry:
         """How many samples `request` carries (counted against `max_batch_size`); runs in the dispatcher."""
         return 1
 
+    def max_sequence_tokens(self) -> int | None:
+        """Token plugins: the longest prompt + completion the model takes (the OpenAI route refuses
+        longer requests before it copies them); None when there is no such limit."""
+        return None
+
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
         """Build the per-rank model; it needs a `step(request)` method (and `step_batch(requests)` to batch)."""
         raise NotImplementedError(f"plugin {self.display_name()} must implement create(plugin_args, ctx)")

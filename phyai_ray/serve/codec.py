@@ -14,7 +14,8 @@ A tensor becomes an object with ONE key, `__tensor__`, holding exactly three fie
   exactly `prod(shape) * itemsize` bytes.
 
 Everything else is plain JSON: dicts with string keys, lists, str, int, float, bool and None
-pass through. Tuples encode as lists (and decode as lists). A user dict may not use the
+pass through, except a float that is NaN or infinite: JSON cannot carry it, so it travels as a
+0-d float64 tensor (and decodes as one). Tuples encode as lists (and decode as lists). A user dict may not use the
 reserved key `__tensor__`. Tensors are detached, moved to CPU and made contiguous first.
 
 `decode` is meant for untrusted input: it checks every field before allocating, limits the
@@ -94,6 +95,8 @@ def _child(path: str, key: Any) -> str:
 def _encode(obj: Any, path: str, depth: int) -> Any:
     if depth > DEFAULT_MAX_DEPTH:
         raise CodecError(f"{path}: nesting deeper than {DEFAULT_MAX_DEPTH} levels; flatten the payload")
+    if isinstance(obj, float) and not math.isfinite(obj):  # JSON has no NaN / Infinity: a 0-d float64 tensor
+        return {TENSOR_KEY: encode_tensor(torch.tensor(obj, dtype=torch.float64), path)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -166,6 +169,11 @@ def decode_tensor(fields: Any, path: str = "payload", *, max_bytes: int = DEFAUL
     shape = _check_shape(fields["shape"], _child(path, "shape"))
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = math.prod(shape) * itemsize
+    spanned = math.prod(d for d in shape if d) * itemsize  # what the dimensions describe, zeros aside
+    if expected == 0 and spanned > max_bytes:
+        raise CodecError(f"{_child(path, 'shape')}: shape {shape} is empty, but its other dimensions describe "
+                         f"{spanned} bytes, over the limit of {max_bytes} bytes per tensor; keep every "
+                         "dimension within the limit")
     if expected > max_bytes:
         raise CodecError(f"{path}: shape {shape} of {fields['dtype']} is {expected} bytes, over the limit of "
                          f"{max_bytes} bytes per tensor; send smaller tensors or raise the limit")

@@ -46,7 +46,8 @@ class EdgeGuard:
         if self.api_key is None:
             return
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                   self.api_key.encode("utf-8")):
             raise HttpError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 

@@ -29,7 +29,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-_END = object()
+from phyai_ray.serve.pump import StreamPump
+
+MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
 
 class CompletionRequest(BaseModel):
@@ -51,18 +53,38 @@ class CompletionRequest(BaseModel):
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.type, self.param = status, type, param
+        self.status, self.type, self.param, self.headers = status, type, param, headers
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _prompts(body: CompletionRequest) -> list:
+    return body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+
+
+def check_sizes(body: CompletionRequest, limit: int | None) -> None:
+    """Refuse a request too long for the model (`limit`: its longest prompt + completion) or one
+    that `n` would expand beyond `MAX_COPIED_TOKENS`, before anything is copied."""
+    prompts = _prompts(body)
+    longest = max((len(p) for p in prompts), default=0)
+    if limit is not None and longest + body.max_tokens > limit:
+        raise OpenAIError(400, f"the longest prompt ({longest} ids) + max_tokens ({body.max_tokens}) = "
+                               f"{longest + body.max_tokens} exceeds the model's {limit} tokens; shorten the prompt "
+                               "or lower max_tokens", param="prompt" if longest >= limit else "max_tokens")
+    total = sum(len(p) for p in prompts)
+    if total * body.n > MAX_COPIED_TOKENS:
+        raise OpenAIError(400, f"n ({body.n}) x prompt ids ({len(prompts)} prompt(s), longest {longest}: {total}) = "
+                               f"{total * body.n} exceeds {MAX_COPIED_TOKENS}; lower n or send fewer prompts",
+                          param="n")
 
 
 def plugin_request(body: CompletionRequest) -> dict[str, Any]:
     """The plugin's request for an OpenAI body (token ids only: no tokenizer is configured)."""
-    prompts = body.prompt if body.prompt and isinstance(body.prompt[0], list) else [body.prompt]
+    prompts = _prompts(body)
     if isinstance(body.prompt, str) or any(isinstance(p, str) for p in prompts):
         raise OpenAIError(400, "this server has no tokenizer: send the prompt as token ids, e.g. "
                                "prompt=[1, 2, 3] or prompt=[[1, 2], [3]]", param="prompt")
@@ -84,13 +106,8 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) 
 
     @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
     async def completions(body: dict[str, Any]) -> Any:
-        try:
-            request = CompletionRequest.model_validate(body)
-            if request.model not in (None, name):
-                raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
-                                  type="not_found_error", param="model")
-            plugin = plugin_request(request)
-            await asyncio.to_thread(_validate, runner, plugin)
+        try:  # parsing, size checks, the n copies and the plugin's validator: off the event loop
+            request, plugin = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
                 return StreamingResponse(_events(runner, plugin, request, name), media_type="text/event-stream")
             outputs = await _generate(runner, plugin)
@@ -101,11 +118,19 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) 
             return _mapped(exc).response()
 
 
-def _validate(runner: Any, plugin: dict[str, Any]) -> None:
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, dict[str, Any]]:
+    """The validated OpenAI request and the plugin's request for it; sizes are checked before any copy."""
+    request = CompletionRequest.model_validate(body)
+    if request.model not in (None, name):
+        raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
+                          type="not_found_error", param="model")
+    check_sizes(request, runner.entry.max_sequence_tokens())
+    plugin = plugin_request(request)
     try:
         runner.entry.validate_request(plugin)
     except Exception as exc:
         raise OpenAIError(400, f"the model rejected the request: {exc}") from None
+    return request, plugin
 
 
 async def _generate(runner: Any, plugin: dict[str, Any]) -> list:
@@ -124,7 +149,7 @@ def _logprobs(ids: list[int], lps: list[float]) -> dict[str, Any]:
 
 
 def _completion(outputs: list, request: CompletionRequest, name: str) -> dict[str, Any]:
-    prompt_tokens = sum(len(p) for p in plugin_request(request)["prompts"])
+    prompt_tokens = sum(len(p) for p in _prompts(request)) * request.n
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name, "choices": [_choice(i, o, request.logprobs is not None) for i, o in enumerate(outputs)],
@@ -136,34 +161,27 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
     """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation."""
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
-    chunks, box = runner.engine.stream(plugin), {}
+    pump, final = StreamPump(runner.engine.stream(plugin), name="phyai-sse-pump"), []
     try:
         while True:
-            chunk = await asyncio.to_thread(_pull, chunks, box)
-            if chunk is _END:
+            kind, value = await pump.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                final = value or []
                 break
             choices = [{"index": b, "text": "", "token_ids": [t], "finish_reason": None,
                         "logprobs": _logprobs([t], [lp]) if request.logprobs is not None else None}
-                       for b, (t, lp) in enumerate(zip(chunk["token_ids"], chunk["log_probs"])) if t is not None]
+                       for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
             if choices:
                 yield f"data: {json.dumps({**head, 'choices': choices})}\n\n"
-        final = [_finish(b, o) for b, o in enumerate(box.get("final") or [])]
-        yield f"data: {json.dumps({**head, 'choices': final})}\n\n"
+        yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
     except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
         error = _mapped(exc)
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.type, 'code': error.status}})}\n\n"
     finally:
-        await asyncio.to_thread(chunks.close)
+        pump.close()  # never blocks; the stream is cancelled on every rank at most one chunk later
     yield "data: [DONE]\n\n"
-
-
-def _pull(chunks: Any, box: dict) -> Any:
-    """The next chunk, or _END with the stream's final result kept in box["final"]."""
-    try:
-        return next(chunks)
-    except StopIteration as stop:
-        box["final"] = stop.value
-        return _END
 
 
 def _finish(index: int, out: Any) -> dict[str, Any]:
@@ -175,15 +193,18 @@ def _mapped(exc: Exception) -> OpenAIError:
     from pydantic import ValidationError
 
     from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+    from phyai_ray.serve.errors import RETRY_AFTER
 
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         return OpenAIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            param=str(first["loc"][0]) if first["loc"] else None)
     if isinstance(exc, EngineOverloadedError):
-        return OpenAIError(503, str(exc), type="overloaded_error")
+        return OpenAIError(503, str(exc), type="overloaded_error", headers=dict(RETRY_AFTER))
     if isinstance(exc, RequestTimeoutError):
         return OpenAIError(504, str(exc), type="timeout_error")
     if isinstance(exc, EngineUnavailableError):
-        return OpenAIError(500 if exc.reason == "exception" else 503, str(exc), type="server_error")
+        if exc.reason == "exception":
+            return OpenAIError(500, str(exc), type="server_error")
+        return OpenAIError(503, str(exc), type="server_error", headers=dict(RETRY_AFTER))
     return OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error")

@@ -32,6 +32,9 @@ class ReferenceLMEntry(Entry):
     def validate_parallel(self, parallel: Any) -> None:
         check_topology(self.config, parallel)
 
+    def max_sequence_tokens(self) -> int:
+        return self.config.max_seq
+
     def validate_request(self, request: Any) -> None:
         GenerateRequest.parse(request, self.config)
 

@@ -1,0 +1,65 @@
+"""`StreamPump`: an `Engine.stream` generator read from asyncio, safely.
+
+    pump = StreamPump(engine.stream(request))      # on the event loop
+    kind, value = await pump.get()                 # ("chunk", c) ... then ("end", result) or ("error", exc)
+    pump.close()                                   # any time, from the loop: the stream is cancelled
+
+Why not `await asyncio.to_thread(next, chunks)`: a pull waits for the next chunk inside the
+default executor, so a few slow streams hold every thread of that small pool (min(32, cores + 4))
+and every other `to_thread` of the app waits behind them; and a response cancelled during a pull
+cannot close the generator (`ValueError: generator already executing`), so the stream kept its
+replica slot until garbage collection. Here one thread of the pump's own pulls the generator and
+is the only one that ever touches it: `close()` only raises a flag, and the pump thread closes the
+generator (cancelling the stream on every rank) as soon as its pull in progress returns, at most
+one chunk later. The pump runs at most `ahead` chunks ahead of the reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Iterator
+
+
+class StreamPump:
+    def __init__(self, chunks: Iterator[Any], *, ahead: int = 8, name: str = "phyai-stream-pump") -> None:
+        self._chunks = chunks
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._room = threading.Semaphore(ahead)
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    async def get(self) -> tuple[str, Any]:
+        """The next item: ("chunk", chunk), then ("end", the stream's result) or ("error", exception)."""
+        item = await self._queue.get()
+        self._room.release()
+        return item
+
+    def close(self) -> None:
+        """Stop pulling; the generator is closed (the stream cancelled) by the pump's thread."""
+        self._closed.set()
+        self._room.release()  # a pump waiting for room wakes and sees the flag
+
+    def _run(self) -> None:
+        try:
+            while not self._closed.is_set():
+                if not self._room.acquire(timeout=1.0) or self._closed.is_set():
+                    continue
+                try:
+                    item: tuple[str, Any] = ("chunk", next(self._chunks))
+                except StopIteration as stop:
+                    item = ("end", stop.value)
+                except Exception as exc:
+                    item = ("error", exc)
+                self._put(item)
+                if item[0] != "chunk":
+                    return
+        finally:
+            self._chunks.close()  # on the only thread that ever runs the generator
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody reads any more
+            self._closed.set()
