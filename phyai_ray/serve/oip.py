@@ -91,7 +91,7 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
         body = await request.body()
         parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
                                          options)
-        result = await _run(runner, parsed.request, options.overload_status)
+        result = await run(runner, parsed.request, options.overload_status)
         return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
 
     for path, handler in (("/v2", server_metadata), ("/v2/health/live", live), ("/v2/health/ready", ready),
@@ -144,6 +144,13 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
     params = header.get("parameters") or {}
     if not isinstance(params, dict):
         raise oc.OipError(f"'parameters' must be an object, got {type(params).__name__}")
+    finish_request(request, params, entry)
+    return Parsed(request, header.get("id"), _requested(header.get("outputs")),
+                  bool(params.get("binary_data_output", False)))
+
+
+def finish_request(request: dict[str, Any], params: dict[str, Any], entry: Any) -> None:
+    """Add the request `parameters` (not the protocol's reserved ones) and run the plugin's validator."""
     clash = sorted(set(params) & set(request))
     if clash:
         raise oc.OipError(f"parameter(s) {clash} have the names of inputs; rename one")
@@ -152,8 +159,14 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
         entry.validate_request(request)
     except Exception as exc:
         raise oc.OipError(f"the model rejected the request: {describe(exc)}") from None
-    return Parsed(request, header.get("id"), _requested(header.get("outputs")),
-                  bool(params.get("binary_data_output", False)))
+
+
+def check_signature(entry: Any, given: dict[str, tuple[str, list[int]]]) -> None:
+    """The plugin's signature against the inputs' names, datatypes and shapes (400 when they do not fit)."""
+    try:
+        check_inputs(entry.inputs, given)
+    except SignatureError as exc:
+        raise oc.OipError(str(exc)) from None
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
@@ -181,10 +194,7 @@ def _inputs(inputs: list[Any], rest: memoryview, max_bytes: int, entry: Any) -> 
     names = [h[0] for h in headers]
     if len(set(names)) != len(names):
         raise oc.OipError(f"input names must be unique, got {names}")
-    try:
-        check_inputs(entry.inputs, {name: (datatype, shape) for name, datatype, shape, _ in headers})
-    except SignatureError as exc:
-        raise oc.OipError(str(exc)) from None
+    check_signature(entry, {name: (datatype, shape) for name, datatype, shape, _ in headers})
     sizes = [h[3].get("binary_data_size") for h in headers]
     declared = sum(s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s >= 0)
     if any(s is not None and not (isinstance(s, int) and s >= 0) for s in sizes):
@@ -246,7 +256,7 @@ def respond(parsed: Parsed, result: Any, model: str, rid: str, runner: GroupRunn
                     headers={"Inference-Header-Content-Length": str(len(header))})
 
 
-async def _run(runner: GroupRunner, request: Any, overload_status: int) -> Any:
+async def run(runner: GroupRunner, request: Any, overload_status: int) -> Any:
     try:
         return await runner.run(request, validate=False)
     except ENGINE_ERRORS as exc:
