@@ -13,8 +13,9 @@ and gets one binary reply: the plugin's result dict plus `server_timing` (`infer
 
 One connection is one session on ONE replica group: Serve's proxy hands the connection to one
 group's Serve replica, and every frame of it runs on that group (batched with other robots'
-frames when batching is on). When that group fails the robot gets an error frame and the
-connection closes (code 1011); connecting again reaches a healthy group. A frame the plugin
+frames when batching is on); a frame is never forwarded to another group. When that group
+fails, the robot's next (or in-flight) frame gets an error frame and the connection closes
+(code 1011); connecting again reaches a healthy group (Serve's router skips a failed one). A frame the plugin
 rejects gets an error frame and the session goes on. An idle session closes after
 `IDLE_TIMEOUT_S` (code 1000), so no wait lasts forever.
 """
@@ -181,10 +182,11 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
         return f"request {rid}: bad observation: {describe(exc)}", False
     began = time.perf_counter()
     try:
-        result = await runner.run(request, validate=False)
+        result = await runner.run(request, validate=False, forward=False)  # the session stays on this group
     except Exception as exc:
         fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
-        return f"request {rid}: group {runner.group} could not act: {describe(exc)}", fatal
+        again = "; connect again to reach a healthy group" if fatal else ""
+        return f"request {rid}: group {runner.group} could not act: {describe(exc)}{again}", fatal
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
     status = runner.engine.replica_status()[0]
     reply["server_timing"] = {"infer_ms": (time.perf_counter() - began) * 1e3,

@@ -1,22 +1,23 @@
 """`ReferencePolicy`: a small action-chunk policy built from the reference model's dense TP layers.
 
-    state [state_dim] -> embed -> `blocks` x DenseMLP (hidden units split over dense_tp) -> head
+    state [state_dim] -> embed -> `blocks` x DenseMLP (hidden units split over dense_tp) -> norm -> head
       -> actions [horizon, action_dim]      (tanh: every action in (-1, 1))
 
 Weights come from a generator seeded by `seed` and are the same full tensors on every rank, each
 rank keeping its dense_tp shard, so any dense_tp size gives the single-rank result. An optional
-`step` count in the observation shifts the state by a seeded per-step offset, so consecutive
-frames of one robot differ while staying deterministic.
+`step` count in the observation shifts the state by `sin(step / 10)` times a seeded offset, so
+consecutive frames of one robot differ while staying deterministic and bounded.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_dit.layers import DenseMLP
+from phyai_ray.models.reference_dit.layers import DenseMLP, norm
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
     def draw(*shape: int, scale: float | None = None) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * (scale if scale is not None else shape[-1] ** -0.5)
 
-    w = {"embed": draw(cfg.dim, cfg.state_dim), "head": draw(cfg.horizon * cfg.action_dim, cfg.dim),
-         "offset": draw(cfg.state_dim, scale=0.1)}
+    w = {"embed": draw(cfg.dim, cfg.state_dim), "offset": draw(cfg.state_dim, scale=0.5),
+         "head": draw(cfg.horizon * cfg.action_dim, cfg.dim, scale=0.5 / cfg.dim ** 0.5)}
     for b in range(cfg.blocks):
         w.update({f"{b}.w1": draw(cfg.hidden, cfg.dim), f"{b}.b1": draw(cfg.hidden, scale=0.02),
                   f"{b}.w2": draw(cfg.dim, cfg.hidden), f"{b}.b2": draw(cfg.dim, scale=0.02)})
@@ -73,9 +74,9 @@ class ReferencePolicy:
     def step(self, request: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """{"actions": [horizon, action_dim] float32} on the output rank, None elsewhere."""
         state = torch.as_tensor(request["state"], dtype=torch.float32).to(self.embed.device).reshape(-1)
-        state = state + int(request.get("step", 0)) * self.offset
+        state = state + math.sin(int(request.get("step", 0)) / 10) * self.offset
         x = (state @ self.embed.T).reshape(1, 1, -1)
         for block in self.blocks:
             x = block(x)
-        actions = torch.tanh(x.reshape(-1) @ self.head.T).reshape(self.cfg.horizon, self.cfg.action_dim)
+        actions = torch.tanh(norm(x).reshape(-1) @ self.head.T).reshape(self.cfg.horizon, self.cfg.action_dim)
         return {"actions": actions.cpu()} if self.ctx.is_output_rank else None
