@@ -39,12 +39,16 @@ def client_python() -> str:
 
 def run_client(script: str, *args: str, timeout_s: float = 180) -> dict[str, Any]:
     """Run tests/scripts/<script> in the clients' venv; its last stdout line is a JSON object."""
-    path = REPO / "tests" / "scripts" / script
+    return json.loads(run_script(REPO / "tests" / "scripts" / script, *args, timeout_s=timeout_s).splitlines()[-1])
+
+
+def run_script(path: Path, *args: str, timeout_s: float = 180) -> str:
+    """Run a Python file in the clients' venv; its stdout (AssertionError with the output if it fails)."""
     done = subprocess.run([client_python(), str(path), *args], capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
+        raise AssertionError(f"{path.name} {' '.join(args)} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
                              f"{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip()
 
 
 if __name__ == "__main__":

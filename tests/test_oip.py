@@ -137,11 +137,13 @@ def test_metadata_and_readiness_answer(client: Any, server: dict[str, Any]) -> N
 
 def binary_header(size: int) -> bytes:
     return json.dumps({"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [2, 4],
-                                   "parameters": {"binary_data_size": size}}]}).encode()
+                                   "parameters": {"binary_data_size": size}}],
+                       "parameters": {"guidance_scale": 4.0}}).encode()
 
 
-def raw_infer(port: int, body: bytes, header_length: int | None = None) -> requests.Response:
-    headers = dict(AUTH)
+def raw_infer(port: int, body: bytes, header_length: int | None = None,
+              request_id: str | None = None) -> requests.Response:
+    headers = dict(AUTH, **({"X-Request-ID": request_id} if request_id else {}))
     if header_length is not None:
         headers["Inference-Header-Content-Length"] = str(header_length)
     return requests.post(f"http://127.0.0.1:{port}/v2/models/reference_dit/infer", data=body, headers=headers,
@@ -172,8 +174,12 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(clie
     assert "binary_data_size is 48" in replies["shape_vs_bytes"].json()["error"]
     assert "the body is truncated" in replies["truncated"].json()["error"]
     assert "unknown datatype 'INT4'" in replies["datatype"].json()["error"]
-    good = raw_infer(port, header + TOKENS.tobytes(), len(header))
+    good = raw_infer(port, header + TOKENS.tobytes(), len(header), request_id="trace-42")
     assert good.status_code == 200, good.text
+    assert good.headers["X-Request-ID"] == "trace-42" and good.json()["id"] == "trace-42"  # no outputs asked: JSON
+    (logits,) = good.json()["outputs"]
+    assert logits["shape"] == [2, 4, 128] and np.array_equal(np.array(logits["data"], dtype=np.float32),
+                                                             expected["served"].reshape(-1))
     assert np.array_equal(infer(client, TOKENS, binary=True).as_numpy("logits"), expected["served"])
 
 

@@ -29,7 +29,7 @@ import torch
 from phyai_ray import DenseParallelConfig, DeploymentConfig, Engine, EngineArgs, EngineConfig, ParallelConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from tests.client_venv import REPO, client_python, run_client
+from tests.client_venv import REPO, client_python, run_client, run_script
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
 from tests.helpers import free_port
 
@@ -110,7 +110,8 @@ def test_a_wrong_key_is_refused_and_a_bad_frame_gets_an_error_frame(server: dict
     with pytest.raises(InvalidStatus) as info:
         connect(server["url"], additional_headers={"Authorization": "Api-Key wrong"}, open_timeout=30)
     assert info.value.response.status_code == 403
-    with connect(server["url"], additional_headers={"Authorization": f"Api-Key {KEY}"}, open_timeout=30) as ws:
+    headers = {"Authorization": f"Api-Key {KEY}", "X-Request-ID": "robot-7"}
+    with connect(server["url"], additional_headers=headers, open_timeout=30) as ws:
         assert msgpack.unpackb(ws.recv(timeout=30))["policy"] == "reference_policy"
         ws.send(b"\xc1 not msgpack")
         assert "bad observation" in ws.recv(timeout=30)
@@ -120,6 +121,12 @@ def test_a_wrong_key_is_refused_and_a_bad_frame_gets_an_error_frame(server: dict
         reply = msgpack.unpackb(ws.recv(timeout=30))  # arrays stay in openpi's form: {b"__ndarray__", ...}
         assert reply["actions"][b"shape"] == [10, 7] and reply["actions"][b"dtype"] == "<f4"
         assert reply["server_timing"]["group"] in {r["group"] for r in replicas(server)}
+        assert reply["server_timing"]["request_id"] == "robot-7-3"  # the session's id, then the frame's number
+
+
+def test_the_example_robot_client_runs_as_written(server: dict[str, Any]) -> None:
+    out = run_script(REPO / "examples" / "robot_client.py", "--url", server["url"], "--api-key", KEY, "--steps", "50")
+    assert "'action_horizon': 10" in out and "50 steps on group(s) [" in out and "round trip p50" in out
 
 
 def replicas(server: dict[str, Any]) -> list[dict[str, Any]]:
