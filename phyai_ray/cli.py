@@ -161,7 +161,7 @@ def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentCon
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
-               oip_http=ns.oip_http, openpi=ns.openpi,
+               **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
                **{name: getattr(ns, name) for name in ("model_name", "grpc_port", *(n for n, _ in SCALING_FLAGS))
                   if getattr(ns, name) is not None})
     return 0
