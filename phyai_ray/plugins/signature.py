@@ -34,7 +34,8 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
-            raise ValueError(f"TensorSpec {self.name!r}: datatype {self.datatype!r} is not one of {', '.join(DATATYPES)}")
+            raise ValueError(f"TensorSpec {self.name!r}: datatype {self.datatype!r} is not one of "
+                             f"{', '.join(DATATYPES)}")
         if any(not isinstance(d, int) or d < -1 for d in self.shape):
             raise ValueError(f"TensorSpec {self.name!r}: shape {self.shape} must hold ints >= 0, or -1 for any size")
 

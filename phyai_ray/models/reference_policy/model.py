@@ -37,7 +37,8 @@ class PolicyConfig:
         args = dict(args or {})
         unknown = sorted(set(args) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"unknown reference_policy plugin_args {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+            known = sorted(cls.__dataclass_fields__)
+            raise ValueError(f"unknown reference_policy plugin_args {unknown}; known: {known}")
         cfg = cls(**args)
         bad = {k: v for k, v in vars(cfg).items() if not isinstance(v, int) or (v < 1 and k != "seed")}
         if bad:
