@@ -86,9 +86,10 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any, max_bytes: 
             raise OipError(f"input {name!r}: BYTES data in JSON must be strings")
         return flat
     want = bool if datatype == "BOOL" else (float if datatype in ("FP16", "BF16", "FP32", "FP64") else int)
-    if not all(isinstance(v, want) or (want is float and isinstance(v, int)) for v in flat) or \
-            (want is not bool and any(isinstance(v, bool) for v in flat)):
-        raise OipError(f"input {name!r}: {datatype} data must be {want.__name__} values; found another type")
+    found = set(map(type, flat))  # one pass; exact types, so a bool is not taken for an int
+    if not found <= ({float, int} if want is float else {want}):
+        raise OipError(f"input {name!r}: {datatype} data must be {want.__name__} values; found "
+                       f"{sorted(t.__name__ for t in found)}")
     try:
         return torch.tensor(flat, dtype=TORCH_TYPES[datatype]).reshape(shape)
     except (OverflowError, RuntimeError, TypeError) as exc:
@@ -98,6 +99,8 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any, max_bytes: 
 def _flatten(data: Any, name: str) -> list[Any]:
     if not isinstance(data, list):
         raise OipError(f"input {name!r}: 'data' must be a list (flat or nested, row-major), got {type(data).__name__}")
+    if not any(isinstance(v, list) for v in data):
+        return data  # already flat: the common case, and the fast one
     out: list[Any] = []
     stack: list[tuple[Any, int]] = [(data, 0)]
     while stack:
