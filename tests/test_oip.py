@@ -194,3 +194,16 @@ def test_tritonclient_grpc_through_serves_grpc_proxy(server: dict[str, Any], exp
     assert (out["wrong_key"], out["unknown_model"], out["bad_datatype"]) == \
         ("StatusCode.UNAUTHENTICATED", "StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT")
     assert out["after_errors"]
+
+
+def test_oip_requests_are_counted_under_their_route(server: dict[str, Any]) -> None:
+    """After the error test's four 400s (any group answered them): /metrics counts them as route "/v2"."""
+    from tests.helpers import wait_until
+
+    def counted() -> bool:
+        text = requests.get(f"http://127.0.0.1:{server['port']}/metrics", headers=AUTH, timeout=30).text
+        series = 'phyai_requests_total{route="/v2",status="400"}'
+        lines = [line for line in text.splitlines() if line.startswith(series)]
+        return bool(lines) and float(lines[0].split()[-1]) >= 4
+
+    wait_until(counted, 30, "the /v2 400s in /metrics")

@@ -197,7 +197,7 @@ class _Measured:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v2" if path.startswith("/v2/") or path == "/v2" else "other"
         status, start = 500, time.perf_counter()
 
         async def record(message: Message) -> None:
