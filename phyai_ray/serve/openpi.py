@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 ROUTE = "/v1/openpi"
 IDLE_TIMEOUT_S = 600.0
 DTYPE_KINDS = frozenset("biuf")  # bool, signed, unsigned, float: never objects, never pickle
+INLINE_CODEC_BYTES = 64 * 1024  # smaller frames are decoded and encoded on the event loop (microseconds)
 
 
 class FrameError(ValueError):
@@ -167,13 +168,18 @@ async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: Serv
             await websocket.send_bytes(reply)
 
 
+async def _off_loop(size: int, work: Any, *args: Any) -> Any:
+    """`work(*args)` on a worker thread for a large frame, inline for a small one (a thread hop costs more)."""
+    return work(*args) if size < INLINE_CODEC_BYTES else await asyncio.to_thread(work, *args)
+
+
 async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str) -> tuple[Any, bool]:
     """(reply frame, False), or (error text, whether the session must end)."""
     start = time.perf_counter()
     if frame is None:
         return "expected a binary msgpack observation frame, got a text frame", False
     try:
-        request = await asyncio.to_thread(unpack, frame, options.max_tensor_bytes)
+        request = await _off_loop(len(frame), unpack, frame, options.max_tensor_bytes)
         if not isinstance(request, dict):
             raise FrameError(f"an observation is a dict, got {type(request).__name__}")
         request = {k.decode() if isinstance(k, bytes) else k: v for k, v in request.items()}
@@ -193,6 +199,6 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
                               "total_ms": (time.perf_counter() - start) * 1e3,
                               "weight_version": status.weight_version, "group": runner.group, "request_id": rid}
     try:
-        return await asyncio.to_thread(pack, reply), False
+        return await _off_loop(len(frame), pack, reply), False
     except TypeError as exc:
         return f"request {rid}: the policy's result cannot be sent: {exc}", False
