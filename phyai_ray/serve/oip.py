@@ -21,6 +21,7 @@ of `serve/errors.py` (a bad request 400, an unknown model 404, overload or no gr
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
@@ -88,18 +89,22 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
     async def infer(request: Request, name: str, version: str | None = None) -> Response:
         known(name, version)
         rid = request_id(request)
-        body = await request.body()
-        parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
-                                         options)
-        result = await run(runner, parsed.request, options.overload_status)
-        return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
+        try:
+            body = await request.body()
+            parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
+                                             options)
+            result = await run(runner, parsed.request, options.overload_status)
+            return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
+        except (oc.OipError, HTTPException) as exc:
+            status = getattr(exc, "status", None) or getattr(exc, "status_code", 500)
+            logger.info("infer %s on group %s: %s %s", rid, runner.group, status, getattr(exc, "detail", exc))
+            raise
 
     for path, handler in (("/v2", server_metadata), ("/v2/health/live", live), ("/v2/health/ready", ready),
                           ("/v2/models/{name}", metadata), ("/v2/models/{name}/versions/{version}", metadata),
                           ("/v2/models/{name}/ready", model_ready),
                           ("/v2/models/{name}/versions/{version}/ready", model_ready)):
-        api.add_api_route(path, _guarded(handler), methods=["GET"], tags=["open inference protocol"],
-                          include_in_schema=True)
+        api.add_api_route(path, _guarded(handler), methods=["GET"], tags=["open inference protocol"])
     for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
         api.add_api_route(path, _guarded(infer), methods=["POST"], tags=["open inference protocol"],
                           summary="Run one request (JSON tensors or the binary tensor extension)")
@@ -107,8 +112,6 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
 
 def _guarded(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """`handler` with every failure answered in the protocol's error shape."""
-    import functools
-
     @functools.wraps(handler)
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
