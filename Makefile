@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean grpc-stubs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,11 @@ bench: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The Open Inference Protocol's gRPC modules, generated from phyai_ray/serve/grpc_v2/grpc_predict_v2.proto
+# with grpcio-tools 1.75 (protobuf 6.31 gencode: loads on protobuf >= 6.31, 7.x included). Never edit them.
+grpc-stubs:
+	$(PYTHON) -m venv /tmp/phyai-grpc-tools
+	/tmp/phyai-grpc-tools/bin/pip install -q "grpcio-tools>=1.75,<1.76"
+	/tmp/phyai-grpc-tools/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
+		phyai_ray/serve/grpc_v2/grpc_predict_v2.proto

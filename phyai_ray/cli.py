@@ -3,6 +3,7 @@
     phyai-ray --version
     phyai-ray plan --pp-size 4 --dense-tp-size 2          # 8 ranks: tp [0,1] [2,3] ..., pp [0,2,4,6] [1,3,5,7]
     phyai-ray serve reference_dit --dense-tp-size 2 --attention-tp-size 2 --replicas 2 --port 8000
+    phyai-ray serve reference_policy --dense-tp-size 2 --replicas 2 --grpc-port 9000   # + OIP gRPC
 
 The parallel-size and deadline flags are generated from the pydantic config models by
 `phyai_ray.flags` (which `serve run phyai_ray.serve:build_app` uses too), so `--help` cannot
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in SCALING_FLAGS:
         field = ServeOptions.model_fields[name]
         scaling.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=field.description)
+    protocols = serve.add_argument_group("protocols", "the protocols existing clients speak (README: Clients)")
+    protocols.add_argument("--grpc-port", type=_bounded_int(1, 65535), default=None,
+                           help=ServeOptions.model_fields["grpc_port"].description)
+    protocols.add_argument("--no-oip-http", dest="oip_http", action="store_false",
+                           help="do not serve the Open Inference Protocol over HTTP (/v2/...)")
+    protocols.add_argument("--no-openpi", dest="openpi", action="store_false",
+                           help="do not serve openpi's robot-policy WebSocket (/v1/openpi)")
     add_config_flags(serve)
     return parser
 
@@ -153,7 +161,8 @@ def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentCon
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
-               **{name: getattr(ns, name) for name in ("model_name", *(n for n, _ in SCALING_FLAGS))
+               **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
+               **{name: getattr(ns, name) for name in ("model_name", "grpc_port", *(n for n, _ in SCALING_FLAGS))
                   if getattr(ns, name) is not None})
     return 0
 

@@ -206,3 +206,12 @@ def test_config_errors_exit_2_with_one_line(argv, fragment, capsys) -> None:
 def test_usage_errors_exit_2(argv, fragment, capsys) -> None:
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_protocol_flags_reach_run_server(run_server_calls) -> None:
+    assert main(["serve", "tiny_tp", "--grpc-port", "9000", "--no-openpi"]) == 0
+    assert main(["serve", "tiny_tp", "--no-oip-http"]) == 0
+    assert run_server_calls[0][2]["grpc_port"] == 9000 and run_server_calls[0][2]["openpi"] is False
+    assert "oip_http" not in run_server_calls[0][2]  # on unless switched off
+    assert run_server_calls[1][2]["oip_http"] is False and "grpc_port" not in run_server_calls[1][2]
+    assert main(["serve", "tiny_tp", "--grpc-port", "0"]) == 2  # outside [1, 65535]: a usage error

@@ -1,1 +1,2 @@
-"""Built-in plugins: the reference parallel transformer and the MiniLM sentence encoder."""
+"""Built-in plugins: the reference parallel transformer, the reference token model, the MiniLM sentence
+encoder and the example robot policy (`reference_policy`)."""

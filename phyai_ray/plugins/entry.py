@@ -80,3 +80,11 @@ class Entry:
                 f"plugin {self.display_name()} implements parallel domains {declared}, but the config "
                 f"splits {shown}; use a topology within those domains, or a plugin that declares them")
         self.validate_parallel(parallel)
+
+    # -- optional signatures: Open Inference Protocol metadata (checked before validate_request), openpi metadata
+    inputs: ClassVar[tuple[Any, ...]] = ()  # TensorSpec (phyai_ray.plugins.signature) of each tensor input
+    outputs: ClassVar[tuple[Any, ...]] = ()  # TensorSpec of each output; names a tensor result's output
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """The first frame a robot-policy client receives (openpi's WebSocket protocol); {} by default."""
+        return {}

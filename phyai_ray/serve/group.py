@@ -33,6 +33,7 @@ from phyai_ray.config.deployment import DeploymentConfig, PlacementSpec
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.errors import DeploymentConfigError
 from phyai_ray.serve.holder import EngineHolder
+from phyai_ray.serve.oip_grpc import OipGrpcMethods
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.registry import FAILED_STAT, REPORT_INTERVAL_S, set_failed
 from phyai_ray.serve.runner import GroupRunner
@@ -59,8 +60,11 @@ def group_config(engine_args: EngineArgs, deployment: DeploymentConfig, placemen
 
 
 @serve.ingress()
-class ReplicaGroup:
-    """One Serve replica = one replica group: the HTTP edge, the handle method `step`, health and routing stats."""
+class ReplicaGroup(OipGrpcMethods):
+    """One Serve replica = one replica group: the HTTP edge, the handle method `step`, health and routing stats.
+
+    The Open Inference Protocol's gRPC methods (ModelInfer, ...) come from `OipGrpcMethods`.
+    """
 
     async def __init__(self, engine_args: EngineArgs, deployment: DeploymentConfig, options: ServeOptions,
                        registry: Any) -> None:

@@ -3,17 +3,21 @@
 In order: the bearer key (all paths but the health probes), then for requests with a body the
 size limit (the declared Content-Length first; a chunked or lying body is counted while it is
 read) and the content type (JSON only). A pure ASGI middleware, so the limit holds no matter
-how a route reads the body.
+how a route reads the body. Open Inference Protocol paths (`/v2...`) carry JSON or the binary
+tensor extension, so their content type is the route's to judge, and their errors take that
+protocol's shape, `{"error": "..."}`.
 """
 
 from __future__ import annotations
 
 import hmac
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray.serve.errors import HttpError, error_response
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+OIP_PREFIX = "/v2"
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -30,7 +34,11 @@ class EdgeGuard:
         try:
             self._check(scope)
         except HttpError as error:
-            await error_response(error)(scope, receive, send)
+            if _is_oip(_route_path(scope)):
+                response = JSONResponse({"error": str(error.detail)}, error.status_code, headers=error.headers)
+            else:
+                response = error_response(error)
+            await response(scope, receive, send)
             return
         await self.app(scope, _limited(receive, self.max_body_bytes), send)
 
@@ -40,7 +48,8 @@ class EdgeGuard:
             self._check_key(headers.get("authorization", ""))
         if scope.get("method") in BODY_METHODS:
             _check_length(headers.get("content-length"), self.max_body_bytes)
-            _check_json(headers.get("content-type"))
+            if not _is_oip(_route_path(scope)):
+                _check_json(headers.get("content-type"))
 
     def _check_key(self, authorization: str) -> None:
         if self.api_key is None:
@@ -55,6 +64,10 @@ class EdgeGuard:
 def _route_path(scope: Scope) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def _is_oip(path: str) -> bool:
+    return path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/")
 
 
 def _check_length(declared: str | None, limit: int) -> None:

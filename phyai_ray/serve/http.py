@@ -6,6 +6,8 @@
     GET  /v1/replicas   state, in-flight, served, failures, failure cause, nodes and pids of every group
     GET  /metrics       Prometheus text
     POST /v1/completions, GET /v1/models   OpenAI-compatible, for token plugins (serve/openai_api.py)
+    /v2/...             Open Inference Protocol v2 (KServe / Triton), JSON and binary tensors (serve/oip.py)
+    WS   /v1/openpi     openpi's robot-policy WebSocket (serve/openpi.py)
     GET  /docs, /openapi.json
 
 The body of `/v1/step` is the plugin's `request_model` when it declares one (validated and
@@ -59,10 +61,23 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
         from phyai_ray.serve.openai_api import add_openai_routes
 
         add_openai_routes(api, runner, options.model_name)
+    _add_protocol_routes(api, runner, options)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
     api.state.metrics = metrics
     return api
+
+
+def _add_protocol_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
+    """The protocols existing clients speak, each behind its switch (ServeOptions.oip_http, .openpi)."""
+    if options.oip_http:
+        from phyai_ray.serve.oip import add_oip_routes
+
+        add_oip_routes(api, runner, options)
+    if options.openpi:
+        from phyai_ray.serve.openpi import add_openpi_route
+
+        add_openpi_route(api, runner, options)
 
 
 def _auth_note(options: ServeOptions) -> str:
@@ -182,7 +197,7 @@ class _Measured:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v2" if path.startswith("/v2/") or path == "/v2" else "other"
         status, start = 500, time.perf_counter()
 
         async def record(message: Message) -> None:

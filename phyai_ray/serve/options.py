@@ -69,6 +69,12 @@ class ServeOptions(ConfigModel):
     overload_status: int = Field(
         503, description="HTTP status of a request shed because every replica group's queue is full: 503 or 429 "
         "(both with Retry-After).")
+    # -- the protocols existing clients speak (serve/oip.py, serve/oip_grpc.py, serve/openpi.py)
+    oip_http: bool = Field(True, description="Serve the Open Inference Protocol v2 over HTTP (/v2/...).")
+    openpi: bool = Field(True, description="Serve openpi's robot-policy WebSocket (/v1/openpi).")
+    grpc_port: int | None = Field(
+        None, ge=1, le=65535, description="Serve the Open Inference Protocol's gRPC service "
+        "(inference.GRPCInferenceService) through Serve's gRPC proxy on this port; off when not given.")
 
     @property
     def autoscaling(self) -> dict[str, Any] | None:

@@ -52,13 +52,17 @@ class GroupRunner:
     def entry(self) -> Any:
         return self.holder.engine.entry
 
-    async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True) -> Any:
-        """The result of `request`, or the engine's error; forwarded when this group has failed."""
+    async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True,
+                  forward: bool = True) -> Any:
+        """The result of `request`, or the engine's error; forwarded when this group has failed.
+
+        `forward=False` keeps the request on this group (a session bound to it): it fails instead.
+        """
         note_failed(tuple(failed))
         try:
             future = await asyncio.to_thread(self._submit, request, validate)
         except EngineUnavailableError:
-            if hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
+            if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
             return await self._forwarded(request, hops + 1, (*failed, self.group))
         return await self._within(asyncio.wrap_future(future), "; the request keeps running on its group")

@@ -91,7 +91,7 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
         server.handle_signals()
     try:
         app = create_app(engine_args, deployment, options)
-        _deploy(app, host, port)
+        _deploy(app, host, port, options.grpc_port)
     except _StopWhileStarting:
         server.shutdown()
         return None
@@ -100,6 +100,8 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
         raise
     server.serving = True
     print(f"phyai-ray: serving {engine_args.plugin} at {server.url} (docs: {server.url}/docs)", flush=True)
+    if options.grpc_port is not None:
+        print(f"phyai-ray: Open Inference Protocol gRPC at {host}:{options.grpc_port}", flush=True)
     if not blocking:
         return server
     try:
@@ -109,12 +111,19 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     return None
 
 
-def _deploy(app: Any, host: str, port: int) -> None:
-    """Start Serve's proxy on host:port and run the app; returns once it is ready."""
+def _deploy(app: Any, host: str, port: int, grpc_port: int | None = None) -> None:
+    """Start Serve's proxy on host:port (and its gRPC proxy on grpc_port) and run the app; returns once ready."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options(grpc_port))
     serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def grpc_options(port: int | None) -> dict[str, Any] | None:
+    """Serve's gRPC proxy options that serve the Open Inference Protocol's gRPC service on `port`."""
+    from phyai_ray.serve.oip_grpc import SERVICER_FUNCTION
+
+    return None if port is None else {"port": port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
 
 
 def _join_ray(engine_args: EngineArgs, deployment: DeploymentConfig, max_groups: int | None = None) -> bool:

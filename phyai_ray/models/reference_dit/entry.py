@@ -25,6 +25,7 @@ from phyai_ray.models.reference_dit.request import (ReferenceDiTRequest, batch_k
                                                     request_size)
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
+from phyai_ray.plugins.signature import TensorSpec
 
 
 _ANY_SHAPE = ReferenceDiTConfig(vocab=1 << 20, classes=1 << 16, max_seq=1 << 16)  # bounds of every model
@@ -44,6 +45,8 @@ class ReferenceDiTEntry(Entry):
     name = "reference_dit"
     parallel_domains = frozenset({"dense", "attention", "moe", "pipeline", "cfg"})
     request_model = ReferenceDiTRequest
+    inputs = (TensorSpec("tokens", "INT64", (-1, -1)), TensorSpec("labels", "INT64", (-1,), optional=True))
+    outputs = (TensorSpec("logits", "FP32", (-1, -1, -1)),)
 
     def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
         self.config: ReferenceDiTConfig | None = None

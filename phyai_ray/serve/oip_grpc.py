@@ -1,0 +1,184 @@
+"""Open Inference Protocol v2 over gRPC (`inference.GRPCInferenceService`), through Ray Serve's gRPC proxy.
+
+    phyai-ray serve reference_dit --dense-tp-size 2 --replicas 2 --device cpu --grpc-port 9000
+    client = tritonclient.grpc.InferenceServerClient("127.0.0.1:9000")
+    client.infer("reference_dit", [x], headers={"authorization": "Bearer KEY"}).as_numpy("logits")
+
+Serve's gRPC proxy serves any service whose `add_..._to_server` function it is given
+(`grpc_options.grpc_servicer_functions`, SERVICER_FUNCTION here) and calls the ingress
+deployment's method of the RPC's name with the request message; with one application it needs
+no `application` metadata, so `tritonclient.grpc` calls it as it is. Each RPC then runs on one
+group picked by the group router, like an HTTP request. `OipGrpcMethods` is that set of methods,
+mixed into `ReplicaGroup`. The messages come from `grpc_v2/grpc_predict_v2.proto` (generated
+modules beside it; `make grpc-stubs` regenerates them).
+
+Inputs arrive in `raw_input_contents` (what tritonclient sends) or in typed `contents`; outputs
+always go back in `raw_output_contents`. Errors are gRPC status codes with the message as details:
+INVALID_ARGUMENT (bad request), NOT_FOUND (unknown model), UNAUTHENTICATED (key), UNAVAILABLE
+(overload, no group), DEADLINE_EXCEEDED, INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from typing import Any
+
+from phyai_ray import __version__
+from phyai_ray.serve import oip_codec as oc
+
+SERVICER_FUNCTION = "phyai_ray.serve.grpc_v2.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+            "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+            "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+            "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+          429: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def pb() -> Any:
+    from phyai_ray.serve.grpc_v2 import grpc_predict_v2_pb2
+
+    return grpc_predict_v2_pb2
+
+
+def fail(context: Any, status: int, message: str) -> None:
+    """Set the gRPC status matching an HTTP status on the call."""
+    import grpc
+
+    if context is not None:
+        context.set_code(getattr(grpc.StatusCode, _CODES.get(status, "INTERNAL")))
+        context.set_details(message)
+
+
+def parameter(value: Any) -> Any:
+    """An InferParameter's value as a plain Python value."""
+    choice = value.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(value, choice)
+
+
+def decode_inputs(request: Any, max_bytes: int) -> dict[str, Any]:
+    """name -> tensor (or BYTES list) of every input, raw or typed contents, sizes checked."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise oc.OipError(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs; send one per input")
+    out: dict[str, Any] = {}
+    for i, tensor in enumerate(request.inputs):
+        entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        name, datatype, shape, _ = oc.check_header(entry, f"inputs[{i}]")
+        if name in out:
+            raise oc.OipError(f"input names must be unique, {name!r} is given twice")
+        if raw:
+            if datatype != "BYTES" and len(raw[i]) > max_bytes:
+                raise oc.OipError(f"input {name!r}: {len(raw[i])} bytes are over the limit of {max_bytes}", 413)
+            out[name] = oc.from_bytes(name, datatype, shape, memoryview(raw[i]))
+        else:
+            field = CONTENTS.get(datatype)
+            if field is None:
+                raise oc.OipError(f"input {name!r}: {datatype} travels in raw_input_contents only")
+            values = list(getattr(tensor.contents, field))
+            if datatype == "BYTES":
+                values = [v.decode("utf-8", "replace") for v in values]
+            out[name] = oc.from_json(name, datatype, shape, values, max_bytes)
+    return out
+
+
+class OipGrpcMethods:
+    """The RPCs of `inference.GRPCInferenceService` as methods of the group deployment (see module doc).
+
+    The host class provides `runner` (GroupRunner) and `options` (ServeOptions).
+    """
+
+    runner: Any
+    options: Any
+
+    def _model(self) -> str:
+        return self.options.model_name or self.runner.entry.display_name()
+
+    def _allowed(self, context: Any) -> bool:
+        key = self.options.api_key
+        if key is None:
+            return True
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return True
+        fail(context, 401, "missing or wrong API key; send the metadata 'authorization: Bearer <key>'")
+        return False
+
+    def _known(self, name: str, version: str, context: Any) -> bool:
+        if name == self._model() and version in ("", "1"):
+            return True
+        fail(context, 404, f"unknown model {name!r} version {version!r}; this server serves {self._model()!r} "
+                           "(version 1)")
+        return False
+
+    async def ServerLive(self, request: Any, grpc_context: Any = None) -> Any:
+        return pb().ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, grpc_context: Any = None) -> Any:
+        return pb().ServerReadyResponse(ready=self.runner.ready)
+
+    async def ServerMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        if not self._allowed(grpc_context):
+            return pb().ServerMetadataResponse()
+        return pb().ServerMetadataResponse(name="phyai-ray", version=__version__, extensions=["binary_tensor_data"])
+
+    async def ModelReady(self, request: Any, grpc_context: Any = None) -> Any:
+        if not self._allowed(grpc_context) or not self._known(request.name, request.version, grpc_context):
+            return pb().ModelReadyResponse()
+        return pb().ModelReadyResponse(ready=self.runner.ready)
+
+    async def ModelMetadata(self, request: Any, grpc_context: Any = None) -> Any:
+        messages = pb()
+        if not self._allowed(grpc_context) or not self._known(request.name, request.version, grpc_context):
+            return messages.ModelMetadataResponse()
+        spec = messages.ModelMetadataResponse.TensorMetadata
+        entry = self.runner.entry
+        return messages.ModelMetadataResponse(
+            name=self._model(), versions=["1"], platform="phyai-ray",
+            inputs=[spec(**s.metadata()) for s in entry.inputs], outputs=[spec(**s.metadata()) for s in entry.outputs])
+
+    async def ModelInfer(self, request: Any, grpc_context: Any = None) -> Any:
+        from phyai_ray.serve.oip import run
+
+        messages = pb()
+        if not self._allowed(grpc_context) or not self._known(request.model_name, request.model_version,
+                                                               grpc_context):
+            return messages.ModelInferResponse()
+        try:
+            plugin_request = await asyncio.to_thread(self._decode, request)
+            result = await run(self.runner, plugin_request, self.options.overload_status)
+            return await asyncio.to_thread(self._encode, request, result)
+        except oc.OipError as exc:
+            fail(grpc_context, exc.status, str(exc))
+        except Exception as exc:  # an engine error (HttpError with its status), or a server fault
+            fail(grpc_context, getattr(exc, "status_code", 500), str(getattr(exc, "detail", exc)))
+        return messages.ModelInferResponse()
+
+    def _decode(self, request: Any) -> dict[str, Any]:
+        from phyai_ray.serve.oip import check_signature, finish_request
+
+        entry = self.runner.entry
+        check_signature(entry, {t.name: (t.datatype, list(t.shape)) for t in request.inputs})
+        plugin_request = decode_inputs(request, self.options.max_tensor_bytes)
+        finish_request(plugin_request, {k: parameter(v) for k, v in request.parameters.items()}, entry)
+        return plugin_request
+
+    def _encode(self, request: Any, result: Any) -> Any:
+        from phyai_ray.serve.oip import named_outputs
+
+        messages = pb()
+        values = named_outputs(result, self.runner.entry)
+        wanted = [o.name for o in request.outputs] or list(values)
+        missing = sorted(set(wanted) - set(values))
+        if missing:
+            raise oc.OipError(f"requested output(s) {missing} are not produced; the model gives {sorted(values)}")
+        response = messages.ModelInferResponse(model_name=self._model(), model_version="1",
+                                               id=request.id or uuid.uuid4().hex)
+        for name in wanted:
+            out, raw = oc.to_output(name, values[name], binary=True)
+            response.outputs.add(name=name, datatype=out["datatype"], shape=out["shape"])
+            response.raw_output_contents.append(raw)
+        return response

@@ -1,0 +1,204 @@
+"""openpi's robot-policy WebSocket on every group's edge: `WS /v1/openpi`.
+
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+    policy = WebsocketClientPolicy(host="ws://127.0.0.1:8000/v1/openpi", api_key=KEY)
+    policy.get_server_metadata()                 # the plugin's Entry.policy_metadata()
+    actions = policy.infer({"state": state})["actions"]
+
+The protocol, as openpi's policy server speaks it: the client connects (`Authorization: Api-Key
+<key>`; `Bearer <key>` works too), the server sends its metadata frame, then every binary frame
+from the client is one observation (msgpack, NumPy arrays as `{__ndarray__, data, dtype, shape}`)
+and gets one binary reply: the plugin's result dict plus `server_timing` (`infer_ms`, `total_ms`,
+`weight_version`, `group`, `request_id`). An error is a text frame.
+
+One connection is one session on ONE replica group: Serve's proxy hands the connection to one
+group's Serve replica, and every frame of it runs on that group (batched with other robots'
+frames when batching is on); a frame is never forwarded to another group. When that group
+fails, the robot's next (or in-flight) frame gets an error frame and the connection closes
+(code 1011); connecting again reaches a healthy group (Serve's router skips a failed one). A frame the plugin
+rejects gets an error frame and the session goes on. An idle session closes after
+`IDLE_TIMEOUT_S` (code 1000), so no wait lasts forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+from fastapi import FastAPI, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from phyai_ray.errors import EngineUnavailableError
+from phyai_ray.serve.errors import describe
+from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.runner import GroupRunner
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/v1/openpi"
+IDLE_TIMEOUT_S = 600.0
+DTYPE_KINDS = frozenset("biuf")  # bool, signed, unsigned, float: never objects, never pickle
+INLINE_CODEC_BYTES = 64 * 1024  # smaller frames are decoded and encoded on the event loop (microseconds)
+
+
+class FrameError(ValueError):
+    """An observation frame that cannot be decoded; the message names the field and the values."""
+
+
+def unpack(frame: bytes, max_bytes: int) -> Any:
+    """One msgpack observation -> dict with CPU tensors for the NumPy arrays (checked before building)."""
+    budget = [max_bytes]
+
+    def hook(obj: dict) -> Any:
+        if b"__ndarray__" in obj:
+            return _array(obj, budget)
+        if b"__npgeneric__" in obj:
+            return _scalar(obj)
+        return obj
+
+    try:
+        return msgpack.unpackb(frame, object_hook=hook, strict_map_key=False)
+    except FrameError:
+        raise
+    except Exception as exc:  # msgpack's own errors: ExtraData, FormatError, ValueError, ...
+        raise FrameError(f"the frame is not a msgpack observation: {type(exc).__name__}: {exc}") from None
+
+
+def _dtype(name: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(name.decode() if isinstance(name, bytes) else str(name))
+    except TypeError:
+        raise FrameError(f"unknown dtype {name!r}") from None
+    if dtype.kind not in DTYPE_KINDS:
+        raise FrameError(f"dtype {dtype.str} is not supported; send bool, int, uint or float arrays")
+    return dtype
+
+
+def _array(obj: dict, budget: list[int]) -> torch.Tensor:
+    dtype, shape, data = _dtype(obj.get(b"dtype")), obj.get(b"shape"), obj.get(b"data")
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise FrameError(f"array shape {shape!r} must be a list of ints >= 0")
+    expected = math.prod(shape) * dtype.itemsize
+    if not isinstance(data, bytes) or len(data) != expected:
+        got = len(data) if isinstance(data, bytes) else type(data).__name__
+        raise FrameError(f"array of shape {list(shape)} and dtype {dtype.str} needs {expected} bytes, got {got}")
+    budget[0] -= expected
+    if budget[0] < 0:
+        raise FrameError("the frame's arrays pass the server's --max-tensor-bytes; send less")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return torch.from_numpy(array.astype(dtype.newbyteorder("="), copy=True))
+
+
+def _scalar(obj: dict) -> Any:
+    _dtype(obj.get(b"dtype"))
+    return obj.get(b"data")
+
+
+def pack(obj: Any) -> bytes:
+    """A reply frame: tensors and NumPy arrays as openpi's msgpack arrays."""
+    def default(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu").contiguous()
+            value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        if isinstance(value, np.ndarray) and value.dtype.kind in DTYPE_KINDS:
+            return {b"__ndarray__": True, b"data": value.tobytes(), b"dtype": value.dtype.str, b"shape": value.shape}
+        if isinstance(value, np.generic):
+            return {b"__npgeneric__": True, b"data": value.item(), b"dtype": value.dtype.str}
+        raise TypeError(f"a {type(value).__name__} cannot be sent in a reply frame")
+
+    return msgpack.packb(obj, default=default)
+
+
+def authorized(websocket: WebSocket, api_key: str | None) -> bool:
+    """`Authorization: Api-Key <key>` (openpi's form) or `Bearer <key>`; always True without a key."""
+    if api_key is None:
+        return True
+    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
+    return scheme.lower() in ("api-key", "bearer") and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
+    """Register `WS /v1/openpi`: one session per connection, on this group."""
+
+    @api.websocket(ROUTE)
+    async def openpi(websocket: WebSocket) -> None:
+        if not authorized(websocket, options.api_key):
+            await websocket.close(code=1008, reason="missing or wrong API key; Authorization: Api-Key <key>")
+            return
+        await websocket.accept()
+        session = websocket.headers.get("x-request-id") or uuid.uuid4().hex
+        logger.info("openpi session %s opened on group %s", session, runner.group)
+        try:
+            await websocket.send_bytes(pack(runner.entry.policy_metadata()))
+            await _serve_frames(websocket, runner, options, session)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            logger.info("openpi session %s on group %s ended", session, runner.group)
+
+
+async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: ServeOptions, session: str) -> None:
+    frames = 0
+    while True:
+        try:
+            message = await asyncio.wait_for(websocket.receive(), IDLE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await websocket.close(code=1000, reason=f"idle for {IDLE_TIMEOUT_S:.0f}s")
+            return
+        if message["type"] == "websocket.disconnect":
+            return
+        frames += 1
+        rid = f"{session}-{frames}"
+        reply, fatal = await _answer(message.get("bytes"), runner, options, rid)
+        if isinstance(reply, str):
+            logger.warning("openpi frame %s: %s", rid, reply)
+            await websocket.send_text(reply)
+            if fatal:
+                await websocket.close(code=1011, reason="the replica group failed; connect again")
+                return
+        else:
+            await websocket.send_bytes(reply)
+
+
+async def _off_loop(size: int, work: Any, *args: Any) -> Any:
+    """`work(*args)` on a worker thread for a large frame, inline for a small one (a thread hop costs more)."""
+    return work(*args) if size < INLINE_CODEC_BYTES else await asyncio.to_thread(work, *args)
+
+
+async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str) -> tuple[Any, bool]:
+    """(reply frame, False), or (error text, whether the session must end)."""
+    start = time.perf_counter()
+    if frame is None:
+        return "expected a binary msgpack observation frame, got a text frame", False
+    try:
+        request = await _off_loop(len(frame), unpack, frame, options.max_tensor_bytes)
+        if not isinstance(request, dict):
+            raise FrameError(f"an observation is a dict, got {type(request).__name__}")
+        request = {k.decode() if isinstance(k, bytes) else k: v for k, v in request.items()}
+        runner.entry.validate_request(request)
+    except Exception as exc:
+        return f"request {rid}: bad observation: {describe(exc)}", False
+    began = time.perf_counter()
+    try:
+        result = await runner.run(request, validate=False, forward=False)  # the session stays on this group
+    except Exception as exc:
+        fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
+        again = "; connect again to reach a healthy group" if fatal else ""
+        return f"request {rid}: group {runner.group} could not act: {describe(exc)}{again}", fatal
+    reply = dict(result) if isinstance(result, dict) else {"actions": result}
+    status = runner.engine.replica_status()[0]
+    reply["server_timing"] = {"infer_ms": (time.perf_counter() - began) * 1e3,
+                              "total_ms": (time.perf_counter() - start) * 1e3,
+                              "weight_version": status.weight_version, "group": runner.group, "request_id": rid}
+    try:
+        return await _off_loop(len(frame), pack, reply), False
+    except TypeError as exc:
+        return f"request {rid}: the policy's result cannot be sent: {exc}", False
