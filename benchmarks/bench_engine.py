@@ -2,7 +2,8 @@
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_engine.py [--requests 300] [--max-replicas 4]`
 
-1. Inline `Engine.step` vs calling the plugin's step() directly: a no-op and a 200 us busy loop.
+1. Inline `Engine.step` and `submit().result()` vs calling the plugin's step() directly: a no-op and a
+   200 us busy loop.
 2. One 2-rank Ray replica (no-op step; the default same-node socket lane, the compiled-graph lane and actor
    calls) vs a bare `ray.put` + 2-actor broadcast + `ray.get`, and vs the Ray Compiled Graph floor: two
    actors receiving the same request.
@@ -119,10 +120,14 @@ def bench_inline(n: int) -> list[str]:
             model = engine._executors[0]._runner.model
             direct = latencies(lambda: model.step(REQUEST), 5 * n)
             ours = latencies(lambda: engine.step(REQUEST), 5 * n)
-        lines += [row(f"direct model.step ({label})", direct), row(f"inline Engine.step ({label})", ours)]
+            handed = latencies(lambda: engine.submit(REQUEST).result(), 5 * n)
+        lines += [row(f"direct model.step ({label})", direct), row(f"inline Engine.step ({label})", ours),
+                  row(f"inline submit().result() ({label})", handed)]
         if busy_s:
             lines.append(verdict("inline 200 us step / direct (p50)", statistics.median(ours) / statistics.median(direct),
                                  1.05))
+            lines.append(verdict("inline 200 us submit().result() / direct (p50)",
+                                 statistics.median(handed) / statistics.median(direct), 1.3))
         else:
             overhead = (statistics.median(ours) - statistics.median(direct)) * 1e6
             lines.append(verdict("inline no-op overhead (p50)", overhead, 10, unit=" us"))
