@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import torch
@@ -79,8 +79,16 @@ def fleet(engine: Engine, requests: list, clients: int) -> tuple[float, list[flo
     done: list = [None] * clients
 
     def client(k: int) -> None:
-        sent = [(time.perf_counter(), engine.submit(r)) for r in shares[k]]
-        done[k] = [(f.result(timeout=600), time.perf_counter() - t) for t, f in sent]
+        sent = []
+        for r in shares[k]:
+            future, submitted = engine.submit(r), time.perf_counter()
+            future.add_done_callback(lambda f, t=submitted: setattr(f, "latency", time.perf_counter() - t))
+            sent.append(future)
+        wait(sent, timeout=600)  # one wake-up per client, not one per result
+        deadline = time.monotonic() + 30  # the latency callbacks run on the engine's callback thread
+        while not all(hasattr(f, "latency") for f in sent) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        done[k] = [(f.result(), f.latency) for f in sent]
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
     start = time.perf_counter()
     for t in threads:
