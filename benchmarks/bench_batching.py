@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import torch
+from fastapi import FastAPI
 
 from phyai_ray import (AttentionParallelConfig, BatchingConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                        Engine, EngineArgs, EngineConfig, ParallelConfig)
@@ -193,7 +194,6 @@ def bench_hand_off(count: int) -> dict[str, float]:
 
 # -- HTTP: phyai-ray's Serve app vs a bare @serve.batch deployment of the same model ----------------
 def bare_app() -> Any:
-    from fastapi import FastAPI, Request
     from ray import serve
 
     api = FastAPI()
@@ -214,10 +214,10 @@ def bare_app() -> Any:
             return self.model.step_batch(bodies)
 
         @api.post("/v1/step")
-        async def step(self, request: Request) -> dict:
+        async def step(self, body: dict) -> dict:  # a plain annotation: this class travels by value
             from phyai_ray.serve import codec
 
-            return {"result": codec.encode(await self.batch(await request.json()))}
+            return {"result": codec.encode(await self.batch(body))}
 
     return BareBatchedDiT.bind()
 
@@ -278,6 +278,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--unbatched-requests", type=int, default=200)
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--only", choices=("engine", "hand-off", "http"), help="run one part only")
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--hand-off-child", choices=("seq", "conc", "mixed"))
     opts = parser.parse_args()
@@ -290,7 +291,7 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     lines = []
     try:
-        for name, tp in DEPLOYMENTS.items():
+        for name, tp in DEPLOYMENTS.items() if opts.only in (None, "engine") else ():
             for shape in ("fleet", "closed loop"):
                 on = bench_engine(name, tp, opts.requests, opts.clients, opts.clients, shape)
                 off = bench_engine(name, tp, opts.unbatched_requests, opts.clients, 1, shape)
@@ -304,13 +305,14 @@ def main() -> None:
                 else:
                     lines.append(f"  {name + ', closed loop: batched / one request':<58} {on['rate'] / on['one']:6.2f}x")
                 lines.append(f"  {name + ', ' + shape + ': unbatched / one request':<58} {off['rate'] / off['one']:6.2f}x")
-        hand = bench_hand_off(256)
-        print(f"inline, batching off, per request: sequential step() {hand['seq'] * 1e3:.2f} ms, concurrent submit() "
+        hand = bench_hand_off(256) if opts.only in (None, "hand-off") else None
+        if hand:
+            print(f"inline, batching off, per request: sequential step() {hand['seq'] * 1e3:.2f} ms, concurrent submit() "
               f"{hand['conc'] * 1e3:.2f} ms (fresh processes); concurrent after sequential in one process "
               f"{hand['mixed'] * 1e3:.2f} ms", flush=True)
-        lines.append(verdict("inline concurrent submit() / sequential step()", hand["conc"] / hand["seq"], 1.3, False))
-        lines.append(f"  {'  the same, both in one process (two OpenMP pools)':<58} {hand['mixed'] / hand['seq']:6.2f}x")
-        if not opts.skip_http:
+            lines.append(verdict("inline concurrent submit() / sequential step()", hand["conc"] / hand["seq"], 1.3, False))
+            lines.append(f"  {'  the same, both in one process (two OpenMP pools)':<58} {hand['mixed'] / hand['seq']:6.2f}x")
+        if not opts.skip_http and opts.only in (None, "http"):
             http_results = bench_http(opts.requests, opts.clients, opts.port)
             for name, r in http_results.items():
                 print(f"HTTP {name:18s} {r['rate']:7.0f} req/s  p50 {r['p50'] * 1e3:7.2f} ms  p99 {r['p99'] * 1e3:7.2f} ms",

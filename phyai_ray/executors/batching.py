@@ -152,5 +152,9 @@ class BatchStats:
         for wait in waits:
             self.queue_wait.observe(wait)
 
+    def record_one(self, samples: int, wait: float) -> None:
+        self.batch_size.observe(samples)
+        self.queue_wait.observe(wait)
+
     def snapshot(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size.snapshot(), "queue_wait_seconds": self.queue_wait.snapshot()}

@@ -246,15 +246,15 @@ class ReplicaScheduler:
         return True
 
     def _dispatch(self, work: Work) -> None:
-        work.dispatched = time.monotonic()
-        requests = work.requests()
-        for request in requests:
-            request.future.weight_version = self.weight_version
-            request.dispatched = work.dispatched
-        if requests:
-            self.stats.record(sum(r.size for r in requests), [work.dispatched - r.submitted for r in requests])
-        if work.future is not None:
+        now = work.dispatched = time.monotonic()
+        if work.kind == "batch":
+            for member in work.members:
+                member.future.weight_version, member.dispatched = self.weight_version, now
+            self.stats.record(work.size, [now - m.submitted for m in work.members])
+        else:
             work.future.weight_version = self.weight_version
+            if work.kind != "call":
+                self.stats.record_one(work.size, now - work.submitted)
         self._dispatched.append(work)
         if len(self._dispatched) == 1:
             self._head_since = work.dispatched
