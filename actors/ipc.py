@@ -485,22 +485,20 @@ class IpcLane(BoundedLane):
             raise TypeError(f"{where}: the request does not pickle ({type(exc).__name__}: {exc}); requests "
                             "and rpc arguments must be picklable (tensors, numbers, containers, importable "
                             "classes); nothing was queued") from exc
+        return self._track(encoded)
+
+    def join(self, parts: Sequence[Encoded]) -> Encoded:
+        """A batch's prepared payloads as one message (see `join`), closed with the lane like them."""
+        return self._track(join(parts))
+
+    def _track(self, encoded: Encoded) -> Encoded:
+        """Close `encoded` with the lane (at once if the lane is already closed)."""
         with self._lock:
             self._prepared.add(encoded)
             closed = self._closed
         if closed:
             encoded.close()
         return encoded
-
-    def join(self, parts: Sequence[Encoded]) -> Encoded:
-        """A batch's prepared payloads as one message (see `join`), closed with the lane like them."""
-        joined = join(parts)
-        with self._lock:
-            self._prepared.add(joined)
-            closed = self._closed
-        if closed:
-            joined.close()
-        return joined
 
     def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
         """Lock held. Returns the error of a request that did not serialize (nothing was written)."""

@@ -66,12 +66,15 @@ class RankRunner:
 
     def step(self, request: Any) -> Any:
         """Run one request; the output rank returns the result, the others None."""
-        if self._control is not None and self._control.asleep_level:
-            raise RuntimeError(f"rank {self.ctx.rank} received a request while asleep (level "
-                               f"{self._control.asleep_level}); wake_up() must come first")
+        self._check_awake("a request")
         with self.ctx.groups.activate():
             out = self.model.step(request)
         return out if self.ctx.is_output_rank else None
+
+    def _check_awake(self, what: str) -> None:
+        if self._control is not None and self._control.asleep_level:
+            raise RuntimeError(f"rank {self.ctx.rank} received {what} while asleep (level "
+                               f"{self._control.asleep_level}); wake_up() must come first")
 
     @property
     def batchable(self) -> bool:
@@ -83,9 +86,7 @@ class RankRunner:
 
         A list of the wrong length becomes one TypeError per request: every rank ran the step, so
         the replica stays consistent and only these requests fail."""
-        if self._control is not None and self._control.asleep_level:
-            raise RuntimeError(f"rank {self.ctx.rank} received a batch while asleep (level "
-                               f"{self._control.asleep_level}); wake_up() must come first")
+        self._check_awake("a batch")
         with self.ctx.groups.activate():
             out = self.model.step_batch(list(requests))
         if not self.ctx.is_output_rank:
