@@ -210,3 +210,17 @@ def test_start_interruptible_gives_the_child_sigint_even_when_it_is_ignored_here
               "print(plain.stdout.strip(), '|', child.communicate(timeout=60)[0].strip())")
     done = subprocess.run([sys.executable, "-c", parent], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ignored | handled", done.stdout + done.stderr
+
+
+def test_a_stopping_group_outlives_the_wait_of_a_request_it_forwarded() -> None:
+    """Serve kills a stopping replica after graceful_shutdown_timeout_s; a request the failed group forwarded
+    waits up to FORWARD_WAIT_S for a new group, and must get its answer (result or 503), not a dead replica's 500."""
+    from phyai_ray.config.deployment import DeploymentConfig, WorkerSupervisorConfig
+    from phyai_ray.serve.app import group_options
+    from phyai_ray.serve.runner import FORWARD_WAIT_S
+
+    engine, _, options = parse_app_args({"plugin": "p", "dense_tp_size": "2", "device": "cpu"})
+    for shutdown_s in (1.0, 10.0, 60.0):
+        deployment = DeploymentConfig.local(process_config=WorkerSupervisorConfig(shutdown_timeout_s=shutdown_s))
+        graceful = group_options(engine, deployment, options)["graceful_shutdown_timeout_s"]
+        assert graceful >= max(FORWARD_WAIT_S, shutdown_s) + 5, (shutdown_s, graceful)

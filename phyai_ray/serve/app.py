@@ -50,6 +50,7 @@ def group_options(engine_args: EngineArgs, deployment: DeploymentConfig, options
     from ray.serve.config import RequestRouterConfig
 
     from phyai_ray.serve.router import FewestInFlightRouter
+    from phyai_ray.serve.runner import FORWARD_WAIT_S
     from placement.bundles import rank_bundle
 
     world = engine_args.config.parallel.infer_replica_world_size()
@@ -58,7 +59,8 @@ def group_options(engine_args: EngineArgs, deployment: DeploymentConfig, options
     out: dict[str, Any] = dict(
         max_ongoing_requests=options.max_ongoing_requests, max_queued_requests=options.max_queued_requests,
         health_check_period_s=options.health_check_period_s, health_check_timeout_s=options.health_check_timeout_s,
-        graceful_shutdown_timeout_s=deployment.process_config.shutdown_timeout_s + 10,
+        # a stopping group drains first: a request it forwards may wait FORWARD_WAIT_S for a new group
+        graceful_shutdown_timeout_s=max(deployment.process_config.shutdown_timeout_s, FORWARD_WAIT_S) + 10,
         request_router_config=RequestRouterConfig(request_router_class=FewestInFlightRouter,
                                                   request_routing_stats_period_s=min(options.health_check_period_s,
                                                                                      2.0)))
