@@ -157,9 +157,9 @@ class RankActor:
         the buffer is forgotten once the stream has ended (nobody reads it any more)."""
         self._streams.setdefault(seq, ChunkSink()).cancel(then=lambda: self._streams.pop(seq, None))
 
-    async def setup(self, spec: RankSpec) -> tuple[int, bool]:
+    async def setup(self, spec: RankSpec) -> tuple[int, bool, bool]:
         """Join the replica's process groups and build the plugin model (on the execution thread);
-        (pid, whether the model has step_batch)."""
+        (pid, whether the model has step_batch, whether it has the iteration protocol)."""
         self._rank = spec.rank
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _setup_rank, self, spec)
@@ -222,6 +222,8 @@ class RankActor:
             requests = [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in payload]
             out = self._runner.step_batch(requests)
             return (None if out is None else [_portable(v) if isinstance(v, BaseException) else v for v in out]), OK
+        if kind == "iterate":  # one iteration of the continuous-batching loop (IterationPlan)
+            return self._runner.iterate(payload), OK
         if kind == "stream":
             request, max_buffered = payload
             sink = None
@@ -234,7 +236,7 @@ class RankActor:
         return self._runner.call(method, args, kwargs), OK
 
 
-def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
+def _setup_rank(actor: RankActor, spec: RankSpec) -> tuple[int, bool, bool]:
     import torch
 
     from phyai_ray.worker import RankRunner, init_distributed, make_context
@@ -254,7 +256,7 @@ def _setup_rank(actor: RankActor, spec: RankSpec) -> int:
                        device=device, dtype=getattr(torch, spec.params_dtype), parallel=spec.parallel,
                        node_id=ray.get_runtime_context().get_node_id())
     actor._runner = RankRunner(spec.entry, spec.plugin_args, ctx)
-    return os.getpid(), actor._runner.batchable
+    return os.getpid(), actor._runner.batchable, actor._runner.iterative
 
 
 def _cuda_index(spec: RankSpec) -> int:

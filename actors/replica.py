@@ -94,6 +94,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             self._teardown()
             raise
         self.enable_batching(deployment.batching, self._batchable)
+        self.enable_iterations(entry, deployment.batching, self._iterative)
         loops = [(self._liveness_loop, "liveness")] + ([] if self._lane else [(self._reply_loop, "replies")])
         for target, what in loops:
             threading.Thread(target=target, name=f"phyai-replica-{plan.index}-{what}", daemon=True).start()
@@ -125,7 +126,8 @@ class RayReplicaExecutor(ReplicaExecutor):
         specs = [self._spec(rank, plan, entry, args, device_type, port, deadline) for rank in range(plan.world_size)]
         ready = gather_within([a.setup.remote(s) for a, s in zip(self._actors, specs)], deadline, self.index,
                               "start (process groups and plugin create)", nodes=[i.node_id for i in self._infos])
-        self._batchable = all(batchable for _, batchable in ready)
+        self._batchable = all(batchable for _, batchable, _ in ready)
+        self._iterative = all(iterative for _, _, iterative in ready)
         logger.info("replica %d ready: %d rank(s) on node(s) %s, rendezvous %s:%d", self.index, plan.world_size,
                     sorted({i.node_id[:8] for i in self._infos}), self._infos[0].ip, port)
 
@@ -324,7 +326,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind in ("step", "stream", "batch") and rank == self._output_rank:
+        if work.kind in ("step", "stream", "batch", "iterate") and rank == self._output_rank:
             self.scheduler.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == "call":
@@ -410,6 +412,7 @@ class RayReplicaExecutor(ReplicaExecutor):
     # -- lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
         if self._set_failure(self._closed_error()):
+            self._stop_iterations(cancel_waiting=True)
             self.scheduler.stop(self.unavailable_error, cancel_queued=True)
         self._teardown()
 

@@ -107,8 +107,11 @@ class Engine:
         return key, size
 
     def batch_stats(self) -> list[dict[str, Any]]:
-        """Per replica: histograms of samples per step and of each request's queue wait (seconds)."""
-        return [{"replica": e.index, "batching": e.batching, **e.scheduler.batch_snapshot()}
+        """Per replica: histograms of samples per step and of each request's queue wait (seconds); with the
+        iteration protocol, of sequences per iteration and each sequence's wait for a slot, plus the
+        running and waiting sequences now."""
+        return [{"replica": e.index, "batching": e.batching or e.iterations is not None,
+                 **e.scheduler.batch_snapshot(), **(e.iterations.snapshot() if e.iterations is not None else {})}
                 for e in list(self._executors)]
 
     def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,

@@ -6,6 +6,11 @@
 logits: no temperature, top-k or top-p), the number an RL trainer recomputes and compares.
 `stop_reason` is "completed" (a stop token, included in `token_ids`), "length" (max_tokens) or
 "aborted". `extra_info` is accepted as an alias of `extra_fields` (the name in verl's notes).
+
+`weight_versions[i]` is the weight version that produced `token_ids[i]` (a sequence that ran across
+a weight update has several; a trainer bounds staleness with `min_weight_version` or corrects
+off-policy tokens one by one); `weight_version` is the last token's. Empty when the plugin ran
+the request as one step (every token then has `weight_version`).
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ class TokenOutput:
     num_preempted: int = 0
     weight_version: Any = None
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[Any] = field(default_factory=list)
 
     def __init__(self, token_ids: list[int], log_probs: list[float], routed_experts: Any = None,
                  stop_reason: str = "length", num_preempted: int = 0, weight_version: Any = None,
-                 extra_fields: dict[str, Any] | None = None, extra_info: dict[str, Any] | None = None) -> None:
+                 extra_fields: dict[str, Any] | None = None, extra_info: dict[str, Any] | None = None,
+                 weight_versions: list[Any] | None = None) -> None:
         if stop_reason not in STOP_REASONS:
             raise ValueError(f"stop_reason={stop_reason!r} must be one of {STOP_REASONS}")
         if len(log_probs) != len(token_ids):
@@ -38,12 +45,33 @@ class TokenOutput:
         self.token_ids, self.log_probs, self.routed_experts = list(token_ids), list(log_probs), routed_experts
         self.stop_reason, self.num_preempted, self.weight_version = stop_reason, num_preempted, weight_version
         self.extra_fields = dict(extra_fields if extra_fields is not None else extra_info or {})
+        self.weight_versions = list(weight_versions or [])
+        if self.weight_versions and len(self.weight_versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token id(s) but {len(self.weight_versions)} weight version(s); "
+                             "give one per token, or none")
 
     @property
     def extra_info(self) -> dict[str, Any]:
         return self.extra_fields
 
+    @property
+    def min_weight_version(self) -> Any:
+        """The oldest weights any token came from (`weight_version` without per-token versions)."""
+        return min(self.weight_versions, key=version_order) if self.weight_versions else self.weight_version
+
+    @property
+    def max_weight_version(self) -> Any:
+        return max(self.weight_versions, key=version_order) if self.weight_versions else self.weight_version
+
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "log_probs": self.log_probs, "routed_experts": self.routed_experts,
                 "stop_reason": self.stop_reason, "num_preempted": self.num_preempted,
-                "weight_version": self.weight_version, "extra_fields": self.extra_fields}
+                "weight_version": self.weight_version, "weight_versions": self.weight_versions,
+                "extra_fields": self.extra_fields}
+
+
+def version_order(version: Any) -> Any:
+    """Versions compare as themselves when they can (numbers); otherwise as text (None first)."""
+    if version is None:
+        return (0, 0)
+    return (1, version) if isinstance(version, (int, float)) else (2, str(version))

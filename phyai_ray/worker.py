@@ -100,6 +100,28 @@ class RankRunner:
             return [error] * len(requests)
         return out
 
+    @property
+    def iterative(self) -> bool:
+        """Whether the per-rank model implements the iteration protocol (admit, drop, recompute, iterate)."""
+        from phyai_ray.plugins.iteration import is_iterative
+
+        return is_iterative(self.model)
+
+    def iterate(self, plan: Any) -> Any:
+        """Apply one `IterationPlan` (drops, rebuilds, admissions) and run ONE iteration; the output rank
+        returns {seq_id: Delta}, the others None."""
+        self._check_awake("an iteration")
+        model = self.model
+        with self.ctx.groups.activate():
+            for ident in plan.drop:
+                model.drop(ident)
+            for ident in plan.recompute:
+                model.recompute(ident)
+            for ident, payload in plan.admit:
+                model.admit(ident, payload)
+            out = model.iterate()
+        return out if self.ctx.is_output_rank else None
+
     def stream(self, request: Any, sink: Any) -> Any:
         """Run one request with the model's `stream(request, emit)`, chunks going to `sink` (output rank)."""
         fn = getattr(self.model, "stream", None)

@@ -9,9 +9,16 @@ because it decides how requests are scheduled onto replicas, not what a replica 
 same plugin and `EngineConfig` give the same results with batching on or off, and one model can
 be deployed batched behind HTTP and unbatched in a latency-critical robot loop. Batching applies
 only to plugins whose per-rank model has `step_batch(requests)`; for others it changes nothing.
+
+Plugins with the iteration protocol (`phyai_ray.plugins.iteration`, e.g. `reference_lm`) are
+batched per iteration instead, always: up to `max_num_seqs` sequences run at once, each iteration
+processes at most `max_num_batched_tokens` tokens, and `cache_after_update` says what a running
+sequence's cache becomes when the weights change under it (vLLM's knobs, same names).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -33,6 +40,19 @@ class BatchingConfig(ConfigModel):
     preferred_batch_sizes: tuple[int, ...] = Field(
         (), description="Batch sizes to dispatch as soon as they are reached (e.g. the sizes a CUDA graph was "
         "captured for): a batch that can end exactly at one is cut there and dispatched without waiting.")
+
+    max_num_seqs: int = Field(
+        256, ge=1, le=1 << 16, description="Iteration protocol: most sequences running at once in one replica; "
+        "the others wait (first come, first served) and join as slots free up.")
+    max_num_batched_tokens: int = Field(
+        4096, ge=1, le=1 << 24, description="Iteration protocol: most tokens one iteration processes (a prompt's "
+        "prefill counts its length, every running sequence 1); a prompt longer than this runs in an iteration "
+        "of its own.")
+    cache_after_update: Literal["recompute", "keep"] = Field(
+        "recompute", description="Iteration protocol: a sequence frozen by pause(mode='keep') across a weight update "
+        "(or a sleep) rebuilds its cache from its whole history under the new weights ('recompute': every later "
+        "log-prob is the new weights' own), or continues on the cache as computed ('keep': cheaper, the tokens "
+        "after the update attend to keys and values of the old weights).")
 
     @model_validator(mode="after")
     def _check_sizes(self) -> "BatchingConfig":

@@ -13,6 +13,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.batching import BatchPolicy
 from phyai_ray.executors.control import ReplicaControl, ReplicaState
 from phyai_ray.executors.delivery import CallbackThread
+from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self.scheduler = ReplicaScheduler(index, max_ongoing=max_ongoing, max_queued=max_queued,
                                           launch=self._launch, on_hung=self._on_hung,
                                           delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
+        self.iterations: IterationLoop | None = None  # continuous batching (the iteration protocol)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
@@ -74,9 +76,31 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         (the plugin's `batch_key` / `request_size`) place the request in a batch when batching is on.
         """
         self._check_healthy()
+        if self.iterations is not None:
+            return self.iterations.submit(request)
         payload = self._prepare(request)
         return self.scheduler.submit("step", payload, self._step_limit_s, key=key, size=size,
                                      weight=self._weight(payload))
+
+    def enable_iterations(self, entry: Any, batching: Any, iterative: bool) -> None:
+        """Batch per iteration when the plugin splits requests into sequences and every rank's model
+        implements the iteration protocol (`phyai_ray.plugins.iteration`)."""
+        if batching is None or not entry.iterative:
+            return
+        if not iterative:
+            logger.info("replica %d: plugin %s splits requests into sequences, but its per-rank model lacks the "
+                        "iteration protocol (admit, drop, recompute, iterate); every request runs as a step of its "
+                        "own", self.index, entry.display_name())
+            return
+        self.iterations = IterationLoop(self, entry, batching, limit_s=self._step_limit_s,
+                                        max_queued=self.scheduler.max_queued)
+        logger.info("replica %d: continuous batching, up to %d sequences and %d tokens per iteration", self.index,
+                    batching.max_num_seqs, batching.max_num_batched_tokens)
+
+    def run_iteration(self, plan: Any) -> Future:
+        """Send one iteration's plan to every rank, after what is already dispatched; the future holds
+        the output rank's deltas. Only the iteration loop calls it, never while the replica is held."""
+        return self.scheduler.submit("iterate", self._prepare(plan), self._step_limit_s, control=True)
 
     def enable_batching(self, batching: Any, batchable: bool) -> None:
         """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
@@ -105,6 +129,8 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         """Queue a streamed request; returns its future (the final result) and a chunk reader."""
         self._check_healthy()
+        if self.iterations is not None:
+            return self.iterations.submit_stream(request)
         return self._submit_stream(request, max_buffered)
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
@@ -120,9 +146,15 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
             return self.scheduler.submit("call", payload, timeout_s, all_ranks=all_ranks, control=True)
 
     def counts(self) -> Counts:
-        return self.scheduler.counts()
+        if self.iterations is None:
+            return self.scheduler.counts()
+        mine, loop = self.scheduler.counts(), self.iterations.counts()
+        return Counts(mine.queued + loop.queued, mine.dispatched + loop.dispatched, mine.served + loop.served,
+                      mine.errored + loop.errored)
 
     def has_room(self) -> bool:
+        if self.iterations is not None:
+            return self.healthy and self.iterations.has_room()
         return self.healthy and self.scheduler.has_room()
 
     def _prepare(self, payload: Any) -> Any:
@@ -146,8 +178,13 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         if not self._set_failure(error):
             return
         logger.error("%s", error)
+        self._stop_iterations()
         self.scheduler.stop(self.unavailable_error, cancel_queued=False)
         self._teardown_after_failure()
+
+    def _stop_iterations(self, cancel_waiting: bool = False) -> None:
+        if self.iterations is not None:
+            self.iterations.stop(self.unavailable_error, cancel_waiting=cancel_waiting)
 
     def _teardown_after_failure(self) -> None:
         threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()

@@ -178,10 +178,12 @@ class ReplicaControl(WeightUpdates):
         """Stop dispatch and drain the ranks as `op` needs; returns how many queued requests were aborted."""
         if op == "resume":
             return 0
-        self.scheduler.hold()
         aborted = 0
+        if self.iterations is not None:  # first: no iteration starts once the scheduler holds
+            aborted = self.iterations.quiesce(op, mode, deadline)
+        self.scheduler.hold()
         if op == "pause" and mode == "abort":
-            aborted = self.scheduler.abort_queued(lambda: RequestAbortedError(
+            aborted += self.scheduler.abort_queued(lambda: RequestAbortedError(
                 f"replica {self.index} was paused with mode='abort'; the request was dropped before it reached "
                 "a rank: submit it again after resume()", replica=self.index))
         if op == "pause" and mode == "keep":
@@ -238,3 +240,5 @@ class ReplicaControl(WeightUpdates):
     def _restore_dispatch(self) -> None:
         if self._life.state is ReplicaState.SERVING and self.failure is None:
             self.scheduler.release()
+            if self.iterations is not None:
+                self.iterations.release(self.scheduler.weight_version)

@@ -51,6 +51,7 @@ class InlineExecutor(ReplicaExecutor):
             raise
         self._device_guard = _device_guard(self._runner)
         self.enable_batching(batching, self._runner.batchable)
+        self.enable_iterations(self._runner.entry, batching, self._runner.iterative)
         if self.worker_idle_exit_s is not None:
             self._worker.retire()  # the plugin was built; the first step may run on the caller's thread
 
@@ -62,7 +63,7 @@ class InlineExecutor(ReplicaExecutor):
         this call runs past its limit: the other callers get the error; this thread is in the
         plugin and returns when it does.
         """
-        if not caller_runs:
+        if not caller_runs or self.iterations is not None:
             return super().submit(request, key=key, size=size)
         self._check_healthy()
         future = self.scheduler.submit("step", request, self._step_limit_s, here=True, key=key, size=size)
@@ -73,6 +74,13 @@ class InlineExecutor(ReplicaExecutor):
             else:
                 with self._device_guard():
                     self._run(work)
+        return future
+
+    def run_iteration(self, plan: Any) -> Future:
+        """On the loop's own thread when the replica is idle (no hand-off per iteration), else queued."""
+        future = self.scheduler.submit("iterate", plan, self._step_limit_s, here=True)
+        if future.work.here:
+            self._guarded(self._run, future.work)
         return future
 
     def _launch(self, work: Work) -> None:
@@ -114,6 +122,8 @@ class InlineExecutor(ReplicaExecutor):
             return self._runner.step_batch(work.payload)
         if work.kind == "stream":
             return self._runner.stream(*work.payload)
+        if work.kind == "iterate":
+            return self._runner.iterate(work.payload)
         method, args, kwargs = work.payload
         value = self._runner.call(method, args, kwargs)
         return [value] if work.all_ranks else value
@@ -132,6 +142,7 @@ class InlineExecutor(ReplicaExecutor):
         """Cancel queued work, let the running call finish (bounded), fail what is left."""
         if not self._set_failure(self._closed_error()):
             return
+        self._stop_iterations(cancel_waiting=True)
         self.scheduler.stop(self.unavailable_error, cancel_queued=True, fail_dispatched=False)
         self._worker.stop()
         if not self._worker.current:

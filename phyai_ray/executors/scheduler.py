@@ -51,7 +51,8 @@ _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this of
 
 
 class Work:
-    """One request ("step", "stream"), control call ("call") or batch of requests ("batch") of one replica.
+    """One request ("step", "stream"), control call ("call"), batch of requests ("batch") or iteration
+    of the continuous-batching loop ("iterate") of one replica.
 
     `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
     without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
@@ -253,7 +254,7 @@ class ReplicaScheduler:
             self.stats.record(work.size, [now - m.submitted for m in work.members])
         else:
             work.future.weight_version = self.weight_version
-            if work.kind != "call":
+            if work.kind in REQUEST_KINDS:  # an iteration records its own sequences (IterationLoop)
                 self.stats.record_one(work.size, now - work.submitted)
         self._dispatched.append(work)
         if len(self._dispatched) == 1:

@@ -52,6 +52,21 @@ class Entry:
         """How many samples `request` carries (counted against `max_batch_size`); runs in the dispatcher."""
         return 1
 
+    def sequences(self, request: Any) -> list[Any]:
+        """Plugins with the iteration protocol: the request's sequences (`plugins.iteration.Sequence`),
+        batched per iteration with every other request's; runs in the dispatcher. Not overridden: the
+        plugin runs whole requests (step / step_batch)."""
+        raise NotImplementedError(f"plugin {self.display_name()} does not split requests into sequences")
+
+    def gather(self, request: Any, outputs: list[Any]) -> Any:
+        """The request's result from one `TokenOutput` per sequence, in order (default: that list)."""
+        return outputs
+
+    @property
+    def iterative(self) -> bool:
+        """Whether the plugin splits requests into sequences (the iteration protocol)."""
+        return type(self).sequences is not Entry.sequences
+
     def max_sequence_tokens(self) -> int | None:
         """Token plugins: the longest prompt + completion the model takes (the OpenAI route refuses
         longer requests before it copies them); None when there is no such limit."""

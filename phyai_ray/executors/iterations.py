@@ -1,0 +1,453 @@
+"""`IterationLoop`: continuous batching of one replica, for plugins with the iteration protocol.
+
+    submit(request) -> Entry.sequences -> [waiting, first come first served]
+        every iteration: admit while slots and tokens allow (max_num_seqs, max_num_batched_tokens),
+        ONE plan (admit, drop, recompute) to every rank, one forward, the output rank's deltas
+        -> each sequence's tokens, log-probs and per-token weight versions -> the request resolves
+           when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
+
+A sequence joins at the next iteration and leaves the one it ends in, so a short request
+admitted beside a long one finishes first. Requests keep the engine's contract: a future per
+request (`cancel()` drops its sequences at the next iteration and frees their slots, whenever it
+is called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
+(`queued`: no sequence admitted yet; `dispatched`: some running).
+
+Control at iteration boundaries (`quiesce`, `release`; called by the replica's control calls):
+    pause(mode="keep")   the loop stops between iterations; running sequences keep their caches
+    pause(mode="abort")  every request with a running sequence resolves now, each sequence with
+                         the tokens it has and stop_reason "aborted"; requests never admitted fail
+                         with RequestAbortedError (as queued requests always did)
+    pause(mode="wait"), sleep, weight updates from SERVING: admission stops, running sequences
+                         finish, then the loop stops (from a stopped loop: nothing more to wait for)
+On release, a sequence whose cache was computed under other weights (or before a sleep) is
+rebuilt from its whole history at its next iteration when `cache_after_update="recompute"` (the
+default: every later log-prob is the new weights' own); "keep" continues on the cache as computed.
+
+The loop runs on one thread of the replica; it never runs plugin code itself: each iteration goes
+through the replica's scheduler (`executor.run_iteration(plan)`), whose hang clock, ordering with
+collective_rpc and failure path apply to iterations as to steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from phyai_ray.errors import EngineOverloadedError, RequestAbortedError, RequestTimeoutError
+from phyai_ray.executors.delivery import EngineFuture
+from phyai_ray.executors.scheduler import Counts
+from phyai_ray.outputs import TokenOutput, version_order
+from phyai_ray.plugins.iteration import Delta, IterationPlan
+from phyai_ray.streams import ChunkSink
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
+_REPLY_GRACE_S = 30.0  # past the step limit the scheduler's hang clock fails the replica first
+_IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
+
+
+class _Request:
+    __slots__ = ("payload", "future", "seqs", "deadline", "submitted", "sink", "left", "admitted", "chunks")
+
+    def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None) -> None:
+        self.payload, self.future, self.sink = payload, future, sink
+        self.submitted = time.monotonic()
+        self.deadline = self.submitted + limit_s
+        self.seqs: list[_Seq] = []
+        self.left = 0  # sequences not ended yet
+        self.admitted = False  # some sequence reached the ranks
+        self.chunks = 0
+
+
+class _Seq:
+    __slots__ = ("ident", "request", "index", "payload", "cost", "tokens", "log_probs", "versions", "stop_reason",
+                 "cache_version", "stale")
+
+    def __init__(self, ident: int, request: _Request, index: int, payload: Any, cost: int) -> None:
+        self.ident, self.request, self.index, self.payload, self.cost = ident, request, index, payload, cost
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[Any] = []
+        self.stop_reason: str | None = None
+        self.cache_version: Any = None
+        self.stale = False  # its cache must be rebuilt at its next iteration
+
+    def output(self) -> TokenOutput:
+        return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
+                           weight_version=self.versions[-1] if self.versions else None,
+                           weight_versions=self.versions)
+
+
+class IterationLoop:
+    """Waiting and running sequences of one replica, and the thread that iterates them."""
+
+    def __init__(self, executor: Any, entry: Any, batching: Any, *, limit_s: float, max_queued: int | None) -> None:
+        self._executor, self._entry = executor, entry
+        self.index = executor.index
+        self.max_seqs, self.max_tokens = batching.max_num_seqs, batching.max_num_batched_tokens
+        self.recompute_after_update = batching.cache_after_update == "recompute"
+        self.limit_s, self.max_queued = limit_s, max_queued
+        self._cond = threading.Condition()
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[int, _Seq] = {}
+        self._to_drop: list[int] = []
+        self._requests: dict[_Request, None] = {}  # in submission order, so in deadline order
+        self._queued = 0  # requests none of whose sequences was admitted yet
+        self._ids = itertools.count(1)
+        self._held = False  # no iteration starts (pause, sleep, weight update)
+        self._admitting = True  # False while pause(mode="wait") lets the running sequences finish
+        self._in_flight = False  # an iteration is at the ranks
+        self._cache_dirty = False  # a sleep released the caches of running sequences
+        self._refusal: Callable[[], BaseException] | None = None
+        self._thread: threading.Thread | None = None
+        self._served = self._errored = 0
+        self.iterations = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: Any, sink: ChunkSink | None = None) -> EngineFuture:
+        """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`."""
+        sequences = list(self._entry.sequences(request))
+        if not sequences:
+            raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
+        scheduler = self._executor.scheduler
+        future = EngineFuture(scheduler._delivery, self._cancelled)
+        future.replica = self.index
+        req = _Request(request, future, self.limit_s, sink)
+        future.work = req
+        with self._cond:
+            if self._refusal is not None:
+                raise self._refusal()
+            queued = self._queued
+            if self.max_queued is not None and queued >= self.max_queued:
+                raise EngineOverloadedError(
+                    f"replica {self.index} is full: {queued} request(s) wait for a sequence slot (max_queued_requests="
+                    f"{self.max_queued}) behind {len(self._running)} running sequence(s) (max_num_seqs="
+                    f"{self.max_seqs})", queued=queued, limit=self.max_queued)
+            for i, seq in enumerate(sequences):
+                req.seqs.append(_Seq(next(self._ids), req, i, seq.payload, max(int(seq.cost), 1)))
+            req.left = len(req.seqs)
+            self._requests[req] = None
+            self._queued += 1
+            self._waiting.extend(req.seqs)
+            self._wake()
+        return future
+
+    def submit_stream(self, request: Any) -> tuple[EngineFuture, "LoopReader"]:
+        """A streamed request: one chunk per iteration that gave any of its sequences a token,
+        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. A request's chunks
+        are bounded by its max_tokens, so they never wait for the reader: a slow reader holds up
+        no other sequence."""
+        sink = ChunkSink(max_buffered=1 << 30)
+        future = self.submit(request, sink)
+        return future, LoopReader(sink, future)
+
+    def counts(self) -> Counts:
+        with self._cond:
+            return Counts(self._queued, len(self._requests) - self._queued, self._served, self._errored)
+
+    def has_room(self) -> bool:
+        with self._cond:
+            return self._refusal is None and (self.max_queued is None or self._queued < self.max_queued)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            return {"running_sequences": len(self._running), "waiting_sequences": len(self._waiting),
+                    "iterations": self.iterations}
+
+    def _cancelled(self, future: EngineFuture) -> None:
+        """The caller cancelled: its sequences leave at the next iteration (a running one frees its slot)."""
+        with self._cond:
+            req = future.work
+            if req in self._requests:
+                self._forget(req)
+                self._wake()
+
+    def _forget(self, req: _Request) -> None:
+        """Lock held: remove the request's sequences; running ones are dropped at the ranks next iteration."""
+        if self._requests.pop(req, 0) is None and not req.admitted:
+            self._queued -= 1
+        for seq in req.seqs:
+            if self._running.pop(seq.ident, None) is not None:
+                self._to_drop.append(seq.ident)
+        if any(s in self._waiting for s in req.seqs):
+            ident = {s.ident for s in req.seqs}
+            self._waiting = deque(s for s in self._waiting if s.ident not in ident)
+
+    def _wake(self) -> None:
+        """Lock held: make the loop's thread look again (start it if it ended)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"phyai-replica-{self.index}-iterations",
+                                            daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            settle: list[tuple[_Request, Any, BaseException | None]] = []
+            with self._cond:
+                if self._refusal is not None:
+                    self._thread = None
+                    return
+                now = time.monotonic()
+                settle += self._expire(now)
+                plan = self._plan() if self._can_iterate() else None
+                if plan is None and not settle:
+                    if not self._requests and not self._to_drop and now - idle_since >= _IDLE_EXIT_S:
+                        self._thread = None
+                        return
+                    self._cond.wait(timeout=max(min(self._next_deadline() - now, _TICK_S), 0.001))
+                    continue
+                if plan is not None:
+                    self._in_flight = True
+            self._settle(settle)
+            if plan is not None:
+                self._iterate(plan)
+                idle_since = time.monotonic()
+
+    def _can_iterate(self) -> bool:
+        if self._held:
+            return False
+        return bool(self._running or self._to_drop or (self._waiting and self._admitting))
+
+    def _plan(self) -> tuple[IterationPlan, list[_Seq], list[_Seq]]:
+        """Lock held: this iteration's drops, rebuilds and admissions (first come, first served)."""
+        drop, self._to_drop = tuple(self._to_drop), []
+        rebuild = [s for s in self._running.values() if s.stale]
+        budget = self.max_tokens - (len(self._running) - len(rebuild)) - sum(s.cost + len(s.tokens) for s in rebuild)
+        admitted: list[_Seq] = []
+        while self._waiting and self._admitting and len(self._running) < self.max_seqs:
+            seq = self._waiting[0]
+            if seq.cost > budget and self._running:
+                break  # it waits for an iteration with room (alone, at worst): nothing overtakes it
+            self._waiting.popleft()
+            budget -= seq.cost
+            self._running[seq.ident] = seq
+            if not seq.request.admitted:
+                seq.request.admitted = True
+                self._queued -= 1
+            admitted.append(seq)
+        plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
+                             recompute=tuple(s.ident for s in rebuild))
+        return plan, admitted, rebuild
+
+    def _iterate(self, formed: tuple[IterationPlan, list[_Seq], list[_Seq]]) -> None:
+        plan, admitted, rebuild = formed
+        now = time.monotonic()
+        try:
+            future = self._executor.run_iteration(plan)
+            deltas = future.result(timeout=self.limit_s + _REPLY_GRACE_S)
+            error = None
+        except BaseException as exc:  # the replica failed (its error), or the plugin raised (inline)
+            deltas, error, future = None, exc, None
+        settle: list[tuple[_Request, Any, BaseException | None]] = []
+        with self._cond:
+            self._in_flight = False
+            self.iterations += 1
+            if error is not None:
+                settle = self._fail_running(error)
+            else:
+                version = future.weight_version
+                for seq in (*admitted, *rebuild):
+                    seq.cache_version, seq.stale = version, False
+                size = len(self._running)
+                settle = self._apply(deltas or {}, version)
+                self._record(size, [now - s.request.submitted for s in admitted])
+            self._cond.notify_all()
+        self._settle(settle)
+
+    def _apply(self, deltas: dict[int, Delta], version: Any) -> list:
+        """Lock held: add every sequence's new tokens; the requests that ended, to settle."""
+        ended, touched = [], {}
+        for ident, delta in deltas.items():
+            seq = self._running.get(ident)
+            if seq is None:  # cancelled or expired after the plan left: its drop is on its way
+                continue
+            seq.tokens += delta.token_ids
+            seq.log_probs += delta.log_probs
+            seq.versions += [version] * len(delta.token_ids)
+            if seq.request.sink is not None and delta.token_ids:
+                touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
+            if delta.stop_reason is not None:
+                seq.stop_reason = delta.stop_reason
+                del self._running[ident]
+                seq.request.left -= 1
+                if seq.request.left == 0 and seq.request in self._requests:
+                    del self._requests[seq.request]
+                    ended.append(seq.request)
+        for req, changed in touched.values():
+            _stream_chunk(req, changed)
+        return [(req, self._result(req), None) for req in ended]
+
+    def _result(self, req: _Request) -> Any:
+        return self._entry.gather(req.payload, [s.output() for s in req.seqs])
+
+    def _record(self, size: int, waits: list[float]) -> None:
+        """Lock held: sequences per iteration and the queue wait of each admitted one (the replica's histograms)."""
+        scheduler = self._executor.scheduler
+        with scheduler._lock:
+            scheduler.stats.record(size, waits)
+
+    def _fail_running(self, error: BaseException) -> list:
+        """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
+        drop them all at the next iteration (their state after a failed iteration is unknown)."""
+        failed = {id(s.request): s.request for s in self._running.values()}
+        for req in failed.values():
+            self._forget(req)
+        return [(req, None, error) for req in failed.values()]
+
+    def _expire(self, now: float) -> list:
+        """Lock held: requests past their deadline leave (running sequences are dropped next iteration)."""
+        expired = list(itertools.takewhile(lambda r: r.deadline <= now, self._requests))
+        for req in expired:
+            self._forget(req)
+        return [(req, None, RequestTimeoutError(
+            f"replica {self.index}: no result {now - req.submitted:.2f}s after submission (execution_timeout_s="
+            f"{self.limit_s}); {'its sequences were dropped at the next iteration' if req.admitted else 'it never got a sequence slot'}. "
+            "The replica keeps serving; add replicas or lower the load if this repeats",
+            replica=self.index, waited_s=now - req.submitted, dispatched=req.admitted)) for req in expired]
+
+    def _next_deadline(self) -> float:
+        return next((r.deadline for r in self._requests), float("inf"))
+
+    def _settle(self, items: list) -> None:
+        """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread)."""
+        for req, value, error in items:
+            if value is not None:  # before the result: a waiter reads it as soon as it wakes
+                req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
+                                                default=None, key=version_order)
+            settled = _set(req.future, value, error)
+            if req.sink is not None:
+                req.sink.close()
+            if settled:
+                with self._cond:
+                    if error is None:
+                        self._served += 1
+                    else:
+                        self._errored += 1
+
+    # -- control -------------------------------------------------------------------------------
+    def quiesce(self, op: str, mode: str, deadline: float) -> int:
+        """Stop iterating as control call `op` needs (see the module docstring); returns how many
+        requests pause(mode="abort") ended. Raises TimeoutError (nothing changed) past `deadline`."""
+        with self._cond:
+            if op == "pause" and mode == "keep":
+                self._held = True
+                return 0
+            if not self._held and (op != "pause" or mode == "wait"):
+                self._admitting = False
+                if not self._wait(lambda: not self._running and not self._in_flight, deadline):
+                    self._admitting = True
+                    self._cond.notify_all()
+                    raise TimeoutError(f"replica {self.index}: {op}() waited for {len(self._running)} running "
+                                       "sequence(s) to finish and ran out of time; nothing was changed (raise the "
+                                       "timeout, or pause with mode='keep' or 'abort')")
+            self._held = True
+            if not self._wait(lambda: not self._in_flight, deadline):
+                self._held = False
+                self._cond.notify_all()
+                raise TimeoutError(f"replica {self.index}: {op}() waited for the iteration at its ranks and ran out "
+                                   "of time; nothing was changed (raise the timeout)")
+            if op == "sleep":
+                self._cache_dirty = True
+            settle = self._abort() if op == "pause" and mode == "abort" else []
+        self._settle(settle)
+        return len(settle)
+
+    def _wait(self, ready: Callable[[], bool], deadline: float) -> bool:
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._refusal is not None:
+                return ready()
+            self._cond.wait(timeout=min(left, _TICK_S))
+        return True
+
+    def _abort(self) -> list:
+        """Lock held: every request ends now: partial outputs where a sequence ran, else RequestAbortedError."""
+        settle = []
+        for req in list(self._requests):
+            self._forget(req)
+            if req.admitted:
+                settle.append((req, self._result(req), None))
+            else:
+                settle.append((req, None, RequestAbortedError(
+                    f"replica {self.index} was paused with mode='abort'; the request was dropped before any of its "
+                    "sequences reached a rank: submit it again after resume()", replica=self.index)))
+        return settle
+
+    def release(self, version: Any) -> None:
+        """Iterate again; with "recompute", sequences cached under other weights (or before a sleep) rebuild."""
+        with self._cond:
+            if self.recompute_after_update:
+                for seq in self._running.values():
+                    if seq.cache_version != version or self._cache_dirty:
+                        seq.stale = True
+            self._cache_dirty = False
+            self._held, self._admitting = False, True
+            if self._requests or self._to_drop:
+                self._wake()
+
+    def stop(self, refusal: Callable[[], BaseException], *, cancel_waiting: bool = False) -> None:
+        """Refuse new requests; fail (or cancel, never admitted ones) every request left."""
+        with self._cond:
+            if self._refusal is not None:
+                return
+            self._refusal = refusal
+            left = list(self._requests)
+            self._requests.clear()
+            self._queued = 0
+            self._waiting.clear()
+            self._running.clear()
+            self._cond.notify_all()
+        for req in left:
+            if cancel_waiting and not req.admitted and req.future.cancel():
+                continue
+            self._settle([(req, None, refusal())])
+
+
+class LoopReader:
+    """The consumer's end of an iteration stream: `read` chunks; `cancel` drops the request's sequences."""
+
+    def __init__(self, sink: ChunkSink, future: EngineFuture) -> None:
+        self.sink, self.future = sink, future
+
+    def read(self, timeout_s: float) -> tuple[list, bool]:
+        if self.future.cancelled():
+            return [], True
+        chunks, done = self.sink.take(256, timeout_s)
+        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        self.sink.cancel()
+
+
+def _stream_chunk(req: _Request, changed: list[tuple[_Seq, Delta]]) -> None:
+    """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
+    ids: list[Any] = [None] * len(req.seqs)
+    lps: list[Any] = [None] * len(req.seqs)
+    for seq, delta in changed:
+        ids[seq.index] = delta.token_ids[-1] if len(delta.token_ids) == 1 else list(delta.token_ids)
+        lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
+    req.sink.put({"index": req.chunks, "token_ids": ids, "log_probs": lps})
+    req.chunks += 1
+
+
+def _set(future: EngineFuture, value: Any, error: BaseException | None) -> bool:
+    if future.done():
+        return False
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except Exception:  # finished concurrently (cancelled)
+        return False
+    return True
+
