@@ -77,8 +77,9 @@ class InlineExecutor(ReplicaExecutor):
         return future
 
     def run_iteration(self, plan: Any) -> Future:
-        """On the loop's own thread when the replica is idle (no hand-off per iteration), else queued."""
-        future = self.scheduler.submit("iterate", plan, self._step_limit_s, here=True)
+        """On the loop's own thread when nothing else is at the rank (no hand-off per iteration), else
+        right after what is. Never held by the scheduler: the loop itself stops at pause and sleep."""
+        future = self.scheduler.submit("iterate", plan, self._step_limit_s, control=True, here=True)
         if future.work.here:
             self._guarded(self._run, future.work)
         return future

@@ -162,8 +162,9 @@ class ReplicaScheduler:
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
-            if control:
+            if control:  # `here` too: a control call the caller runs itself when nothing is at the ranks
                 future.start()
+                work.here = here and not self._dispatched
                 self._dispatch(work)
             elif here and not self._held and not self._queued and not self._dispatched and self._quiet():
                 future.start()
