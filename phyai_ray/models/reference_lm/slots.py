@@ -216,29 +216,30 @@ def sample(logits: torch.Tensor, seqs: list[Running]) -> tuple[list[int], list[f
     chosen = logits.argmax(-1)
     drawn = [i for i, s in enumerate(seqs) if s.temperature > 0.0]
     if drawn:
-        weights, index = filtered_weights(logits[drawn], [seqs[i] for i in drawn])
+        weights = filtered_weights(logits[drawn], [seqs[i] for i in drawn])
         race = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=seqs[i].generator) for i in drawn])
-        winner = (weights / race.clamp(min=1e-30)).argmax(-1, keepdim=True)
-        chosen[drawn] = index.gather(1, winner).squeeze(1)
+        chosen[drawn] = (weights / race.clamp(min=1e-30)).argmax(-1)
     log_probs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
     return chosen.tolist(), log_probs.tolist()
 
 
-def filtered_weights(logits: torch.Tensor, seqs: list[Running]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row i's sampling weights, in the order of `index` (its tokens by descending logit).
+def filtered_weights(logits: torch.Tensor, seqs: list[Running]) -> torch.Tensor:
+    """Row i's sampling weights over the vocabulary (unnormalised), whatever rows stand beside it.
 
     softmax(logits / temperature), kept for its top_k tokens (ties kept), then for the smallest
-    prefix of those reaching top_p of their mass; the rest weigh 0. Probabilities [.5, .3, .2]:
-    top_k=2 keeps [.5, .3]; top_p=0.7 keeps [.5, .3] too (.5 alone is short of .7).
+    prefix of those (by descending probability) reaching top_p of their mass; the rest weigh 0.
+    Probabilities [.5, .3, .2]: top_k=2 keeps [.5, .3]; top_p=0.7 keeps [.5, .3] too (.5 < .7).
     """
     vocab = logits.shape[-1]
     temperature, top_p = (_tensor("f", [getattr(s, k) for s in seqs])[:, None] for k in ("temperature", "top_p"))
+    if all(not s.top_k and s.top_p >= 1.0 for s in seqs):  # nothing to filter: no sort
+        return (logits / temperature).softmax(-1)
     top_k = _tensor("q", [min(s.top_k, vocab) if s.top_k else vocab for s in seqs])[:, None]
     ordered, index = (logits / temperature).sort(-1, descending=True)
     p = ordered.softmax(-1) * (ordered >= ordered.gather(1, top_k - 1))
     before = p.cumsum(-1) - p  # mass of the kept tokens ahead of each
     p = p * ((before < top_p * p.sum(-1, keepdim=True)) | (top_p >= 1.0))
-    return p, index
+    return torch.empty_like(p).scatter_(-1, index, p)
 
 
 def _tensor(typecode: str, values: list) -> torch.Tensor:
