@@ -128,8 +128,8 @@ def test_drop_frees_its_slot_and_the_rows_stay_packed_over_many_cycles(model):
             dropped[victim] = t
         while len(running) < model.slots.capacity and rng.random() < 0.5:
             prompt = [rng.randrange(128) for _ in range(rng.randrange(1, 12))]
-            payloads[next_id] = seq(prompt, rng.randrange(1, 16), seed=next_id,
-                                    **(SAMPLED if next_id % 3 == 0 else {}))
+            sampling = [SAMPLED, {"temperature": 1.0}, {}][next_id % 3]  # filtered, plain, greedy
+            payloads[next_id] = seq(prompt, rng.randrange(1, 16), seed=next_id, **sampling)
             model.admit(next_id, payloads[next_id])
             running.add(next_id)
             next_id += 1
