@@ -1,9 +1,10 @@
 """`reference_lm`: a small causal transformer that generates tokens, tensor-parallel, seeded weights.
 
-    config.py   plugin_args, topology checks, the request model
-    model.py    causal attention with a KV cache (the reference model's layers), generation, sampling
+    config.py   plugin_args, topology checks, the request model and its per-prompt sequences
+    model.py    causal attention over slot KV caches (the reference model's layers), the iteration protocol
+    slots.py    running sequences, one KV-cache row each, packed; per-sequence sampling
     score.py    the trainer side: log-probs of a completion in plain torch (no engine, no cache)
-    entry.py    the plugin entry
+    entry.py    the plugin entry (a request -> one sequence per prompt -> one TokenOutput per prompt)
 """
 
 from phyai_ray.models.reference_lm.config import ReferenceLMConfig

@@ -4,6 +4,9 @@
     request      {"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 16, "temperature": 0.0, "top_k": 0,
                   "top_p": 1.0, "seed": 0, "stop_token_ids": [0]}
 
+    sequence     {"prompt": [1, 2, 3], "max_tokens": 16, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                  "seed": sequence_seed(0, 0), "stop_token_ids": [0]}      one per prompt (`payloads`)
+
 Topology: dense TP and attention TP (heads % tp == 0, hidden % tp == 0); dp is replication.
 """
 
@@ -92,3 +95,20 @@ class GenerateRequest(BaseModel):
             raise ValueError(f"reference_lm request: longest prompt + max_tokens = {longest} exceeds max_seq="
                              f"{cfg.max_seq}; shorten it or lower max_tokens")
         return req
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """One sequence payload per prompt (what `ReferenceLM.admit` takes), seeded by `sequence_seed`.
+
+            GenerateRequest(prompts=[[1, 2], [1, 2]], seed=3).payloads()[1]["seed"] == sequence_seed(3, 1)
+        """
+        shared = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
+                  "top_p": self.top_p, "stop_token_ids": list(self.stop_token_ids)}
+        return [{"prompt": list(p), **shared, "seed": sequence_seed(self.seed, i)} for i, p in enumerate(self.prompts)]
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt `index` of a request seeded `seed`; n copies of one prompt differ.
+
+        sequence_seed(0, 1) == 1      sequence_seed(1, 0) == 0x9E3779B1      always in [0, 2**63)
+    """
+    return (seed * 0x9E3779B1 + index) % 2 ** 63

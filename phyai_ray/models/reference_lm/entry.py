@@ -3,6 +3,9 @@
     from phyai_ray import Engine, EngineArgs
     with Engine(EngineArgs(plugin="reference_lm", plugin_args={"seed": 0})) as engine:
         [out] = engine.step({"prompts": [[1, 2, 3]], "max_tokens": 8})   # TokenOutput
+
+For the iteration protocol a request is one sequence per prompt (`sequences`), and its result is
+the sequences' outputs in prompt order (`gather`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from typing import Any
 
 from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
 from phyai_ray.models.reference_lm.model import ReferenceLM
+from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.iteration import Sequence
 from phyai_ray.plugins.registry import register_plugin
 
 
@@ -37,6 +42,15 @@ class ReferenceLMEntry(Entry):
 
     def validate_request(self, request: Any) -> None:
         GenerateRequest.parse(request, self.config)
+
+    def sequences(self, request: Any) -> list[Sequence]:
+        """One sequence per prompt, seeded `sequence_seed(seed, i)` as `step` seeds it; costs its prompt length."""
+        payloads = GenerateRequest.parse(request, self.config).payloads()
+        return [Sequence(payload=p, cost=len(p["prompt"])) for p in payloads]
+
+    def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
+        """The request's result: one `TokenOutput` per prompt, in prompt order (as `sequences` split it)."""
+        return list(outputs)
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> ReferenceLM:
         return ReferenceLM(ReferenceLMConfig.from_args(plugin_args), ctx)

@@ -1,11 +1,19 @@
 """One rank of `reference_lm`: the reference model's dense blocks with causal attention and a KV cache.
 
-Prompts of different lengths are left-padded to one width: the pad columns are masked out as keys,
-and each token's position counts from its own prompt's first token. Every step appends one
-column for every prompt (finished prompts feed a dummy token that nothing reads). Attention heads
-are split over attention_tp and MLP hidden units over dense_tp (`reference_dit.layers`); after the
-reductions every rank holds the same logits, so every rank samples the same token from the same
-seeded generator and no extra collective is needed to agree on it.
+Every generation runs as sequences in `Slots` (a cache row each): the iteration protocol's
+`admit` / `drop` / `recompute` / `iterate` drive the replica's one loop, and `step` / `stream` run a
+request's prompts as sequences of their own private `Slots`, the same code path:
+
+    model.admit(1, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                    "seed": 0, "stop_token_ids": []})
+    model.iterate()   # {1: Delta([17], [-0.3], None)}: its prefill and first token
+    model.iterate()   # {1: Delta([5], [-1.2], None)}: one decode step (plus any newly admitted prefill)
+
+One iteration is one forward of every running sequence's new tokens (a prompt, a rebuilt history or
+the last sampled token), projected as N real tokens and padded to [B, S] queries only inside
+attention. Attention heads are split over attention_tp and MLP hidden units over dense_tp
+(`reference_dit.layers`); after the reductions every rank holds the same logits, so every rank
+samples the same token from the same seeded generator and no extra collective is needed to agree.
 """
 
 from __future__ import annotations
@@ -14,33 +22,34 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_dit import weights as W
 from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, norm
 from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
 from phyai_ray.models.reference_lm.score import full_weights
+from phyai_ray.models.reference_lm.slots import Batch, Slots, sample
 from phyai_ray.outputs import TokenOutput
+from phyai_ray.plugins.iteration import Delta
 
 
 class CausalAttention(Attention):
-    """The reference attention (same shards, same tp reduction) made causal, with a KV cache."""
+    """The reference attention (same shards, same tp reduction) made causal over a slot KV cache."""
 
-    def forward(self, x: torch.Tensor, cache: dict, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """x [N, dim], the batch's real new tokens; their k/v are written to the cache, then attended."""
         h = norm(x)
-        q, k, v = (self._heads(h @ w.T) for w in (self.wq, self.wk, self.wv))
-        if cache:
-            k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
-        cache["k"], cache["v"] = k, v
-        s, t = q.shape[2], k.shape[2]
-        causal = torch.ones(s, t, dtype=torch.bool).tril(t - s)
-        mask = causal[None, None] & key_mask[:, None, None, :t]
-        # a finite fill: a pad query (masked everywhere) stays finite, and exp() of it is exactly 0 elsewhere
-        scores = ((q @ k.transpose(-1, -2)) / self.head_dim ** 0.5).masked_fill(~mask, -1e30)
-        a = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)
+        q, k, v = ((h @ w.T).view(-1, self.local_heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        keys, values = cache
+        keys[batch.rows, :, batch.positions] = k
+        values[batch.rows, :, batch.positions] = v
+        keys, values = keys[: batch.size, :, : batch.length], values[: batch.size, :, : batch.length]
+        # a finite fill (every query sees key 0, so no row is all fill): exp() of it is exactly 0
+        scores = ((batch.padded(q) @ keys.transpose(-1, -2)) / self.head_dim ** 0.5).masked_fill(batch.hidden, -1e30)
+        a = batch.unpadded(scores.softmax(-1) @ values)  # [N, local_heads * head_dim]
         return x + self.tp.reduce(a @ self.wo.T) + self.bo
 
 
 class ReferenceLM:
-    """`step({"prompts": ..., ...})` -> one `TokenOutput` per prompt (on the output rank; None elsewhere)."""
+    """`step({"prompts": ..., ...})` -> one `TokenOutput` per prompt (on the output rank; None elsewhere),
+    and the iteration protocol (`phyai_ray.plugins.iteration`) over the sequences it admits."""
 
     def __init__(self, cfg: ReferenceLMConfig, ctx: Any) -> None:
         check_topology(cfg, ctx.parallel)
@@ -48,10 +57,13 @@ class ReferenceLM:
         self.to = {"device": ctx.device, "dtype": torch.float32}
         self.weight_version: Any = None  # set by the engine after every weight update
         self.load_weights(list(full_weights(cfg).items()))
+        self.slots = self._slots(rows=8, max_seq=cfg.max_seq)  # the protocol's sequences
 
     @torch.inference_mode()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Replace the model from FULL tensors named as `full_weights` names them (every part at once)."""
+        """Replace the model from FULL tensors named as `full_weights` names them (every part at once).
+
+        Running sequences keep their caches (computed under the old weights) until `recompute`."""
         named = dict(weights)
         missing = sorted(set(full_weights_names(self.cfg)) - set(named))
         if missing:
@@ -65,92 +77,84 @@ class ReferenceLM:
             self.blocks.append((CausalAttention(base, w, self.ctx, self.to), DenseMLP(base, w, self.ctx, self.to)))
 
     def reset_cache(self) -> None:
-        """The KV cache lives for one request; nothing outlives it."""
+        """Nothing: a request's cache ends with it, and running sequences keep theirs (the engine
+        decides which to `recompute` after a weight update)."""
+
+    # -- the iteration protocol ------------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, seq_id: int, payload: dict[str, Any]) -> None:
+        """A new sequence (`GenerateRequest.payloads()` builds its payload); its prefill runs in the next iterate()."""
+        self.slots.admit(seq_id, payload)
 
     @torch.inference_mode()
+    def drop(self, seq_id: int) -> None:
+        """Forget a sequence and free its slot; an unknown (finished, dropped) id is ignored."""
+        self.slots.drop(seq_id)
+
+    @torch.inference_mode()
+    def recompute(self, seq_id: int) -> None:
+        """The next iterate() rebuilds the sequence's cache from its whole history under the current
+        weights and samples its next token from it; its generator goes on. Unknown ids are ignored."""
+        self.slots.recompute(seq_id)
+
+    @torch.inference_mode()
+    def iterate(self) -> dict[int, Delta]:
+        """One forward of every running sequence: {seq_id: Delta([token], [log_prob], stop_reason)}."""
+        return self._iterate(self.slots)
+
+    # -- whole requests --------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self, request: Any) -> list[TokenOutput] | None:
-        req = GenerateRequest.parse(request, self.cfg)
-        outputs = self.generate(req)
+        outputs = self._generate(GenerateRequest.parse(request, self.cfg))
         return outputs if self.ctx.is_output_rank else None
 
     @torch.inference_mode()
     def stream(self, request: Any, emit: Any) -> list[TokenOutput]:
-        """Like step, emitting {"index": t, "token_ids": [...], "log_probs": [...]} per token step
+        """Like step, emitting {"index": t, "token_ids": [...], "log_probs": [...]} per iteration
         (None for prompts already finished); stops on every rank when `emit` returns False."""
-        req = GenerateRequest.parse(request, self.cfg)
-        return self.generate(req, on_token=emit)
+        return self._generate(GenerateRequest.parse(request, self.cfg), emit)
 
-    def generate(self, req: GenerateRequest, on_token: Any = None) -> list[TokenOutput]:
-        """Greedy or seeded sampling for every prompt; `on_token(step, tokens)` may return False to stop."""
-        width = max(len(p) for p in req.prompts)
-        pads = torch.tensor([width - len(p) for p in req.prompts])
-        tokens = torch.tensor([[0] * (width - len(p)) + p for p in req.prompts], device=self.ctx.device)
-        key_mask = torch.arange(width)[None, :] >= pads[:, None]
-        caches = [{} for _ in self.blocks]
-        logits = self._forward(tokens, torch.arange(width)[None, :] - pads[:, None], key_mask, caches)[:, -1]
-        gen = torch.Generator().manual_seed(req.seed)
-        outs = [([], [], None) for _ in req.prompts]
-        alive = [True] * len(req.prompts)
-        for t in range(req.max_tokens):
-            logits = logits.float().cpu()
-            logp = logits.log_softmax(-1)
-            chosen = _sample(logits, req, gen)
-            was_alive = list(alive)
-            for b in range(len(outs)):
-                if alive[b]:
-                    self._record(outs, alive, b, int(chosen[b]), float(logp[b, chosen[b]]), req, t)
-            if on_token is not None and on_token(_chunk(t, chosen, logp, was_alive)) is False:
+    def _generate(self, req: GenerateRequest, emit: Any = None) -> list[TokenOutput]:
+        """Every prompt as a sequence of a private `Slots` (the protocol's are untouched), iterated to the end."""
+        slots = self._slots(rows=len(req.prompts), max_seq=max(len(p) for p in req.prompts) + req.max_tokens)
+        seqs = [slots.admit(i, payload) for i, payload in enumerate(req.payloads())]
+        index = 0
+        while slots.rows:
+            deltas = self._iterate(slots)
+            if emit is not None and emit(_chunk(index, deltas, len(seqs))) is False:
                 break
-            if not any(alive):
-                break
-            key_mask = torch.cat([key_mask, torch.ones(len(outs), 1, dtype=torch.bool)], 1)
-            positions = (width + t - pads)[:, None]
-            logits = self._forward(chosen[:, None].to(self.ctx.device), positions, key_mask, caches)[:, -1]
-        stopped = on_token is not None and any(alive)
-        return [TokenOutput(ids, lps, stop_reason=reason or ("aborted" if stopped else "length"),
-                            weight_version=self.weight_version) for ids, lps, reason in outs]
+            index += 1
+        return [TokenOutput(s.tokens, s.log_probs, stop_reason=s.stop_reason or "aborted",
+                            weight_version=self.weight_version) for s in seqs]
 
-    @staticmethod
-    def _record(outs: list, alive: list, b: int, token: int, logp: float, req: GenerateRequest, t: int) -> None:
-        ids, lps, _ = outs[b]
-        ids.append(token)
-        lps.append(logp)
-        if token in req.stop_token_ids:
-            outs[b], alive[b] = (ids, lps, "completed"), False
-        elif len(ids) >= req.max_tokens:
-            outs[b], alive[b] = (ids, lps, "length"), False
+    # -- one iteration ---------------------------------------------------------------------------
+    def _slots(self, rows: int, max_seq: int) -> Slots:
+        attention = self.blocks[0][0]
+        return Slots(layers=self.cfg.layers, heads=attention.local_heads, head_dim=attention.head_dim,
+                     max_seq=max_seq, vocab=self.cfg.vocab, to=self.to, rows=rows)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
-                 caches: list[dict]) -> torch.Tensor:
-        x = self.embed["tokens"][tokens] + self.embed["positions"][positions.clamp(min=0).to(self.ctx.device)]
-        for (attention, mlp), cache in zip(self.blocks, caches):
-            x = mlp(attention.forward(x, cache, key_mask.to(self.ctx.device)))
-        return norm(x) @ self.head["w"].T + self.head["b"]
+    def _iterate(self, slots: Slots) -> dict[int, Delta]:
+        if not slots.rows:
+            return {}
+        batch = slots.batch(self.ctx.device)
+        chosen, log_probs = sample(self._forward(batch, slots), slots.rows)
+        return slots.advance(chosen, log_probs)
+
+    def _forward(self, batch: Batch, slots: Slots) -> torch.Tensor:
+        """Logits [B, vocab] at each row's last new token."""
+        x = self.embed["tokens"][batch.tokens] + self.embed["positions"][batch.positions]
+        for i, (attention, mlp) in enumerate(self.blocks):
+            x = mlp(attention.forward(x, slots.layer(i), batch))
+        return norm(x[batch.last]) @ self.head["w"].T + self.head["b"]
 
 
-def _chunk(t: int, chosen: torch.Tensor, logp: torch.Tensor, alive: list[bool]) -> dict[str, Any]:
-    ids = [int(c) if a else None for c, a in zip(chosen, alive)]
-    lps = [float(logp[b, c]) if a else None for b, (c, a) in enumerate(zip(chosen, alive))]
-    return {"index": t, "token_ids": ids, "log_probs": lps}
+def _chunk(index: int, deltas: dict[int, Delta], prompts: int) -> dict[str, Any]:
+    got = [deltas.get(i) for i in range(prompts)]
+    return {"index": index, "token_ids": [d.token_ids[0] if d is not None else None for d in got],
+            "log_probs": [d.log_probs[0] if d is not None else None for d in got]}
 
 
 def full_weights_names(cfg: ReferenceLMConfig) -> list[str]:
     names = ["embed.tokens", "embed.positions", "head.w", "head.b"]
     return names + [f"blocks.{i}.{k}" for i in range(cfg.layers) for k in ("wq", "wk", "wv", "wo", "bo", "w1",
                                                                              "b1", "w2", "b2")]
-
-
-def _sample(logits: torch.Tensor, req: GenerateRequest, gen: torch.Generator) -> torch.Tensor:
-    """Greedy at temperature 0; else top-k / top-p filtered sampling from `gen` (identical on every rank)."""
-    if req.temperature == 0.0:
-        return logits.argmax(-1)
-    scaled = logits / req.temperature
-    if req.top_k:
-        kth = scaled.topk(min(req.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if req.top_p < 1.0:
-        ordered, index = scaled.sort(-1, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) >= req.top_p  # keep the smallest prefix reaching top_p
-        scaled = scaled.scatter(-1, index, ordered.masked_fill(drop, float("-inf")))
-    return torch.multinomial(scaled.softmax(-1), 1, generator=gen).squeeze(1)
