@@ -44,7 +44,10 @@ def expected_tokens(prompt: list[int], n: int, scale: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_probe():
-    init_local_ray()
+    import ray
+
+    if not ray.is_initialized():
+        init_local_ray()
     engine = probe_engine(2, timeout_s=60.0)
     try:
         yield engine
