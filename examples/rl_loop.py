@@ -4,11 +4,14 @@ Run:  .venv/bin/python examples/rl_loop.py [--iterations 12]
 Job:  ray job submit --working-dir . -- python examples/rl_loop.py
 
 Each iteration the rollout replicas (`reference_lm`, seeded weights) sample a group of
-completions per prompt; a rule-based reward scores each completion (the fraction of its tokens
-equal to TARGET); the trainer turns rewards into group-relative advantages, takes one
-policy-gradient step on its own copy of the weights (log-probs from `reference_lm.score`, the
-same math the rollout uses), and pushes the new weights to both replicas in the four phases
-with version = iteration + 1. Every rollout must carry the version just pushed.
+completions per prompt, one request per completion (as verl's agent loop sends them: every
+request one prompt with its own seed, all in flight at once, batched by the replicas); a
+rule-based reward scores each completion (the fraction of its tokens equal to TARGET); the
+trainer turns rewards into group-relative advantages, takes one policy-gradient step on its own
+copy of the weights (log-probs from `reference_lm.score`, the same math the rollout uses), and
+pushes the new weights to both replicas in the four phases with version = iteration + 1. Every
+rollout, and every token of it, must carry the version just pushed. Each line reports the
+rollout's tokens/s (tokens generated / wall time of the rollout).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Any
 
 import ray
@@ -66,15 +70,26 @@ class Trainer:
                 "errors": [r.error for r in reports]}
 
 
-def rollout_batch(rollout: Any, iteration: int, group: int, max_tokens: int) -> list:
-    """`group` sampled completions per prompt, split over the two replicas (one request each)."""
+def rollout_batch(rollout: Any, iteration: int, group: int, max_tokens: int) -> tuple[list, float]:
+    """`group` sampled completions per prompt, ONE request per completion, each with its own seed,
+    all submitted at once (the engine spreads them over the replicas): (rows, seconds)."""
     prompts = [p for p in PROMPTS for _ in range(group)]
-    half = len(prompts) // 2
-    requests = [{"prompts": part, "max_tokens": max_tokens, "temperature": 1.0, "seed": 2 * iteration + k}
-                for k, part in enumerate((prompts[:half], prompts[half:]))]
+    requests = [{"prompts": [p], "max_tokens": max_tokens, "temperature": 1.0, "seed": iteration * len(prompts) + i}
+                for i, p in enumerate(prompts)]
+    start = time.perf_counter()
     results = ray.get([rollout.submit.remote(r) for r in requests], timeout=120)
-    return [(p, out, result.weight_version) for r, result in zip(requests, results)
-            for p, out in zip(r["prompts"], result.value)]
+    seconds = time.perf_counter() - start
+    return [(r["prompts"][0], result.value[0], result.weight_version) for r, result in zip(requests, results)], seconds
+
+
+def check_versions(rows: list, version: Any, iteration: int) -> None:
+    """Every result, its output and each of its tokens (when the plugin reports them) carry `version`."""
+    for prompt, out, result_version in rows:
+        per_token = set(out.weight_versions)
+        if result_version != version or out.weight_version != version or not per_token <= {version}:
+            raise RuntimeError(f"iteration {iteration}: a rollout of prompt {prompt} carries weight version "
+                               f"{result_version} (output {out.weight_version}, per token "
+                               f"{sorted(per_token, key=str)}), expected {version}")
 
 
 def advantages(rows: list, group: int) -> list[tuple[list[int], list[int], float]]:
@@ -95,28 +110,30 @@ def main(iterations: int = 12, group: int = 8, max_tokens: int = 8, lr: float = 
     rollout = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(mode="local", replica_count=2,
                                                                             cpus_per_rank=0.5))
     trainer = Trainer.remote(lr)
-    curve = []
+    curve: list[float] = []
+    rates: list[float] = []
     try:
         ray.get(trainer.connect.remote(rollout), timeout=120)
         version = None
         for it in range(iterations):
-            rows = rollout_batch(rollout, it, group, max_tokens)
-            versions = {v for _, _, v in rows} | {out.weight_version for _, out, _ in rows}
-            if versions != {version}:
-                raise RuntimeError(f"iteration {it}: rollouts carry weight versions {versions}, expected {version}")
+            rows, seconds = rollout_batch(rollout, it, group, max_tokens)
+            check_versions(rows, version, it)
             mean_reward = statistics.mean(reward(out.token_ids) for _, out, _ in rows)
             curve.append(mean_reward)
+            rates.append(sum(len(out.token_ids) for _, out, _ in rows) / seconds)
             version = it + 1
             info = ray.get(trainer.train_and_push.remote(advantages(rows, group), rollout, version), timeout=120)
             if any(info["errors"]):
                 raise RuntimeError(f"weight sync failed: {info['errors']}")
             print(f"iteration {it:2d}: mean reward {mean_reward:.3f}  loss {info['loss']:+.3f}  "
-                  f"pushed version {version} to {info['states']}", flush=True)
+                  f"rollout {len(rows)} requests {rates[-1]:6.0f} tok/s  pushed version {version} to {info['states']}",
+                  flush=True)
     finally:
         ray.get(rollout.close.remote(), timeout=60)
         ray.kill(rollout)
         ray.kill(trainer)
-    print(f"reward: first {curve[0]:.3f} -> last {curve[-1]:.3f}")
+    print(f"reward: first {curve[0]:.3f} -> last {curve[-1]:.3f}; mean rollout {statistics.mean(rates):.0f} tok/s "
+          f"({len(PROMPTS) * group} one-prompt requests of {max_tokens} tokens per iteration)")
     return curve
 
 
@@ -126,5 +143,8 @@ if __name__ == "__main__":
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.05)
     opts = parser.parse_args()
-    curve = main(opts.iterations, opts.group, lr=opts.lr)
+    try:
+        curve = main(opts.iterations, opts.group, lr=opts.lr)
+    finally:
+        ray.shutdown()
     print(f"rl_loop: {len(curve)} iterations, reward {curve[0]:.3f} -> {curve[-1]:.3f}")
