@@ -93,3 +93,40 @@ def test_an_oversized_prompt_is_refused_before_it_is_copied(client):
     with pytest.raises(openai.BadRequestError, match=r"n \(64\) x prompt ids \(1024 prompt\(s\), longest 128: "
                                                      r"131072\) = 8388608 exceeds 4194304; lower n"):
         oai.completions.create(model="reference_lm", prompt=[[1] * 128] * 1024, max_tokens=4, n=64)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence_at_the_next_iteration():
+    """A real HTTP server (uvicorn, in this process): the client reads three events and hangs up."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.helpers import free_port, wait_until
+
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0, "max_seq": 4096}, config={"device": {"target": "cpu"}})
+    with Engine(args) as engine:
+        api = FastAPI()
+        add_openai_routes(api, InlineRunner(engine))
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: server.started, 20, "the HTTP server")
+            oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+            stream = oai.completions.create(model="reference_lm", prompt=[1, 2, 3], max_tokens=4000, temperature=0,
+                                            stream=True)
+            events = [next(iter(stream)) for _ in range(3)]
+            assert all(e.choices[0].token_ids for e in events)
+            assert engine.batch_stats()[0]["running_sequences"] == 1
+            stream.close()  # the connection goes; the sequence has thousands of tokens to go
+            closed = time.monotonic()
+            wait_until(lambda: engine.batch_stats()[0]["running_sequences"] == 0, 5, "the sequence dropped",
+                       interval_s=0.01)
+            assert time.monotonic() - closed < 2.0
+            status = engine.replica_status()[0]
+            assert status.in_flight == 0 and status.served == 0 and status.healthy
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
