@@ -107,6 +107,7 @@ class IterationLoop:
         self._thread: threading.Thread | None = None
         self._served = self._errored = 0
         self.iterations = 0
+        self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Any, sink: ChunkSink | None = None) -> EngineFuture:
@@ -156,8 +157,16 @@ class IterationLoop:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
+            times = sorted(self._durations)
             return {"running_sequences": len(self._running), "waiting_sequences": len(self._waiting),
-                    "iterations": self.iterations}
+                    "iterations": self.iterations,
+                    "iteration_ms": {q: round(times[min(int(p * len(times)), len(times) - 1)] * 1e3, 3) if times
+                                     else None for q, p in (("p50", 0.5), ("p99", 0.99))}}
+
+    def durations(self, last: int) -> list[float]:
+        """Seconds of each of the latest `last` iterations (plan sent to deltas back), oldest first."""
+        with self._cond:
+            return list(self._durations)[-last:] if last > 0 else []
 
     def _cancelled(self, future: EngineFuture) -> None:
         """The caller cancelled: its sequences leave at the next iteration (a running one frees its slot)."""
@@ -250,6 +259,7 @@ class IterationLoop:
         with self._cond:
             self._in_flight = False
             self.iterations += 1
+            self._durations.append(time.monotonic() - now)
             if error is not None:
                 settle = self._fail_running(error)
             else:

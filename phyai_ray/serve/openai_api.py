@@ -163,18 +163,24 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
             "model": name}
     pump, final = StreamPump(runner.engine.stream(plugin), name="phyai-sse-pump"), []
     try:
-        while True:
-            kind, value = await pump.get()
-            if kind == "error":
-                raise value
-            if kind == "end":
-                final = value or []
-                break
-            choices = [{"index": b, "text": "", "token_ids": [t], "finish_reason": None,
-                        "logprobs": _logprobs([t], [lp]) if request.logprobs is not None else None}
-                       for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
-            if choices:
-                yield f"data: {json.dumps({**head, 'choices': choices})}\n\n"
+        ended = False
+        while not ended:
+            events = []  # every chunk already waiting goes out in one write (one message through the proxy)
+            for kind, value in await pump.get_ready():
+                if kind == "error":
+                    if events:
+                        yield "".join(events)
+                    raise value
+                if kind == "end":
+                    final, ended = value or [], True
+                    break
+                choices = [{"index": b, "text": "", "token_ids": _listed(t), "finish_reason": None,
+                            "logprobs": _logprobs(_listed(t), _listed(lp)) if request.logprobs is not None else None}
+                           for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
+                if choices:
+                    events.append(f"data: {json.dumps({**head, 'choices': choices})}\n\n")
+            if events:
+                yield "".join(events)
         yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
     except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
         error = _mapped(exc)
@@ -182,6 +188,11 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
     finally:
         pump.close()  # never blocks; the stream is cancelled on every rank at most one chunk later
     yield "data: [DONE]\n\n"
+
+
+def _listed(value: Any) -> list:
+    """A chunk's entry for one prompt: one token (an int), or several (a list) when an iteration gave more."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _finish(index: int, out: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     pump = StreamPump(engine.stream(request))      # on the event loop
     kind, value = await pump.get()                 # ("chunk", c) ... then ("end", result) or ("error", exc)
+    items = await pump.get_ready()                 # the next item and all those already waiting
     pump.close()                                   # any time, from the loop: the stream is cancelled
 
 Why not `await asyncio.to_thread(next, chunks)`: a pull waits for the next chunk inside the
@@ -35,6 +36,15 @@ class StreamPump:
         item = await self._queue.get()
         self._room.release()
         return item
+
+    async def get_ready(self) -> list[tuple[str, Any]]:
+        """The next item and every item already waiting behind it (one write for all of them: a reader
+        slower than the stream gets fewer, larger writes instead of falling behind)."""
+        items = [await self.get()]
+        while items[-1][0] == "chunk" and not self._queue.empty():
+            items.append(self._queue.get_nowait())
+            self._room.release()
+        return items
 
     def close(self) -> None:
         """Stop pulling; the generator is closed (the stream cancelled) by the pump's thread."""
