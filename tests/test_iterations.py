@@ -13,6 +13,7 @@ loses nothing.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -228,3 +229,41 @@ def test_an_iteration_that_raises_fails_its_sequences_only_inline():
             beside.result(timeout=10)  # it shared the iteration that raised
         [out] = engine.step({"prompts": [[3]], "max_tokens": 2})
         assert out.token_ids == expected_tokens([3], 2) and engine.replica_status()[0].healthy
+
+
+def test_done_callbacks_may_call_the_engine_again(inline_probe):
+    engine, replies, done = inline_probe, [], threading.Event()
+
+    def again(future) -> None:  # runs on the engine's delivery thread, never on the loop's
+        replies.append(engine.step({"prompts": [[len(future.result()[0].token_ids)]], "max_tokens": 2}, timeout=10))
+        done.set()
+
+    futures = [engine.submit({"prompts": [[1]], "max_tokens": 3 + i}) for i in range(20)]
+    futures[-1].add_done_callback(again)
+    assert done.wait(20) and replies[0][0].token_ids == expected_tokens([22], 2)
+    assert all(f.result(timeout=10)[0].token_ids == expected_tokens([1], 3 + i) for i, f in enumerate(futures))
+
+
+def test_a_rank_killed_mid_iteration_fails_every_sequence_soon_and_nothing_hangs(ray_probe):
+    """Its own group (`ray_probe`'s teardown checks that neither left an actor or placement group behind)."""
+    import os
+    import signal
+
+    from phyai_ray import EngineUnavailableError
+
+    engine = probe_engine(2, timeout_s=60.0)
+    try:
+        futures = [engine.submit({"prompts": [[1 + i]], "max_tokens": 100_000, "sleep": 0.002}) for i in range(8)]
+        wait_running(engine, 8)
+        os.kill(engine.replica_status()[0].pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        for f in futures:
+            with pytest.raises(EngineUnavailableError):
+                f.result(timeout=30)
+        assert time.monotonic() - killed < 10.0
+        assert not engine.replica_status()[0].healthy
+        with pytest.raises(EngineUnavailableError):
+            engine.submit({"prompts": [[1]], "max_tokens": 2})
+    finally:
+        engine.close()
+    assert ray_probe.replica_status()[0].healthy  # the other group never noticed

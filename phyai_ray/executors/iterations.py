@@ -37,10 +37,11 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from phyai_ray.errors import EngineOverloadedError, RequestAbortedError, RequestTimeoutError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestAbortedError, RequestTimeoutError
 from phyai_ray.executors.delivery import EngineFuture
 from phyai_ray.executors.scheduler import Counts
-from phyai_ray.outputs import TokenOutput, version_order
+from phyai_ray.executors.sequences import LoopReader, LoopRequest, LoopSequence, settle_future, stream_chunk
+from phyai_ray.outputs import version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
 from phyai_ray.streams import ChunkSink
 
@@ -49,38 +50,6 @@ logger = logging.getLogger(__name__)
 _TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
 _REPLY_GRACE_S = 30.0  # past the step limit the scheduler's hang clock fails the replica first
 _IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
-
-
-class _Request:
-    __slots__ = ("payload", "future", "seqs", "deadline", "submitted", "sink", "left", "admitted", "chunks")
-
-    def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None) -> None:
-        self.payload, self.future, self.sink = payload, future, sink
-        self.submitted = time.monotonic()
-        self.deadline = self.submitted + limit_s
-        self.seqs: list[_Seq] = []
-        self.left = 0  # sequences not ended yet
-        self.admitted = False  # some sequence reached the ranks
-        self.chunks = 0
-
-
-class _Seq:
-    __slots__ = ("ident", "request", "index", "payload", "cost", "tokens", "log_probs", "versions", "stop_reason",
-                 "cache_version", "stale")
-
-    def __init__(self, ident: int, request: _Request, index: int, payload: Any, cost: int) -> None:
-        self.ident, self.request, self.index, self.payload, self.cost = ident, request, index, payload, cost
-        self.tokens: list[int] = []
-        self.log_probs: list[float] = []
-        self.versions: list[Any] = []
-        self.stop_reason: str | None = None
-        self.cache_version: Any = None
-        self.stale = False  # its cache must be rebuilt at its next iteration
-
-    def output(self) -> TokenOutput:
-        return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
-                           weight_version=self.versions[-1] if self.versions else None,
-                           weight_versions=self.versions)
 
 
 class IterationLoop:
@@ -93,10 +62,11 @@ class IterationLoop:
         self.recompute_after_update = batching.cache_after_update == "recompute"
         self.limit_s, self.max_queued = limit_s, max_queued
         self._cond = threading.Condition()
-        self._waiting: deque[_Seq] = deque()
-        self._running: dict[int, _Seq] = {}
+        self._waiting: deque[LoopSequence] = deque()  # first come first served; a left request's stay, as "done"
+        self._n_waiting = 0  # sequences in `_waiting` still waiting
+        self._running: dict[int, LoopSequence] = {}
         self._to_drop: list[int] = []
-        self._requests: dict[_Request, None] = {}  # in submission order, so in deadline order
+        self._requests: dict[LoopRequest, None] = {}  # in submission order, so in deadline order
         self._queued = 0  # requests none of whose sequences was admitted yet
         self._ids = itertools.count(1)
         self._held = False  # no iteration starts (pause, sleep, weight update)
@@ -118,7 +88,7 @@ class IterationLoop:
         scheduler = self._executor.scheduler
         future = EngineFuture(scheduler._delivery, self._cancelled)
         future.replica = self.index
-        req = _Request(request, future, self.limit_s, sink)
+        req = LoopRequest(request, future, self.limit_s, sink)
         future.work = req
         with self._cond:
             if self._refusal is not None:
@@ -130,11 +100,12 @@ class IterationLoop:
                     f"{self.max_queued}) behind {len(self._running)} running sequence(s) (max_num_seqs="
                     f"{self.max_seqs})", queued=queued, limit=self.max_queued)
             for i, seq in enumerate(sequences):
-                req.seqs.append(_Seq(next(self._ids), req, i, seq.payload, max(int(seq.cost), 1)))
+                req.seqs.append(LoopSequence(next(self._ids), req, i, seq.payload, max(int(seq.cost), 1)))
             req.left = len(req.seqs)
             self._requests[req] = None
             self._queued += 1
             self._waiting.extend(req.seqs)
+            self._n_waiting += len(req.seqs)
             self._wake()
         return future
 
@@ -158,7 +129,7 @@ class IterationLoop:
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
             times = sorted(self._durations)
-            return {"running_sequences": len(self._running), "waiting_sequences": len(self._waiting),
+            return {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting,
                     "iterations": self.iterations,
                     "iteration_ms": {q: round(times[min(int(p * len(times)), len(times) - 1)] * 1e3, 3) if times
                                      else None for q, p in (("p50", 0.5), ("p99", 0.99))}}
@@ -176,16 +147,17 @@ class IterationLoop:
                 self._forget(req)
                 self._wake()
 
-    def _forget(self, req: _Request) -> None:
+    def _forget(self, req: LoopRequest) -> None:
         """Lock held: remove the request's sequences; running ones are dropped at the ranks next iteration."""
         if self._requests.pop(req, 0) is None and not req.admitted:
             self._queued -= 1
         for seq in req.seqs:
-            if self._running.pop(seq.ident, None) is not None:
+            if seq.state == "running":
+                del self._running[seq.ident]
                 self._to_drop.append(seq.ident)
-        if any(s in self._waiting for s in req.seqs):
-            ident = {s.ident for s in req.seqs}
-            self._waiting = deque(s for s in self._waiting if s.ident not in ident)
+            elif seq.state == "waiting":
+                self._n_waiting -= 1  # it stays in `_waiting` until the planner passes it
+            seq.state = "done"
 
     def _wake(self) -> None:
         """Lock held: make the loop's thread look again (start it if it ended)."""
@@ -197,9 +169,20 @@ class IterationLoop:
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a bug here must not leave futures without an outcome (or a clock)
+            logger.exception("replica %d: the iteration loop failed", self.index)
+            with self._cond:
+                self._thread = None
+            self._executor._fail(EngineUnavailableError(
+                f"replica {self.index}: its iteration loop failed ({type(exc).__name__}: {exc}); the replica was "
+                "stopped and the requests it held were failed", reason="exception", replica=self.index))
+
+    def _run(self) -> None:
         idle_since = time.monotonic()
         while True:
-            settle: list[tuple[_Request, Any, BaseException | None]] = []
+            settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
             with self._cond:
                 if self._refusal is not None:
                     self._thread = None
@@ -223,20 +206,25 @@ class IterationLoop:
     def _can_iterate(self) -> bool:
         if self._held:
             return False
-        return bool(self._running or self._to_drop or (self._waiting and self._admitting))
+        return bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
 
-    def _plan(self) -> tuple[IterationPlan, list[_Seq], list[_Seq]]:
+    def _plan(self) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
         """Lock held: this iteration's drops, rebuilds and admissions (first come, first served)."""
         drop, self._to_drop = tuple(self._to_drop), []
         rebuild = [s for s in self._running.values() if s.stale]
         budget = self.max_tokens - (len(self._running) - len(rebuild)) - sum(s.cost + len(s.tokens) for s in rebuild)
-        admitted: list[_Seq] = []
+        admitted: list[LoopSequence] = []
         while self._waiting and self._admitting and len(self._running) < self.max_seqs:
             seq = self._waiting[0]
+            if seq.state != "waiting":  # its request left (cancelled, expired, aborted)
+                self._waiting.popleft()
+                continue
             if seq.cost > budget and self._running:
                 break  # it waits for an iteration with room (alone, at worst): nothing overtakes it
             self._waiting.popleft()
+            self._n_waiting -= 1
             budget -= seq.cost
+            seq.state = "running"
             self._running[seq.ident] = seq
             if not seq.request.admitted:
                 seq.request.admitted = True
@@ -246,7 +234,7 @@ class IterationLoop:
                              recompute=tuple(s.ident for s in rebuild))
         return plan, admitted, rebuild
 
-    def _iterate(self, formed: tuple[IterationPlan, list[_Seq], list[_Seq]]) -> None:
+    def _iterate(self, formed: tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]) -> None:
         plan, admitted, rebuild = formed
         now = time.monotonic()
         try:
@@ -255,7 +243,7 @@ class IterationLoop:
             error = None
         except BaseException as exc:  # the replica failed (its error), or the plugin raised (inline)
             deltas, error, future = None, exc, None
-        settle: list[tuple[_Request, Any, BaseException | None]] = []
+        settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
         with self._cond:
             self._in_flight = False
             self.iterations += 1
@@ -285,17 +273,17 @@ class IterationLoop:
             if seq.request.sink is not None and delta.token_ids:
                 touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
             if delta.stop_reason is not None:
-                seq.stop_reason = delta.stop_reason
+                seq.stop_reason, seq.state = delta.stop_reason, "done"
                 del self._running[ident]
                 seq.request.left -= 1
                 if seq.request.left == 0 and seq.request in self._requests:
                     del self._requests[seq.request]
                     ended.append(seq.request)
         for req, changed in touched.values():
-            _stream_chunk(req, changed)
+            stream_chunk(req, changed)
         return [(req, self._result(req), None) for req in ended]
 
-    def _result(self, req: _Request) -> Any:
+    def _result(self, req: LoopRequest) -> Any:
         return self._entry.gather(req.payload, [s.output() for s in req.seqs])
 
     def _record(self, size: int, waits: list[float]) -> None:
@@ -332,7 +320,7 @@ class IterationLoop:
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
                 req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
                                                 default=None, key=version_order)
-            settled = _set(req.future, value, error)
+            settled = settle_future(req.future, value, error)
             if req.sink is not None:
                 req.sink.close()
             if settled:
@@ -413,51 +401,10 @@ class IterationLoop:
             self._requests.clear()
             self._queued = 0
             self._waiting.clear()
+            self._n_waiting = 0
             self._running.clear()
             self._cond.notify_all()
         for req in left:
             if cancel_waiting and not req.admitted and req.future.cancel():
                 continue
             self._settle([(req, None, refusal())])
-
-
-class LoopReader:
-    """The consumer's end of an iteration stream: `read` chunks; `cancel` drops the request's sequences."""
-
-    def __init__(self, sink: ChunkSink, future: EngineFuture) -> None:
-        self.sink, self.future = sink, future
-
-    def read(self, timeout_s: float) -> tuple[list, bool]:
-        if self.future.cancelled():
-            return [], True
-        chunks, done = self.sink.take(256, timeout_s)
-        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
-
-    def cancel(self) -> None:
-        self.future.cancel()
-        self.sink.cancel()
-
-
-def _stream_chunk(req: _Request, changed: list[tuple[_Seq, Delta]]) -> None:
-    """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
-    ids: list[Any] = [None] * len(req.seqs)
-    lps: list[Any] = [None] * len(req.seqs)
-    for seq, delta in changed:
-        ids[seq.index] = delta.token_ids[-1] if len(delta.token_ids) == 1 else list(delta.token_ids)
-        lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
-    req.sink.put({"index": req.chunks, "token_ids": ids, "log_probs": lps})
-    req.chunks += 1
-
-
-def _set(future: EngineFuture, value: Any, error: BaseException | None) -> bool:
-    if future.done():
-        return False
-    try:
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-    except Exception:  # finished concurrently (cancelled)
-        return False
-    return True
-

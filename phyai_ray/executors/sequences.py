@@ -1,0 +1,96 @@
+"""What the iteration loop keeps per request and per sequence, and a streamed request's reader.
+
+    LoopRequest     a request: its future, deadline, sequences left, and stream sink if streamed
+    LoopSequence    a sequence: its payload and prefill cost, tokens / log-probs / per-token versions so far
+    LoopReader      `read` chunks, `cancel` (its sequences are dropped at the next iteration)
+    stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from phyai_ray.executors.delivery import EngineFuture
+from phyai_ray.outputs import TokenOutput
+from phyai_ray.plugins.iteration import Delta
+from phyai_ray.streams import ChunkSink
+
+
+class LoopRequest:
+    """One request of the loop: its future, its sequences, its deadline and its stream (if any)."""
+
+    __slots__ = ("payload", "future", "seqs", "deadline", "submitted", "sink", "left", "admitted", "chunks")
+
+    def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None) -> None:
+        self.payload, self.future, self.sink = payload, future, sink
+        self.submitted = time.monotonic()
+        self.deadline = self.submitted + limit_s
+        self.seqs: list[LoopSequence] = []
+        self.left = 0  # sequences not ended yet
+        self.admitted = False  # some sequence reached the ranks
+        self.chunks = 0
+
+
+class LoopSequence:
+    """One sequence: what its rank admits, and the tokens, log-probs and weight versions it has so far."""
+
+    __slots__ = ("ident", "request", "index", "payload", "cost", "tokens", "log_probs", "versions", "stop_reason",
+                 "cache_version", "stale", "state")
+
+    def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int) -> None:
+        self.ident, self.request, self.index, self.payload, self.cost = ident, request, index, payload, cost
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.versions: list[Any] = []
+        self.stop_reason: str | None = None
+        self.cache_version: Any = None
+        self.stale = False  # its cache must be rebuilt at its next iteration
+        self.state = "waiting"  # -> "running" (it has a slot) -> "done" (ended, or its request left)
+
+    def output(self) -> TokenOutput:
+        return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
+                           weight_version=self.versions[-1] if self.versions else None,
+                           weight_versions=self.versions)
+
+
+class LoopReader:
+    """The consumer's end of an iteration stream: `read` chunks; `cancel` drops the request's sequences."""
+
+    def __init__(self, sink: ChunkSink, future: EngineFuture) -> None:
+        self.sink, self.future = sink, future
+
+    def read(self, timeout_s: float) -> tuple[list, bool]:
+        if self.future.cancelled():
+            return [], True
+        chunks, done = self.sink.take(256, timeout_s)
+        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
+
+    def cancel(self) -> None:
+        self.future.cancel()
+        self.sink.cancel()
+
+
+def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
+    """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
+    ids: list[Any] = [None] * len(req.seqs)
+    lps: list[Any] = [None] * len(req.seqs)
+    for seq, delta in changed:
+        ids[seq.index] = delta.token_ids[-1] if len(delta.token_ids) == 1 else list(delta.token_ids)
+        lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
+    req.sink.put({"index": req.chunks, "token_ids": ids, "log_probs": lps})
+    req.chunks += 1
+
+
+def settle_future(future: EngineFuture, value: Any, error: BaseException | None) -> bool:
+    if future.done():
+        return False
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except Exception:  # finished concurrently (cancelled)
+        return False
+    return True
+
