@@ -22,7 +22,9 @@ Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_generation.py [--only engin
 2. HTTP: the phyai-ray Serve app with the OpenAI routes, 2 groups x TP=2 (4 rank actors at 0.5 CPU
    each), `--http-streams` concurrent streamed /v1/completions of `--http-tokens` tokens sent with the
    `openai` client (AsyncOpenAI; plain `requests` with SSE parsing when the package is missing):
-   total tokens/s (target >= 1100, 10x the 110 tok/s measured before) and inter-token p50 / p99.
+   total tokens/s (target >= 1100, 10x the 110 tok/s measured before) and inter-token p50 / p99;
+   then, for context, the same with `stream_interval=4` (one SSE write per 4 token steps) and the
+   same two groups at TP=1 (no collectives).
 Each deployment says whether its engine batched per iteration or ran every request as one step.
 Prints the machine first, then every measurement, then each ratio with its target.
 """
@@ -270,7 +272,7 @@ def sse_streams(base: str, batch: list[list[int]], tokens: int) -> list[tuple[fl
     return results
 
 
-def bench_http(streams: int, tokens: int, port: int) -> dict[str, Any]:
+def bench_http(streams: int, tokens: int, port: int, tp: int = 2, stream_interval: int = 1) -> dict[str, Any]:
     from ray import serve
 
     from phyai_ray.serve import create_app
@@ -281,7 +283,8 @@ def bench_http(streams: int, tokens: int, port: int) -> dict[str, Any]:
     send = ((lambda b: asyncio.run(openai_streams(base, b, tokens))) if use_openai
             else (lambda b: sse_streams(base, b, tokens)))
     try:
-        app = create_app(engine_args(2), DeploymentConfig(replica_count=2, cpus_per_rank=0.5, batching=BATCHING))
+        app = create_app(engine_args(tp), DeploymentConfig(replica_count=2, cpus_per_rank=0.5, batching=BATCHING),
+                         stream_interval=stream_interval)
         serve.run(app, name="bench-generation", route_prefix="/")
         send(prompts(8, offset=3000))  # warm-up: connections, both groups
         start = time.perf_counter()
@@ -345,14 +348,18 @@ def main() -> None:
                 lines.append(f"    ^ {name} ran every request as one step (no per-iteration batching): "
                              "its ITL is one request's alone")
         if opts.only in (None, "http"):
-            h = bench_http(opts.http_streams, opts.http_tokens, opts.port)
-            print(f"HTTP 2 groups x TP=2, {opts.http_streams} concurrent streamed /v1/completions of "
-                  f"{opts.http_tokens} tokens ({h['client']}): {h['tokens']} tokens in {h['wall']:.2f} s = "
-                  f"{h['rate']:.0f} tok/s | "
-                  f"TTFT p50 {pct(h['ttft'], .5) * 1e3:.1f} ms  p99 {pct(h['ttft'], .99) * 1e3:.1f} ms | "
-                  f"ITL p50 {pct(h['itl'], .5) * 1e3:.2f} ms  p99 {pct(h['itl'], .99) * 1e3:.2f} ms", flush=True)
-            lines.append(verdict("HTTP streamed completions, total tokens/s", h["rate"], HTTP_TARGET_TOKENS_S, True,
-                                 " tok/s"))
+            # the target's topology; then, for context, one write per 4 tokens, and the groups without collectives
+            for tp, interval in ((2, 1), (2, 4), (1, 1)):
+                h = bench_http(opts.http_streams, opts.http_tokens, opts.port, tp, interval)
+                print(f"HTTP 2 groups x TP={tp}, stream_interval={interval}, {opts.http_streams} concurrent streamed "
+                      "/v1/completions of "
+                      f"{opts.http_tokens} tokens ({h['client']}): {h['tokens']} tokens in {h['wall']:.2f} s = "
+                      f"{h['rate']:.0f} tok/s | "
+                      f"TTFT p50 {pct(h['ttft'], .5) * 1e3:.1f} ms  p99 {pct(h['ttft'], .99) * 1e3:.1f} ms | "
+                      f"ITL p50 {pct(h['itl'], .5) * 1e3:.2f} ms  p99 {pct(h['itl'], .99) * 1e3:.2f} ms", flush=True)
+                if (tp, interval) == (2, 1):
+                    lines.append(verdict("HTTP streamed completions (2 groups x TP=2), total tokens/s", h["rate"],
+                                         HTTP_TARGET_TOKENS_S, True, " tok/s"))
     finally:
         ray.shutdown()
     print(f"\nratios (whole run {time.perf_counter() - began:.0f} s):")

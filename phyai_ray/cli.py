@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=_bounded_int(1, 2**40), default=DEFAULT_MAX_BODY_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
     serve.add_argument("--model-name", default=None, help=ServeOptions.model_fields["model_name"].description)
+    serve.add_argument("--stream-interval", type=_bounded_int(1, 1024), default=None,
+                       help=ServeOptions.model_fields["stream_interval"].description + " (default: 1)")
     overload = ServeOptions.model_fields["overload_status"]
     serve.add_argument("--overload-status", type=int, choices=OVERLOAD_STATUSES, default=overload.default,
                        help=f"{overload.description} (default: {overload.default})")
@@ -162,7 +164,8 @@ def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentCon
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
                **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
-               **{name: getattr(ns, name) for name in ("model_name", "grpc_port", *(n for n, _ in SCALING_FLAGS))
+               **{name: getattr(ns, name) for name in ("model_name", "grpc_port", "stream_interval",
+                                                       *(n for n, _ in SCALING_FLAGS))
                   if getattr(ns, name) is not None})
     return 0
 

@@ -123,9 +123,7 @@ class Engine:
         step and the replica is free for the next request. At most `max_buffered` chunks wait
         unread. `timeout` bounds the whole stream (default: execution_timeout_s plus a grace).
         """
-        self._check_open()
-        self.entry.validate_request(request)
-        future, reader = self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)
+        future, reader = self.open_stream(request, session=session, max_buffered=max_buffered)
         deadline = time.monotonic() + (timeout if timeout is not None else self._default_wait_s())
         done = False
         try:
@@ -141,6 +139,21 @@ class Engine:
         finally:
             if not done:
                 reader.cancel()
+
+    @property
+    def batches_per_iteration(self) -> bool:
+        """Whether the replicas run the plugin's iteration protocol (continuous batching)."""
+        return bool(self._executors) and all(getattr(e, "iterations", None) is not None for e in self._executors)
+
+    def open_stream(self, request: Any, *, session: Any = None,
+                    max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:
+        """The parts `stream` is built on, for consumers with a loop of their own: the request's future
+        and a reader, `read(timeout_s) -> (chunks, done)` and `cancel()`. A reader with a `sink` (the
+        iteration protocol) calls `reader.sink.on_change()` after every chunk and at the end, so an
+        asyncio consumer needs no thread per stream (`phyai_ray.serve.pump.stream_items`)."""
+        self._check_open()
+        self.entry.validate_request(request)
+        return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, replica: int | None = None,
                        all_ranks: bool = False, **kwargs: Any) -> Any:

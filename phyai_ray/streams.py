@@ -32,6 +32,7 @@ class ChunkSink:
         self._cond = threading.Condition()
         self.cancelled = self.closed = False
         self._then: Callable[[], None] | None = None  # runs once a cancelled sink is closed
+        self.on_change: Callable[[], None] | None = None  # called after each put and at close (no lock held)
 
     def put(self, chunk: Any) -> bool:
         """Add a chunk, waiting while the buffer is full; False once the consumer cancelled."""
@@ -42,7 +43,10 @@ class ChunkSink:
                 return False
             self._chunks.append(chunk)
             self._cond.notify_all()
-            return True
+            poke = self.on_change
+        if poke is not None:
+            poke()
+        return True
 
     def take(self, max_items: int, timeout_s: float) -> tuple[list, bool]:
         """Up to `max_items` chunks (waiting up to `timeout_s` for the first); True once closed and drained."""
@@ -59,8 +63,11 @@ class ChunkSink:
             self.closed = True
             then, self._then = self._then, None
             self._cond.notify_all()
+            poke = self.on_change
         if then is not None:
             then()
+        if poke is not None:
+            poke()
 
     def cancel(self, then: Callable[[], None] | None = None) -> None:
         """Drop what is buffered; the producer's next `put` returns False. `then` runs once the

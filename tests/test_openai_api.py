@@ -130,3 +130,16 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence_at_the_next_ite
         finally:
             server.should_exit = True
             thread.join(timeout=10)
+
+
+def test_a_stream_interval_groups_writes_and_keeps_every_token(client):
+    _, engine = client
+    api = FastAPI()
+    add_openai_routes(api, InlineRunner(engine), stream_interval=4)
+    [want] = engine.step({"prompts": [[6, 7]], "max_tokens": 10})
+    with TestClient(api) as http:
+        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+        events = list(oai.completions.create(model="reference_lm", prompt=[6, 7], max_tokens=10, temperature=0,
+                                             stream=True))
+    assert [t for e in events for c in e.choices for t in c.token_ids] == want.token_ids
+    assert events[-1].choices[0].finish_reason == "length"

@@ -60,7 +60,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     if getattr(runner.entry, "generates_tokens", False):
         from phyai_ray.serve.openai_api import add_openai_routes
 
-        add_openai_routes(api, runner, options.model_name)
+        add_openai_routes(api, runner, options.model_name, stream_interval=options.stream_interval)
     _add_protocol_routes(api, runner, options)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too

@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.pump import StreamPump
+from phyai_ray.serve.pump import stream_items
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
@@ -96,8 +96,9 @@ def plugin_request(body: CompletionRequest) -> dict[str, Any]:
             "seed": body.seed if body.seed is not None else random.randrange(2 ** 31)}
 
 
-def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) -> None:
-    """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits)."""
+def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, *, stream_interval: int = 1) -> None:
+    """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
+    streamed completions write at most one event per `stream_interval` token steps (the first at once)."""
     name = model_name or runner.entry.display_name()
 
     @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
@@ -109,7 +110,8 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None) 
         try:  # parsing, size checks, the n copies and the plugin's validator: off the event loop
             request, plugin = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
-                return StreamingResponse(_events(runner, plugin, request, name), media_type="text/event-stream")
+                return StreamingResponse(_events(runner, plugin, request, name, stream_interval),
+                                         media_type="text/event-stream")
             outputs = await _generate(runner, plugin)
             return JSONResponse(_completion(outputs, request, name))
         except OpenAIError as exc:
@@ -157,16 +159,19 @@ def _completion(outputs: list, request: CompletionRequest, name: str) -> dict[st
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def _events(runner: Any, plugin: dict[str, Any], request: CompletionRequest, name: str) -> AsyncIterator[str]:
-    """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation."""
+async def _events(runner: Any, plugin: dict[str, Any], request: CompletionRequest, name: str,
+                  interval: int = 1) -> AsyncIterator[str]:
+    """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation.
+
+    One write carries every event waiting; after the first token (written at once) a write waits
+    until `interval` token steps are there, or the stream ended."""
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
-    pump, final = StreamPump(runner.engine.stream(plugin), name="phyai-sse-pump"), []
+    items, final = stream_items(runner.engine, plugin), []
     try:
-        ended = False
-        while not ended:
-            events = []  # every chunk already waiting goes out in one write (one message through the proxy)
-            for kind, value in await pump.get_ready():
+        ended, events, steps, written = False, [], 0, False
+        async for ready in items:
+            for kind, value in ready:
                 if kind == "error":
                     if events:
                         yield "".join(events)
@@ -179,14 +184,18 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
                            for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
                 if choices:
                     events.append(f"data: {json.dumps({**head, 'choices': choices})}\n\n")
-            if events:
+                    steps += 1
+            if events and (ended or not written or steps >= interval):  # one message through the proxy
                 yield "".join(events)
+                events, steps, written = [], 0, True
+            if ended:
+                break
         yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
     except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
         error = _mapped(exc)
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.type, 'code': error.status}})}\n\n"
     finally:
-        pump.close()  # never blocks; the stream is cancelled on every rank at most one chunk later
+        await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
     yield "data: [DONE]\n\n"
 
 

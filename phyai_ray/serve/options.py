@@ -66,6 +66,10 @@ class ServeOptions(ConfigModel):
     model_name: str | None = Field(
         None, min_length=1, description="Token plugins: the model name of the OpenAI-compatible routes "
         "(/v1/completions, /v1/models); default: the plugin name.")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="Token plugins: streamed /v1/completions write at most one event per this "
+        "many token steps (the first token at once, the rest in groups; vLLM's stream_interval). 1: every "
+        "token as it comes; larger: fewer writes through the proxy, more tokens per second, burstier streams.")
     overload_status: int = Field(
         503, description="HTTP status of a request shed because every replica group's queue is full: 503 or 429 "
         "(both with Retry-After).")

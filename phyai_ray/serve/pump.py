@@ -13,13 +13,23 @@ replica slot until garbage collection. Here one thread of the pump's own pulls t
 is the only one that ever touches it: `close()` only raises a flag, and the pump thread closes the
 generator (cancelling the stream on every rank) as soon as its pull in progress returns, at most
 one chunk later. The pump runs at most `ahead` chunks ahead of the reader.
+
+`stream_items(engine, request)` is what a route iterates: for a replica that batches per
+iteration (its reader's sink calls back after every chunk) it needs no thread at all, so dozens
+of open streams do not put dozens of threads on the GIL beside the engine; for the others it is a
+`StreamPump`.
+
+    async for items in stream_items(engine, request):    # lists of ("chunk" | "end" | "error", value)
+        ...
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
+
+_RECHECK_S = 1.0  # a threadless stream looks at its reader at least this often, woken or not
 
 
 class StreamPump:
@@ -73,3 +83,55 @@ class StreamPump:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody reads any more
             self._closed.set()
+
+
+async def stream_items(engine: Any, request: Any) -> AsyncIterator[list[tuple[str, Any]]]:
+    """Every item of `engine`'s stream of `request`, in lists of those ready together; leaving early
+    (closing the generator) cancels the stream. Threadless when the replica batches per iteration."""
+    if not engine.batches_per_iteration:  # its readers only block: a pump with a thread of its own
+        async for items in _pumped(engine, request):
+            yield items
+        return
+    future, reader = await asyncio.to_thread(engine.open_stream, request)
+    sink = reader.sink
+    loop, woken, done = asyncio.get_running_loop(), asyncio.Event(), False
+
+    def poke() -> None:  # on the engine's thread
+        try:
+            loop.call_soon_threadsafe(woken.set)
+        except RuntimeError:  # the loop is closed: nobody reads any more
+            pass
+    sink.on_change = poke
+    try:
+        while True:
+            woken.clear()
+            chunks, done = reader.read(0.0)
+            items: list[tuple[str, Any]] = [("chunk", c) for c in chunks]
+            if done:
+                if future.cancelled():
+                    return
+                error = future.exception()
+                items.append(("error", error) if error is not None else ("end", future.result()))
+                yield items
+                return
+            if items:
+                yield items
+            try:
+                await asyncio.wait_for(woken.wait(), timeout=_RECHECK_S)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if not done:
+            reader.cancel()
+
+
+async def _pumped(engine: Any, request: Any) -> AsyncIterator[list[tuple[str, Any]]]:
+    pump = StreamPump(engine.stream(request), name="phyai-sse-pump")
+    try:
+        while True:
+            items = await pump.get_ready()
+            yield items
+            if items[-1][0] != "chunk":
+                return
+    finally:
+        pump.close()
