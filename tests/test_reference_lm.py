@@ -13,6 +13,7 @@ import torch
 from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
                        EngineArgs, EngineConfig, ParallelConfig, ParallelConfigError, TokenOutput)
 from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
+from tests.helpers import wait_until
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7}
@@ -134,12 +135,23 @@ def test_tp2_stream_cancel_stops_every_rank_and_engine_actor_streams(ray_session
         started = time.monotonic()
         assert tp2.step({"prompts": [[1]], "max_tokens": 2})[0].token_ids
         assert time.monotonic() - started < 2.0  # the 250-token generation stopped on both ranks
+        wait_until(lambda: tp2.batch_stats()[0]["running_sequences"] == 0, 5, "the left stream's sequence dropped")
         assert tp2.replica_status()[0].healthy
-    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config=EngineConfig(device=DeviceConfig(target="cpu")))
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0, "max_seq": 4096},  # same weights, longer table
+                      config=EngineConfig(device=DeviceConfig(target="cpu")))
     actor = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(mode="local", cpus_per_rank=0.5))
     try:
         chunks = [ray.get(ref, timeout=30) for ref in actor.stream.remote(request)]
         assert _tokens(chunks, 3) == [o.token_ids for o in single.step(request)]
+        served = ray.get(actor.replica_status.remote(), timeout=10)[0].served
+        long_refs = actor.stream.remote({"prompts": [[1, 2]], "max_tokens": 4000})
+        assert [ray.get(next(long_refs), timeout=30)["index"] for _ in range(3)] == [0, 1, 2]
+        ray.cancel(long_refs)  # the actor's generator is closed: the sequence leaves at the next iteration
+        cancelled = time.monotonic()
+        wait_until(lambda: ray.get(actor.replica_status.remote(), timeout=10)[0].in_flight == 0, 10,
+                   "the cancelled stream's request to leave the engine", interval_s=0.05)
+        assert time.monotonic() - cancelled < 3.0
+        assert ray.get(actor.replica_status.remote(), timeout=10)[0].served == served  # dropped, not finished
     finally:
         ray.get(actor.close.remote(), timeout=60)
         ray.kill(actor)

@@ -22,7 +22,6 @@ from typing import Any
 import ray
 
 CONTROL = {"concurrency_group": "control"}
-_END = object()
 
 
 @dataclass(frozen=True)
@@ -50,16 +49,22 @@ class _EngineActor:
 
     async def stream(self, request: Any, session: Any = None, max_buffered: int = 64) -> Any:
         """Async generator of the output rank's chunks (`engine.stream`); `ray.cancel` it to stop early:
-        every rank stops at the same step."""
-        chunks = self.engine.stream(request, session=session, max_buffered=max_buffered)
+        every rank stops at the same step (a sequence batched per iteration leaves at the next one).
+        Read without a thread per chunk (`serve.pump.stream_items`): a pump thread for plugins that
+        stream whole requests, none for iterative ones; cancelling never races a pull in progress."""
+        from phyai_ray.serve.pump import stream_items
+
+        items = stream_items(self.engine, request, session=session, max_buffered=max_buffered)
         try:
-            while True:
-                chunk = await asyncio.to_thread(next, chunks, _END)
-                if chunk is _END:
-                    return
-                yield chunk
+            async for ready in items:
+                for kind, value in ready:
+                    if kind == "error":
+                        raise value
+                    if kind == "end":
+                        return
+                    yield value
         finally:
-            await asyncio.to_thread(chunks.close)
+            await items.aclose()
 
     @ray.method(**CONTROL)
     async def pause(self, mode: str = "wait", replicas: Any = None, timeout: float | None = None) -> list:

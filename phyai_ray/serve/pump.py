@@ -85,14 +85,16 @@ class StreamPump:
             self._closed.set()
 
 
-async def stream_items(engine: Any, request: Any) -> AsyncIterator[list[tuple[str, Any]]]:
+async def stream_items(engine: Any, request: Any, *, session: Any = None,
+                       max_buffered: int = 64) -> AsyncIterator[list[tuple[str, Any]]]:
     """Every item of `engine`'s stream of `request`, in lists of those ready together; leaving early
     (closing the generator) cancels the stream. Threadless when the replica batches per iteration."""
     if not engine.batches_per_iteration:  # its readers only block: a pump with a thread of its own
-        async for items in _pumped(engine, request):
+        async for items in _pumped(engine.stream(request, session=session, max_buffered=max_buffered)):
             yield items
         return
-    future, reader = await asyncio.to_thread(engine.open_stream, request)
+    future, reader = await asyncio.to_thread(
+        lambda: engine.open_stream(request, session=session, max_buffered=max_buffered))
     sink = reader.sink
     loop, woken, done = asyncio.get_running_loop(), asyncio.Event(), False
 
@@ -125,8 +127,8 @@ async def stream_items(engine: Any, request: Any) -> AsyncIterator[list[tuple[st
             reader.cancel()
 
 
-async def _pumped(engine: Any, request: Any) -> AsyncIterator[list[tuple[str, Any]]]:
-    pump = StreamPump(engine.stream(request), name="phyai-sse-pump")
+async def _pumped(chunks: Iterator[Any]) -> AsyncIterator[list[tuple[str, Any]]]:
+    pump = StreamPump(chunks, name="phyai-stream-pump")
     try:
         while True:
             items = await pump.get_ready()
