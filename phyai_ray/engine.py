@@ -143,7 +143,7 @@ class Engine:
     @property
     def batches_per_iteration(self) -> bool:
         """Whether the replicas run the plugin's iteration protocol (continuous batching)."""
-        return bool(self._executors) and all(getattr(e, "iterations", None) is not None for e in self._executors)
+        return bool(self._executors) and all(e.iterations is not None for e in self._executors)
 
     def open_stream(self, request: Any, *, session: Any = None,
                     max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:

@@ -83,6 +83,24 @@ class ChunkSink:
             then()
 
 
+class LocalReader:
+    """The consumer's end of a stream produced in this process (an inline rank, or the iteration loop):
+    `read` chunks; `cancel` drops the request (a cancelled future), else stops the producer at its next put."""
+
+    def __init__(self, sink: ChunkSink, future: Any) -> None:
+        self.sink, self.future = sink, future
+
+    def read(self, timeout_s: float) -> tuple[list, bool]:
+        if self.future.cancelled():
+            return [], True
+        chunks, done = self.sink.take(64, timeout_s)
+        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
+
+    def cancel(self) -> None:
+        if not self.future.cancel():
+            self.sink.cancel()
+
+
 def collective_emit(sink: ChunkSink | None, ctx: Any) -> Any:
     """The `emit(chunk) -> bool` a plugin's `stream` gets on one rank (see the module docstring)."""
     def emit(chunk: Any) -> bool:

@@ -19,7 +19,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
 from phyai_ray.executors.serial import SerialWorker
-from phyai_ray.streams import ChunkSink
+from phyai_ray.streams import ChunkSink, LocalReader
 from phyai_ray.worker import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -149,23 +149,6 @@ class InlineExecutor(ReplicaExecutor):
         if not self._worker.current:
             self._worker.join(self._shutdown_s)
         self.scheduler.stop(self.unavailable_error, cancel_queued=True)
-
-
-class LocalReader:
-    """The consumer's end of a stream whose producing rank runs in this process."""
-
-    def __init__(self, sink: ChunkSink, future: Future) -> None:
-        self.sink, self.future = sink, future
-
-    def read(self, timeout_s: float) -> tuple[list, bool]:
-        if self.future.cancelled():
-            return [], True
-        chunks, done = self.sink.take(64, timeout_s)
-        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
-
-    def cancel(self) -> None:
-        if not self.future.cancel():
-            self.sink.cancel()
 
 
 def _only(results: list) -> Any:

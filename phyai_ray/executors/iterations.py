@@ -39,11 +39,11 @@ from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestAbortedError, RequestTimeoutError
 from phyai_ray.executors.delivery import EngineFuture
-from phyai_ray.executors.scheduler import Counts
-from phyai_ray.executors.sequences import LoopReader, LoopRequest, LoopSequence, settle_future, stream_chunk
+from phyai_ray.executors.scheduler import Counts, settle
+from phyai_ray.executors.sequences import LoopRequest, LoopSequence, stream_chunk
 from phyai_ray.outputs import version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
-from phyai_ray.streams import ChunkSink
+from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +109,14 @@ class IterationLoop:
             self._wake()
         return future
 
-    def submit_stream(self, request: Any) -> tuple[EngineFuture, "LoopReader"]:
+    def submit_stream(self, request: Any) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
         {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. A request's chunks
         are bounded by its max_tokens, so they never wait for the reader: a slow reader holds up
         no other sequence."""
         sink = ChunkSink(max_buffered=1 << 30)
         future = self.submit(request, sink)
-        return future, LoopReader(sink, future)
+        return future, LocalReader(sink, future)
 
     def counts(self) -> Counts:
         with self._cond:
@@ -320,7 +320,7 @@ class IterationLoop:
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
                 req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
                                                 default=None, key=version_order)
-            settled = settle_future(req.future, value, error)
+            settled = settle(req.future, value, error)
             if req.sink is not None:
                 req.sink.close()
             if settled:

@@ -273,7 +273,7 @@ class ReplicaScheduler:
         if work.kind == "batch":
             self._deliver_batch(work, value, error)
             return
-        if _settle(work.future, value, error) and work.kind in REQUEST_KINDS:
+        if settle(work.future, value, error) and work.kind in REQUEST_KINDS:
             with self._lock:
                 if error is None:
                     self._served += 1
@@ -455,7 +455,7 @@ class ReplicaScheduler:
             replica=self.index, waited_s=waited, dispatched=work.dispatched is not None)
 
 
-def _settle(future: Future, value: Any, error: BaseException | None) -> bool:
+def settle(future: Future, value: Any, error: BaseException | None) -> bool:
     """Finish `future` unless it already is; True when this call finished it."""
     if future.done():
         return False

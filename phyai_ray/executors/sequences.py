@@ -1,8 +1,7 @@
-"""What the iteration loop keeps per request and per sequence, and a streamed request's reader.
+"""What the iteration loop keeps per request and per sequence.
 
     LoopRequest     a request: its future, deadline, sequences left, and stream sink if streamed
     LoopSequence    a sequence: its payload and prefill cost, tokens / log-probs / per-token versions so far
-    LoopReader      `read` chunks, `cancel` (its sequences are dropped at the next iteration)
     stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}
 """
 
@@ -54,23 +53,6 @@ class LoopSequence:
                            weight_versions=self.versions)
 
 
-class LoopReader:
-    """The consumer's end of an iteration stream: `read` chunks; `cancel` drops the request's sequences."""
-
-    def __init__(self, sink: ChunkSink, future: EngineFuture) -> None:
-        self.sink, self.future = sink, future
-
-    def read(self, timeout_s: float) -> tuple[list, bool]:
-        if self.future.cancelled():
-            return [], True
-        chunks, done = self.sink.take(256, timeout_s)
-        return chunks, done or (self.future.done() and not chunks and self.sink.closed)
-
-    def cancel(self) -> None:
-        self.future.cancel()
-        self.sink.cancel()
-
-
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
     """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
     ids: list[Any] = [None] * len(req.seqs)
@@ -80,17 +62,4 @@ def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) ->
         lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
     req.sink.put({"index": req.chunks, "token_ids": ids, "log_probs": lps})
     req.chunks += 1
-
-
-def settle_future(future: EngineFuture, value: Any, error: BaseException | None) -> bool:
-    if future.done():
-        return False
-    try:
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-    except Exception:  # finished concurrently (cancelled)
-        return False
-    return True
 
