@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from typing import Any
 
 import msgpack
@@ -99,8 +100,37 @@ def test_four_robots_at_once_each_stay_on_one_group(server: dict[str, Any], poli
     for robot in out.values():
         assert robot["error"] is None and len(robot["actions"]) == 60
         assert len(set(robot["groups"])) == 1, robot["groups"]
-    assert len({r["groups"][0] for r in out.values()}) == 2  # sessions spread over both groups
+    per_group = Counter(r["groups"][0] for r in out.values())
+    assert sorted(per_group.values()) == [2, 2], per_group  # the burst spreads evenly (the router reserves)
     check_actions(out["3"], policy)
+
+
+def test_eight_sessions_opened_at_once_stay_four_and_four_and_count_while_open(server: dict[str, Any]) -> None:
+    robots = subprocess.Popen([client_python(), str(REPO / "tests/scripts/openpi_robots.py"), server["url"], KEY,
+                               "8", "100", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert robots.stdout.readline().strip() == "started"  # every robot connected and acted once
+        seen = sessions_per_group(server, [4, 4])
+        stdout, stderr = robots.communicate(timeout=300)
+    finally:
+        if robots.poll() is None:
+            robots.kill()
+            robots.wait(30)
+    assert robots.returncode == 0, stderr[-3000:]
+    assert seen == [4, 4], seen
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert all(r["error"] is None and len(set(r["groups"])) == 1 for r in out.values())
+    assert sorted(Counter(r["groups"][0] for r in out.values()).values()) == [4, 4]
+    assert sessions_per_group(server, [0, 0]) == [0, 0]  # closed sessions stop counting
+
+
+def sessions_per_group(server: dict[str, Any], want: list[int], within_s: float = 30.0) -> list[int]:
+    """Open sessions per serving group once they read `want` (the registry's copy lags a report), or as last read."""
+    seen, deadline = [], time.monotonic() + within_s
+    while seen != want and time.monotonic() < deadline:
+        seen = sorted(r["sessions"] for r in replicas(server) if r["state"] == "serving")
+        time.sleep(0.1)
+    return seen
 
 
 def test_a_wrong_key_is_refused_and_a_bad_frame_gets_an_error_frame(server: dict[str, Any]) -> None:

@@ -168,34 +168,38 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": name}
     items, final = stream_items(runner.engine, plugin), []
-    try:
-        ended, events, steps, written = False, [], 0, False
-        async for ready in items:
-            for kind, value in ready:
-                if kind == "error":
-                    if events:
-                        yield "".join(events)
-                    raise value
-                if kind == "end":
-                    final, ended = value or [], True
+    with runner.session():  # the stream counts as open on this group until its last event
+        try:
+            ended, events, steps, written = False, [], 0, False
+            async for ready in items:
+                for kind, value in ready:
+                    if kind == "error":
+                        if events:
+                            yield "".join(events)
+                        raise value
+                    if kind == "end":
+                        final, ended = value or [], True
+                        break
+                    want_lp = request.logprobs is not None
+                    choices = [{"index": b, "text": "", "token_ids": _listed(t), "finish_reason": None,
+                                "logprobs": _logprobs(_listed(t), _listed(lp)) if want_lp else None}
+                               for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"]))
+                               if t is not None]
+                    if choices:
+                        events.append(f"data: {json.dumps({**head, 'choices': choices})}\n\n")
+                        steps += 1
+                if events and (ended or not written or steps >= interval):  # one message through the proxy
+                    yield "".join(events)
+                    events, steps, written = [], 0, True
+                if ended:
                     break
-                choices = [{"index": b, "text": "", "token_ids": _listed(t), "finish_reason": None,
-                            "logprobs": _logprobs(_listed(t), _listed(lp)) if request.logprobs is not None else None}
-                           for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
-                if choices:
-                    events.append(f"data: {json.dumps({**head, 'choices': choices})}\n\n")
-                    steps += 1
-            if events and (ended or not written or steps >= interval):  # one message through the proxy
-                yield "".join(events)
-                events, steps, written = [], 0, True
-            if ended:
-                break
-        yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
-    except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
-        error = _mapped(exc)
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': error.type, 'code': error.status}})}\n\n"
-    finally:
-        await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
+            yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
+        except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
+            error = _mapped(exc)
+            shape = {'message': str(error), 'type': error.type, 'code': error.status}
+            yield f"data: {json.dumps({'error': shape})}\n\n"
+        finally:
+            await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
     yield "data: [DONE]\n\n"
 
 

@@ -137,8 +137,9 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
         session = websocket.headers.get("x-request-id") or uuid.uuid4().hex
         logger.info("openpi session %s opened on group %s", session, runner.group)
         try:
-            await websocket.send_bytes(pack(runner.entry.policy_metadata()))
-            await _serve_frames(websocket, runner, options, session)
+            with runner.session():  # open as long as the connection: the group's count, as the router's
+                await websocket.send_bytes(pack(runner.entry.policy_metadata()))
+                await _serve_frames(websocket, runner, options, session)
         except WebSocketDisconnect:
             pass
         finally:

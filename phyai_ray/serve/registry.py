@@ -53,6 +53,7 @@ class GroupReport:
     state: str  # "starting" (Serve does not route to it yet), "serving", "failed", or (set here) "gone"
     world_size: int
     in_flight: int = 0
+    sessions: int = 0  # long-lived sessions open on it (openpi WebSockets, streamed responses)
     queued: int = 0
     dispatched: int = 0
     served: int = 0
@@ -93,7 +94,7 @@ class GroupRegistry:
             if now - old.seen > KEEP_GONE_S:
                 del self._groups[key]
             elif now - old.seen > GONE_AFTER_S and old.state != "gone":
-                self._groups[key] = replace(old, state="gone", in_flight=0, queued=0, dispatched=0)
+                self._groups[key] = replace(old, state="gone", in_flight=0, sessions=0, queued=0, dispatched=0)
         return list(self._groups.values())
 
 

@@ -17,8 +17,9 @@ not retried (the engine never re-runs a started request); it fails with the caus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
                               RequestTimeoutError)
@@ -43,6 +44,7 @@ class GroupRunner:
         self.holder, self.group, self.wait_s, self.forward = holder, group, wait_s, forward
         self.view: list[GroupReport] = []
         self.routable = True  # False from a Serve replica's start until Serve first checks its health
+        self.sessions = 0  # long-lived sessions open on this group: openpi WebSockets, streamed responses
 
     @property
     def engine(self) -> Any:
@@ -51,6 +53,15 @@ class GroupRunner:
     @property
     def entry(self) -> Any:
         return self.holder.engine.entry
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Count a long-lived session (a WebSocket, a streamed response) as open on this group while inside."""
+        self.sessions += 1
+        try:
+            yield
+        finally:
+            self.sessions -= 1
 
     async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True,
                   forward: bool = True) -> Any:
@@ -109,7 +120,7 @@ class GroupRunner:
         return GroupReport(
             group=self.group, state=("serving" if self.routable else "starting") if status.healthy else "failed",
             world_size=status.world_size,
-            in_flight=status.in_flight, queued=status.queued, dispatched=status.dispatched, served=status.served,
+            in_flight=status.in_flight, sessions=self.sessions, queued=status.queued, dispatched=status.dispatched, served=status.served,
             errored=status.errored, failure=status.failure, failure_reason=status.failure_reason,
             failed_rank=status.failed_rank, nodes=tuple(status.nodes), pids=tuple(status.pids),
             replica_pid=os.getpid(), rebuilds=self.holder.rebuilds, requests=requests)
