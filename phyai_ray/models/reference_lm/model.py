@@ -1,8 +1,8 @@
 """One rank of `reference_lm`: the reference model's dense blocks with causal attention and a KV cache.
 
-Every generation runs as sequences in `Slots` (a cache row each): the iteration protocol's
-`admit` / `drop` / `recompute` / `iterate` drive the replica's one loop, and `step` / `stream` run a
-request's prompts as sequences of their own private `Slots`, the same code path:
+Every generation runs as sequences in `Slots` (a cache row each), through `SlotDecoder`: the
+iteration protocol's `admit` / `drop` / `recompute` / `iterate` drive the replica's one loop, and
+`step` / `stream` run a request's prompts as sequences of their own private `Slots`:
 
     model.admit(1, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                     "seed": 0, "stop_token_ids": []})
@@ -24,10 +24,9 @@ import torch
 
 from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, norm
 from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
+from phyai_ray.models.reference_lm.decoder import SlotDecoder
 from phyai_ray.models.reference_lm.score import full_weights
-from phyai_ray.models.reference_lm.slots import Batch, Slots, sample
-from phyai_ray.outputs import TokenOutput
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.models.reference_lm.slots import Batch, Slots
 
 
 class CausalAttention(Attention):
@@ -47,7 +46,7 @@ class CausalAttention(Attention):
         return x + self.tp.reduce(a @ self.wo.T) + self.bo
 
 
-class ReferenceLM:
+class ReferenceLM(SlotDecoder):
     """`step({"prompts": ..., ...})` -> one `TokenOutput` per prompt (on the output rank; None elsewhere),
     and the iteration protocol (`phyai_ray.plugins.iteration`) over the sequences it admits."""
 
@@ -57,7 +56,7 @@ class ReferenceLM:
         self.to = {"device": ctx.device, "dtype": torch.float32}
         self.weight_version: Any = None  # set by the engine after every weight update
         self.load_weights(list(full_weights(cfg).items()))
-        self.slots = self._slots(rows=8, max_seq=cfg.max_seq)  # the protocol's sequences
+        self.slots = self.new_slots(rows=8, max_seq=cfg.max_seq)  # the protocol's sequences
 
     @torch.inference_mode()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -76,82 +75,20 @@ class ReferenceLM:
             w = {k.split(".", 2)[2]: v.float() for k, v in named.items() if k.startswith(f"blocks.{i}.")}
             self.blocks.append((CausalAttention(base, w, self.ctx, self.to), DenseMLP(base, w, self.ctx, self.to)))
 
-    def reset_cache(self) -> None:
-        """Nothing: a request's cache ends with it, and running sequences keep theirs (the engine
-        decides which to `recompute` after a weight update)."""
+    def parse(self, request: Any) -> GenerateRequest:
+        return GenerateRequest.parse(request, self.cfg)
 
-    # -- the iteration protocol ------------------------------------------------------------------
-    @torch.inference_mode()
-    def admit(self, seq_id: int, payload: dict[str, Any]) -> None:
-        """A new sequence (`GenerateRequest.payloads()` builds its payload); its prefill runs in the next iterate()."""
-        self.slots.admit(seq_id, payload)
-
-    @torch.inference_mode()
-    def drop(self, seq_id: int) -> None:
-        """Forget a sequence and free its slot; an unknown (finished, dropped) id is ignored."""
-        self.slots.drop(seq_id)
-
-    @torch.inference_mode()
-    def recompute(self, seq_id: int) -> None:
-        """The next iterate() rebuilds the sequence's cache from its whole history under the current
-        weights and samples its next token from it; its generator goes on. Unknown ids are ignored."""
-        self.slots.recompute(seq_id)
-
-    @torch.inference_mode()
-    def iterate(self) -> dict[int, Delta]:
-        """One forward of every running sequence: {seq_id: Delta([token], [log_prob], stop_reason)}."""
-        return self._iterate(self.slots)
-
-    # -- whole requests --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self, request: Any) -> list[TokenOutput] | None:
-        outputs = self._generate(GenerateRequest.parse(request, self.cfg))
-        return outputs if self.ctx.is_output_rank else None
-
-    @torch.inference_mode()
-    def stream(self, request: Any, emit: Any) -> list[TokenOutput]:
-        """Like step, emitting {"index": t, "token_ids": [...], "log_probs": [...]} per iteration
-        (None for prompts already finished); stops on every rank when `emit` returns False."""
-        return self._generate(GenerateRequest.parse(request, self.cfg), emit)
-
-    def _generate(self, req: GenerateRequest, emit: Any = None) -> list[TokenOutput]:
-        """Every prompt as a sequence of a private `Slots` (the protocol's are untouched), iterated to the end."""
-        slots = self._slots(rows=len(req.prompts), max_seq=max(len(p) for p in req.prompts) + req.max_tokens)
-        seqs = [slots.admit(i, payload) for i, payload in enumerate(req.payloads())]
-        index = 0
-        while slots.rows:
-            deltas = self._iterate(slots)
-            if emit is not None and emit(_chunk(index, deltas, len(seqs))) is False:
-                break
-            index += 1
-        return [TokenOutput(s.tokens, s.log_probs, stop_reason=s.stop_reason or "aborted",
-                            weight_version=self.weight_version) for s in seqs]
-
-    # -- one iteration ---------------------------------------------------------------------------
-    def _slots(self, rows: int, max_seq: int) -> Slots:
+    def new_slots(self, rows: int, max_seq: int) -> Slots:
         attention = self.blocks[0][0]
         return Slots(layers=self.cfg.layers, heads=attention.local_heads, head_dim=attention.head_dim,
                      max_seq=max_seq, vocab=self.cfg.vocab, to=self.to, rows=rows)
 
-    def _iterate(self, slots: Slots) -> dict[int, Delta]:
-        if not slots.rows:
-            return {}
-        batch = slots.batch(self.ctx.device)
-        chosen, log_probs = sample(self._forward(batch, slots), slots.rows)
-        return slots.advance(chosen, log_probs)
-
-    def _forward(self, batch: Batch, slots: Slots) -> torch.Tensor:
+    def logits(self, batch: Batch, slots: Slots) -> torch.Tensor:
         """Logits [B, vocab] at each row's last new token."""
         x = self.embed["tokens"][batch.tokens] + self.embed["positions"][batch.positions]
         for i, (attention, mlp) in enumerate(self.blocks):
             x = mlp(attention.forward(x, slots.layer(i), batch))
         return norm(x[batch.last]) @ self.head["w"].T + self.head["b"]
-
-
-def _chunk(index: int, deltas: dict[int, Delta], prompts: int) -> dict[str, Any]:
-    got = [deltas.get(i) for i in range(prompts)]
-    return {"index": index, "token_ids": [d.token_ids[0] if d is not None else None for d in got],
-            "log_probs": [d.log_probs[0] if d is not None else None for d in got]}
 
 
 def full_weights_names(cfg: ReferenceLMConfig) -> list[str]:

@@ -1,0 +1,106 @@
+"""The `hf_causal_lm` plugin entry: a Hugging Face causal-LM folder served on the iteration protocol.
+
+    from phyai_ray import Engine, EngineArgs
+    with Engine(EngineArgs(plugin="hf_causal_lm", plugin_args={"model": "/models/Qwen2.5-0.5B"})) as engine:
+        [out] = engine.step({"text": ["The capital of France is"], "max_tokens": 8})
+        out.text, out.token_ids, out.log_probs
+
+The entry runs in the dispatcher: it reads config.json (no weights) to check the topology before
+any rank starts, tokenizes text prompts, splits a request into one sequence per prompt, and
+decodes the completions of a request that gave text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phyai_ray.models.hf_causal_lm.checkpoint import Architecture, CheckpointError
+from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
+from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
+from phyai_ray.models.hf_causal_lm.shards import check_topology
+from phyai_ray.outputs import TokenOutput
+from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.iteration import Sequence
+from phyai_ray.plugins.registry import register_plugin
+
+
+@register_plugin
+class HFCausalLMEntry(Entry):
+    """Llama, Qwen2, Qwen3 and Mistral checkpoints: dense + attention TP, continuous batching, text and chat."""
+
+    name = "hf_causal_lm"
+    parallel_domains = frozenset({"dense", "attention"})
+    generates_tokens = True
+
+    def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
+        self.config: HFCausalLMConfig | None = None
+        self.arch: Architecture | None = None
+        self._codec: Any = None
+        if plugin_args is not None:
+            self.configure(plugin_args)
+
+    def configure(self, plugin_args: dict[str, Any] | None) -> None:
+        from pathlib import Path
+
+        self.config = HFCausalLMConfig.from_args(plugin_args)
+        folder = Path(self.config.model).expanduser()
+        if not folder.is_dir():
+            raise CheckpointError(f"model {self.config.model!r} is not a folder; hf_causal_lm reads a local "
+                                  "checkpoint folder (config.json, *.safetensors, tokenizer.json) and never "
+                                  "downloads one")
+        self.arch = Architecture.read(folder, self.config.max_model_len)
+        self.max_len = self.config.resolved_max_len(self.arch)
+        self._codec = None
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name: the checkpoint folder's (OpenAI's `model`)."""
+        from pathlib import Path
+
+        return Path(self._checked().model).expanduser().resolve().name
+
+    @property
+    def codec(self) -> Any:
+        """The checkpoint's tokenizer and chat template (`TextCodec`), loaded on first use."""
+        if self._codec is None:
+            from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec
+
+            self._codec = TextCodec.open(self._checked().model)
+        return self._codec
+
+    def validate_parallel(self, parallel: Any) -> None:
+        self._checked()
+        check_topology(self.arch, parallel)
+
+    def max_sequence_tokens(self) -> int:
+        self._checked()
+        return self.max_len
+
+    def parse(self, request: Any) -> Parsed:
+        self._checked()
+        wants_text = isinstance(request, dict) and request.get("text") is not None
+        return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids,
+                                 self.codec if wants_text else None)
+
+    def validate_request(self, request: Any) -> None:
+        self.parse(request)
+
+    def sequences(self, request: Any) -> list[Sequence]:
+        return [Sequence(payload=p, cost=len(p["prompt"])) for p in self.parse(request).payloads()]
+
+    def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
+        """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""
+        if isinstance(request, dict) and request.get("text") is not None:
+            for out in outputs:
+                out.text = self.codec.decode(out.token_ids)
+        return list(outputs)
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
+        from phyai_ray.models.hf_causal_lm.model import HFCausalLM
+
+        return HFCausalLM(HFCausalLMConfig.from_args(plugin_args), ctx)
+
+    def _checked(self) -> HFCausalLMConfig:
+        if self.config is None:
+            raise ValueError("hf_causal_lm needs plugin_args={'model': '/path/to/checkpoint-folder'}")
+        return self.config

@@ -1,0 +1,166 @@
+"""One rank of `hf_causal_lm`: a Llama-family decoder in plain torch over `reference_lm`'s slot KV cache.
+
+    x = embed(tokens)                                   vocabulary rows over dense_tp, summed over the group
+    per layer:  x += o_proj(attention(rope(q), rope(k), v) over the cache)     heads over attention_tp
+                x += down(silu(gate(rms(x))) * up(rms(x)))                      hidden units over dense_tp
+    logits = gather(rms(x_last) @ lm_head_shard.T)      every rank samples the same token from the full row
+
+RMSNorm, rotary embeddings (`checkpoint.Rope`), grouped-query attention, SwiGLU; Qwen2's q/k/v
+biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head. Grouped-query attention reads the
+cache once per key/value head: the G = heads / kv_heads queries that share it are stacked, so the
+cache holds kv heads only. Every rank reads only its slices from the safetensors files (`shards`).
+An iteration is `SlotDecoder`'s: one forward of every running sequence's new tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phyai_ray.collectives import P
+from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint, CheckpointError
+from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
+from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
+from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
+from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec
+from phyai_ray.models.reference_lm.decoder import SlotDecoder
+from phyai_ray.models.reference_lm.slots import Batch, Slots
+from phyai_ray.rl.loading import dtype_name
+
+logger = logging.getLogger(__name__)
+MASKED = -1e30  # a finite fill: every query sees key 0, so no row is all fill, and exp() of it is exactly 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout: x [N, heads, d], cos/sin [N, 1, d]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
+
+
+class HFCausalLM(SlotDecoder):
+    """`hf_causal_lm` on one rank: the iteration protocol, `step` / `stream`, and weight updates by name."""
+
+    def __init__(self, cfg: HFCausalLMConfig, ctx: Any) -> None:
+        ckpt = Checkpoint.open(cfg.model, cfg.max_model_len)
+        self.cfg, self.ctx, self.arch = cfg, ctx, ckpt.arch
+        check_topology(self.arch, ctx.parallel)
+        self.max_len = cfg.resolved_max_len(self.arch)
+        self.dtype = getattr(torch, cfg.dtype) if cfg.dtype else ctx.dtype
+        self.plan = ShardPlan.for_rank(self.arch, ctx)
+        self.shapes = self.plan.full_shapes()
+        self.w = {name: self._read(ckpt, name, shape) for name, shape in self.shapes.items()}
+        ckpt.close()
+        if self.arch.tied:
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
+        self.slots = self.new_slots(rows=8, max_seq=self.max_len)
+        self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
+        logger.info("hf_causal_lm rank %d: %s, %d layers, heads %d/%d kv %d/%d on this rank, vocab rows %d, %s",
+                    ctx.rank, self.arch.family, self.arch.layers, self.plan.local_heads, self.arch.heads,
+                    self.plan.local_kv_heads, self.arch.kv_heads, self.plan.vocab_rows, self.dtype)
+
+    def _read(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        found = ckpt.shape(name)
+        if found != shape:
+            raise CheckpointError(f"tensor {name!r} in {ckpt.files[name].name} has shape {list(found)}; config.json "
+                                  f"implies {list(shape)}")
+        cut = self.plan.cut(name)
+        if cut.dim is None:
+            part = ckpt.full(name)
+        elif cut.dim == 0:
+            part = cut.padded(ckpt.rows(name, cut.start, cut.stop))
+        else:
+            part = ckpt.columns(name, cut.start, cut.stop).contiguous()
+        return part.to(device=self.ctx.device, dtype=self.dtype)
+
+    # -- weight updates by the trainer's names (transformers' named_parameters()) --------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{name: (full shape, dtype)} of every tensor an update may carry (a tied head: the embedding only)."""
+        return {name: (shape, dtype_name(self.dtype)) for name, shape in self.shapes.items()}
+
+    @torch.inference_mode()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy this rank's slice of each FULL tensor into place (checked against `weight_specs` before)."""
+        for name, full in weights:
+            self.w[name].copy_(self.plan.cut(name).take(full.to(self.ctx.device)))
+
+    # -- SlotDecoder -------------------------------------------------------------------------------
+    def parse(self, request: Any) -> Parsed:
+        wants_text = isinstance(request, dict) and request.get("text") is not None
+        if wants_text and self.codec is None:
+            self.codec = TextCodec.open(self.cfg.model)
+        return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids, self.codec)
+
+    def new_slots(self, rows: int, max_seq: int) -> Slots:
+        return Slots(layers=self.arch.layers, heads=self.plan.local_kv_heads, head_dim=self.arch.head_dim,
+                     max_seq=max_seq, vocab=self.arch.vocab, to={"device": self.ctx.device, "dtype": self.dtype},
+                     rows=rows)
+
+    def logits(self, batch: Batch, slots: Slots) -> torch.Tensor:
+        """Logits [B, vocab] (float32) at each row's last new token."""
+        a = self.arch
+        x = self._embed(batch.tokens)
+        angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        for i in range(a.layers):
+            p = f"model.layers.{i}."
+            x = x + self._attention(rms_norm(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
+                                    slots.layer(i), batch)
+            x = x + self._mlp(rms_norm(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
+        h = rms_norm(x[batch.last], self.w["model.norm.weight"], a.eps)
+        local = (h @ self.w["lm_head.weight"].T).float()
+        return P.all_gather(local, "dense_tp", dim=-1)[:, : a.vocab]
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.plan.dense_size == 1:
+            return F.embedding(tokens, self.w["model.embed_tokens.weight"])
+        local = tokens - self.plan.vocab_start
+        outside = (local < 0) | (local >= self.plan.vocab_rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.w["model.embed_tokens.weight"])
+        return P.all_reduce(x.masked_fill(outside[:, None], 0.0), "dense_tp")
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        bias = self.w.get(name + ".bias")
+        return F.linear(x, self.w[name + ".weight"], bias)
+
+    def _attention(self, h: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        a, heads, kv = self.arch, self.plan.local_heads, self.plan.local_kv_heads
+        q = self._linear(h, p + "self_attn.q_proj").view(-1, heads, a.head_dim)
+        k = self._linear(h, p + "self_attn.k_proj").view(-1, kv, a.head_dim)
+        v = self._linear(h, p + "self_attn.v_proj").view(-1, kv, a.head_dim)
+        if a.qk_norm:
+            q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
+            k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        keys, values = cache
+        keys[batch.rows, :, batch.positions] = k
+        values[batch.rows, :, batch.positions] = v
+        keys, values = keys[: batch.size, :, : batch.length], values[: batch.size, :, : batch.length]
+        group = heads // kv  # queries per kv head, stacked: [B, kv, group * S, d]
+        queries = batch.padded(q).reshape(batch.size, kv, group * batch.width, a.head_dim)
+        scores = (queries @ keys.transpose(-1, -2)).float() * a.head_dim ** -0.5
+        scores = scores.masked_fill(batch.hidden.repeat(1, 1, group, 1), MASKED)
+        out = (scores.softmax(-1).to(values.dtype) @ values).view(batch.size, heads, batch.width, a.head_dim)
+        attended = F.linear(batch.unpadded(out), self.w[p + "self_attn.o_proj.weight"])
+        attended = P.all_reduce(attended, "attention_tp")
+        bias = self.w.get(p + "self_attn.o_proj.bias")
+        return attended if bias is None else attended + bias
+
+    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        hidden = F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj")
+        out = P.all_reduce(F.linear(hidden, self.w[p + "mlp.down_proj.weight"]), "dense_tp")
+        bias = self.w.get(p + "mlp.down_proj.bias")
+        return out if bias is None else out + bias

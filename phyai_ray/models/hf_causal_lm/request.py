@@ -1,0 +1,89 @@
+"""Requests of `hf_causal_lm`: token ids or text, and how to continue them.
+
+    {"prompts": [[1, 2, 3]], "max_tokens": 16}                     token ids, as reference_lm takes them
+    {"text": ["Hello", "Bonjour"], "max_tokens": 16, "temperature": 0.7, "seed": 1}
+                                                                   tokenized with the checkpoint's tokenizer
+    knobs: temperature, top_k, top_p, seed, stop_token_ids, ignore_eos (vLLM's name: keep going past EOS)
+
+Generation of a prompt ends at the checkpoint's end-of-sequence ids (generation_config.json, else
+config.json; a list allowed) unless `ignore_eos`, at any of `stop_token_ids`, or at `max_tokens`.
+A request that gave `text` gets `TokenOutput.text`, the completion decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from phyai_ray.models.reference_lm.config import sequence_seed
+
+
+class TextRequest(BaseModel):
+    """Prompts as token ids (`prompts`) or strings (`text`), and the sampling parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: list[list[int]] | None = Field(None, min_length=1, max_length=1024, description="Prompt token ids.")
+    text: list[str] | str | None = Field(None, description="Prompt strings (tokenized with the checkpoint's tokenizer).")
+    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated per prompt.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
+    seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Generation ends at any of these.")
+    ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence ids.")
+
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> "TextRequest":
+        if (self.prompts is None) == (self.text is None):
+            raise ValueError("give exactly one of `prompts` (token id lists) or `text` (strings)")
+        if isinstance(self.text, list) and not 1 <= len(self.text) <= 1024:
+            raise ValueError(f"`text` holds {len(self.text)} strings; give 1 to 1024")
+        return self
+
+    @property
+    def texts(self) -> list[str] | None:
+        return [self.text] if isinstance(self.text, str) else self.text
+
+    @classmethod
+    def parse(cls, request: Any, vocab: int, max_len: int, eos: tuple[int, ...], codec: Any = None) -> "Parsed":
+        try:
+            req = cls.model_validate(request)
+        except ValidationError as exc:
+            raise ValueError(f"hf_causal_lm request: {exc}") from None
+        if req.texts is not None and codec is None:
+            raise ValueError("hf_causal_lm request: `text` needs the checkpoint's tokenizer, which this model "
+                             "does not have; send token ids in `prompts`")
+        prompts = req.prompts if req.texts is None else [codec.encode(t) for t in req.texts]
+        bad = [t for p in prompts for t in p if not 0 <= t < vocab] + \
+              [t for t in req.stop_token_ids if not 0 <= t < vocab]
+        if bad or any(not p for p in prompts):
+            raise ValueError(f"hf_causal_lm request: prompts must be non-empty and every id in [0, {vocab}); got "
+                             f"{'an empty prompt' if not bad else f'out-of-range ids {bad[:5]}'}")
+        longest = max(len(p) for p in prompts) + req.max_tokens
+        if longest > max_len:
+            raise ValueError(f"hf_causal_lm request: longest prompt ({max(len(p) for p in prompts)} tokens) + "
+                             f"max_tokens ({req.max_tokens}) = {longest} exceeds max_model_len={max_len}; shorten "
+                             "the prompt or lower max_tokens")
+        return Parsed(req, [list(p) for p in prompts], () if req.ignore_eos else eos)
+
+
+class Parsed:
+    """A checked request with its prompts as ids: what `SlotDecoder.generate` and the entry use."""
+
+    def __init__(self, request: TextRequest, prompts: list[list[int]], eos: tuple[int, ...]) -> None:
+        self.request, self.prompts, self.eos = request, prompts, eos
+        self.max_tokens = request.max_tokens
+
+    @property
+    def gave_text(self) -> bool:
+        return self.request.texts is not None
+
+    def payloads(self) -> list[dict[str, Any]]:
+        """One sequence payload per prompt (what `Slots.admit` takes), seeded by `sequence_seed`."""
+        r = self.request
+        stop = sorted(set(r.stop_token_ids) | set(self.eos))
+        shared = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+                  "stop_token_ids": stop}
+        return [{"prompt": p, **shared, "seed": sequence_seed(r.seed, i)} for i, p in enumerate(self.prompts)]
