@@ -59,7 +59,8 @@ def write_checkpoint(folder: Path, family: str, *, tied: bool = False, seed: int
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     if family == "mistral":
         fields.setdefault("sliding_window", None)
-    config = config_class(vocab_size=len(tok), tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
+    vocab = overrides.pop("vocab_size", len(tok))  # larger than the tokenizer's, as real checkpoints often are
+    config = config_class(vocab_size=vocab, tie_word_embeddings=tied, bos_token_id=tok.bos_token_id,
                           eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
                           **fields, **overrides)
     torch.manual_seed(seed)

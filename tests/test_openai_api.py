@@ -10,6 +10,7 @@ Run: .venv/bin/pytest tests/test_openai_api.py -q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -28,6 +29,15 @@ class InlineRunner:
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.entry = engine, engine.entry
+        self.sessions = 0
+
+    @contextlib.contextmanager
+    def session(self):
+        self.sessions += 1
+        try:
+            yield
+        finally:
+            self.sessions -= 1
 
     async def run(self, request, *, validate: bool = True):
         return await asyncio.wrap_future(self.engine.submit(request))

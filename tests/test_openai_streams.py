@@ -70,14 +70,15 @@ def _ended(count: int, timeout_s: float) -> list:
 
 def test_a_cancelled_stream_stops_the_generation_at_once(app):
     """The response task is cancelled while a pull waits for the next token (a server's disconnect)."""
-    from phyai_ray.serve.openai_api import CompletionRequest, _events, plugin_request
+    from phyai_ray.serve.openai_api import CompletionChunks, CompletionRequest, plugin_request, sse
 
     api, engine = app
     SlowTokens.ended.clear()
     request = CompletionRequest.model_validate({"prompt": [1, 2], "max_tokens": 200, "stream": True})
 
     async def leave_early():
-        events = _events(InlineRunner(engine), plugin_request(request), request, "slow_tokens")
+        plugin = plugin_request(request)
+        events = sse(InlineRunner(engine), plugin, CompletionChunks(request, "slow_tokens", None, 1))
         await events.__anext__()
         pull = asyncio.ensure_future(events.__anext__())
         await asyncio.sleep(0.05)  # inside the pull: the generation waits for its next token

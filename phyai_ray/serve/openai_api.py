@@ -1,19 +1,21 @@
-"""OpenAI-compatible routes for token plugins (`Entry.generates_tokens = True`, e.g. `reference_lm`).
+"""OpenAI-compatible routes for token plugins (`Entry.generates_tokens = True`: reference_lm, hf_causal_lm).
 
-    POST /v1/completions   prompt as token ids (one list, or a list of lists); max_tokens,
-                           temperature, top_p, seed, stop (token ids), logprobs, n, stream
-    GET  /v1/models        one model: the plugin name, unless the app sets `model_name`
+    POST /v1/completions        prompt as text or token ids (one, or a list); max_tokens, temperature,
+                                top_p, seed, stop (strings, or token ids), logprobs, n, stream
+    POST /v1/chat/completions   messages through the checkpoint's chat template (`serve/openai_chat.py`)
+    GET  /v1/models             one model: `--model-name`, else the plugin's (hf_causal_lm: the folder's name)
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
-    out = client.completions.create(model="reference_lm", prompt=[1, 2, 3], max_tokens=8, logprobs=1)
-    out.choices[0].token_ids, out.choices[0].logprobs.token_logprobs
+    out = client.completions.create(model="Qwen2.5-0.5B", prompt="Once upon", max_tokens=8, logprobs=1)
+    out.choices[0].text, out.choices[0].token_ids, out.choices[0].logprobs.token_logprobs
 
-No tokenizer is configured, so a text prompt is refused (400) and `text` is empty: every choice
-carries `token_ids`, and `logprobs.tokens` names tokens as "token_id:<id>" (vLLM's convention).
-`stream=true` answers with server-sent events, one chunk per generated token and choice, then
-`data: [DONE]`; a client that disconnects stops the generation on every rank. Errors use OpenAI's
-shape, `{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/errors.py`;
-the API key (bearer) is the app's own.
+Text needs a plugin with a tokenizer (`hf_causal_lm`); for the others a text prompt is refused
+(400) and `text` is empty: every choice carries `token_ids`, and `logprobs.tokens` names tokens as
+"token_id:<id>" (vLLM's convention) unless a tokenizer gives their text. `stream=true` answers
+with server-sent events, one chunk per generated token and choice, then `data: [DONE]`; a client
+that disconnects stops the generation on every rank. Errors use OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/errors.py`; the API
+key (bearer) is the app's own.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
+from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
+                                        usable)
 from phyai_ray.serve.pump import stream_items
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
@@ -82,24 +86,27 @@ def check_sizes(body: CompletionRequest, limit: int | None) -> None:
                           param="n")
 
 
-def plugin_request(body: CompletionRequest) -> dict[str, Any]:
-    """The plugin's request for an OpenAI body (token ids only: no tokenizer is configured)."""
-    prompts = _prompts(body)
-    if isinstance(body.prompt, str) or any(isinstance(p, str) for p in prompts):
-        raise OpenAIError(400, "this server has no tokenizer: send the prompt as token ids, e.g. "
-                               "prompt=[1, 2, 3] or prompt=[[1, 2], [3]]", param="prompt")
-    stop = [body.stop] if isinstance(body.stop, int) else body.stop or []
-    if any(isinstance(s, str) for s in stop):
-        raise OpenAIError(400, "stop strings need a tokenizer: give stop token ids, e.g. stop=[0]", param="stop")
-    return {"prompts": [list(p) for p in prompts for _ in range(body.n)], "max_tokens": body.max_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "stop_token_ids": list(stop),
-            "seed": body.seed if body.seed is not None else random.randrange(2 ** 31)}
+def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]:
+    """The plugin's request for an OpenAI body whose prompts are token ids (`encode_prompts` made them so)."""
+    stop_ids, stop_strings = stop_lists(body.stop)
+    if stop_strings:
+        require(codec, "a stop string")
+    return generation_request([list(p) for p in _prompts(body)], n=body.n, max_tokens=body.max_tokens,
+                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids)
+
+
+def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
+                       seed: int | None, stop_ids: list[int]) -> dict[str, Any]:
+    """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index)."""
+    return {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": top_p, "stop_token_ids": list(stop_ids),
+            "seed": seed if seed is not None else random.randrange(2 ** 31)}
 
 
 def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, *, stream_interval: int = 1) -> None:
     """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
     streamed completions write at most one event per `stream_interval` token steps (the first at once)."""
-    name = model_name or runner.entry.display_name()
+    name = model_name or getattr(runner.entry, "model_name", None) or runner.entry.display_name()
 
     @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
     async def models() -> dict[str, Any]:
@@ -109,15 +116,21 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, 
     async def completions(body: dict[str, Any]) -> Any:
         try:  # parsing, size checks, the n copies and the plugin's validator: off the event loop
             request, plugin = await asyncio.to_thread(_prepare, runner, body, name)
+            codec = usable(text_codec(runner.entry))
             if request.stream:
-                return StreamingResponse(_events(runner, plugin, request, name, stream_interval),
-                                         media_type="text/event-stream")
+                chunks = CompletionChunks(request, name, codec, len(plugin["prompts"]))
+                return StreamingResponse(sse(runner, plugin, chunks, stream_interval), media_type="text/event-stream")
             outputs = await _generate(runner, plugin)
-            return JSONResponse(_completion(outputs, request, name))
+            return JSONResponse(_completion(outputs, request, name, codec))
         except OpenAIError as exc:
             return exc.response()
         except Exception as exc:  # pydantic ValidationError, engine errors: mapped to OpenAI's shape
             return _mapped(exc).response()
+
+    if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
+        from phyai_ray.serve.openai_chat import add_chat_route
+
+        add_chat_route(api, runner, name, stream_interval=stream_interval)
 
 
 def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, dict[str, Any]]:
@@ -126,8 +139,11 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRe
     if request.model not in (None, name):
         raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
                           type="not_found_error", param="model")
+    codec = text_codec(runner.entry)
+    if any(isinstance(p, str) for p in _prompts(request)):
+        request = request.model_copy(update={"prompt": encode_prompts(codec, _prompts(request))})
     check_sizes(request, runner.entry.max_sequence_tokens())
-    plugin = plugin_request(request)
+    plugin = plugin_request(request, codec)
     try:
         runner.entry.validate_request(plugin)
     except Exception as exc:
@@ -139,34 +155,73 @@ async def _generate(runner: Any, plugin: dict[str, Any]) -> list:
     return await runner.run(plugin, validate=False)
 
 
-def _choice(index: int, out: Any, want_logprobs: bool) -> dict[str, Any]:
-    reason = {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
-    return {"index": index, "text": "", "token_ids": out.token_ids, "finish_reason": reason,
-            "logprobs": _logprobs(out.token_ids, out.log_probs) if want_logprobs else None}
+def finish_reason(out: Any, stopped: bool = False) -> str:
+    return "stop" if stopped else {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
 
 
-def _logprobs(ids: list[int], lps: list[float]) -> dict[str, Any]:
-    return {"tokens": [f"token_id:{t}" for t in ids], "token_logprobs": list(lps), "top_logprobs": None,
-            "text_offset": [0] * len(ids)}
+def _choice(index: int, out: Any, want_logprobs: bool, codec: Any, stops: list[str]) -> dict[str, Any]:
+    text, stopped = cut_at_stop(codec.decode(out.token_ids), stops) if codec is not None else ("", False)
+    return {"index": index, "text": text, "token_ids": out.token_ids, "finish_reason": finish_reason(out, stopped),
+            "logprobs": _logprobs(out.token_ids, out.log_probs, codec) if want_logprobs else None}
 
 
-def _completion(outputs: list, request: CompletionRequest, name: str) -> dict[str, Any]:
+def _logprobs(ids: list[int], lps: list[float], codec: Any = None) -> dict[str, Any]:
+    tokens = [codec.decode([t]) for t in ids] if codec is not None else [f"token_id:{t}" for t in ids]
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": [0] * len(ids)}
+
+
+def _completion(outputs: list, request: CompletionRequest, name: str, codec: Any = None) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in _prompts(request)) * request.n
     completion_tokens = sum(len(o.token_ids) for o in outputs)
+    stops = stop_lists(request.stop)[1]
+    choices = [_choice(i, o, request.logprobs is not None, codec, stops) for i, o in enumerate(outputs)]
     return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": name, "choices": [_choice(i, o, request.logprobs is not None) for i, o in enumerate(outputs)],
+            "model": name, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
 
 
-async def _events(runner: Any, plugin: dict[str, Any], request: CompletionRequest, name: str,
-                  interval: int = 1) -> AsyncIterator[str]:
-    """Server-sent events of one streamed completion; leaving early (disconnect) cancels the generation.
+class CompletionChunks:
+    """The events of a streamed completion: one chunk per choice with new tokens, then the finish chunk."""
+
+    def __init__(self, request: CompletionRequest, name: str, codec: Any, choices: int) -> None:
+        self.head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                     "model": name}
+        self.want_lp, self.codec = request.logprobs is not None, codec
+        stops = stop_lists(request.stop)[1]
+        self.texts = [ChoiceText(codec, stops) for _ in range(choices)] if codec is not None else None
+
+    @property
+    def finished(self) -> bool:
+        """Every choice met a stop string: the generation can be cancelled."""
+        return self.texts is not None and all(t.stopped for t in self.texts)
+
+    def tokens(self, ready: list[tuple[int, list[int], list[float]]]) -> list[dict[str, Any]]:
+        choices = []
+        for b, ids, lps in ready:
+            if self.texts is not None and self.texts[b].stopped:
+                continue
+            text = self.texts[b].push(ids) if self.texts is not None else ""
+            choices.append({"index": b, "text": text, "token_ids": ids, "finish_reason": None,
+                            "logprobs": _logprobs(ids, lps, self.codec) if self.want_lp else None})
+        return [{**self.head, "choices": choices}] if choices else []
+
+    def end(self, outputs: list) -> list[dict[str, Any]]:
+        choices = []
+        for b, out in enumerate(outputs):
+            rest = self.texts[b].push([], final=True) if self.texts is not None else ""
+            stopped = self.texts is not None and self.texts[b].stopped
+            choices.append({"index": b, "text": rest, "token_ids": [], "finish_reason": finish_reason(out, stopped),
+                            "logprobs": None})
+        return [{**self.head, "choices": choices}]
+
+
+async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 1) -> AsyncIterator[str]:
+    """Server-sent events of one streamed generation, rendered by `chunks` (`tokens`, `end`, `finished`);
+    leaving early (disconnect), or every choice stopping, cancels the generation.
 
     One write carries every event waiting; after the first token (written at once) a write waits
     until `interval` token steps are there, or the stream ended."""
-    head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": name}
     items, final = stream_items(runner.engine, plugin), []
     with runner.session():  # the stream counts as open on this group until its last event
         try:
@@ -180,20 +235,20 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
                     if kind == "end":
                         final, ended = value or [], True
                         break
-                    want_lp = request.logprobs is not None
-                    choices = [{"index": b, "text": "", "token_ids": _listed(t), "finish_reason": None,
-                                "logprobs": _logprobs(_listed(t), _listed(lp)) if want_lp else None}
-                               for b, (t, lp) in enumerate(zip(value["token_ids"], value["log_probs"]))
-                               if t is not None]
-                    if choices:
-                        events.append(f"data: {json.dumps({**head, 'choices': choices})}\n\n")
-                        steps += 1
+                    step = [(b, _listed(t), _listed(lp)) for b, (t, lp)
+                            in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
+                    rendered = chunks.tokens(step)
+                    events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
+                    steps += bool(rendered)
+                    if chunks.finished:
+                        final, ended = [_Stopped()] * len(value["token_ids"]), True
+                        break
                 if events and (ended or not written or steps >= interval):  # one message through the proxy
                     yield "".join(events)
                     events, steps, written = [], 0, True
                 if ended:
                     break
-            yield f"data: {json.dumps({**head, 'choices': [_finish(b, o) for b, o in enumerate(final)]})}\n\n"
+            yield "".join(f"data: {json.dumps(e)}\n\n" for e in chunks.end(final))
         except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
             error = _mapped(exc)
             shape = {'message': str(error), 'type': error.type, 'code': error.status}
@@ -203,14 +258,15 @@ async def _events(runner: Any, plugin: dict[str, Any], request: CompletionReques
     yield "data: [DONE]\n\n"
 
 
+class _Stopped:
+    """The output of a choice that a stop string ended (its generation was cancelled)."""
+
+    stop_reason = "completed"
+
+
 def _listed(value: Any) -> list:
     """A chunk's entry for one prompt: one token (an int), or several (a list) when an iteration gave more."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _finish(index: int, out: Any) -> dict[str, Any]:
-    reason = {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
-    return {"index": index, "text": "", "token_ids": [], "finish_reason": reason, "logprobs": None}
 
 
 def _mapped(exc: Exception) -> OpenAIError:

@@ -1,0 +1,162 @@
+"""OpenAI's `/v1/chat/completions` for token plugins with a tokenizer and chat template (`hf_causal_lm`).
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
+    out = client.chat.completions.create(model="Qwen2.5-0.5B-Instruct", max_tokens=32,
+                                         messages=[{"role": "user", "content": "Hi"}])
+    out.choices[0].message.content
+    for chunk in client.chat.completions.create(..., stream=True):   # chat.completion.chunk events
+        chunk.choices[0].delta.content
+
+The messages go through the checkpoint's chat template with `add_generation_prompt`, are
+tokenized without adding special tokens again, and run as `n` sequences of one request. Honoured:
+max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
+logprobs (each token's log-probability; `top_logprobs` > 0 is refused: alternatives are not
+computed), stream. Bad input (no messages, an unknown role, a message without content, a prompt
+longer than the model takes) is a 400 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse, StreamingResponse
+
+from phyai_ray.serve.openai_api import OpenAIError, _mapped, finish_reason, generation_request, sse
+from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
+
+MAX_N = 16
+
+
+class ChatRequest(BaseModel):
+    """The fields of OpenAI's chat completions request this server honours (others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool = False
+
+    def limit(self, room: int) -> int:
+        """max_completion_tokens, else max_tokens, else what the model has room for (at most 4096)."""
+        return self.max_completion_tokens or self.max_tokens or max(1, min(room, 4096))
+
+
+def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int = 1) -> None:
+    @api.post("/v1/chat/completions", tags=["openai"], summary="Chat completions (OpenAI-compatible)")
+    async def chat(body: dict[str, Any]) -> Any:
+        try:  # template, tokenization and checks off the event loop
+            request, plugin, codec = await asyncio.to_thread(_prepare, runner, body, name)
+            if request.stream:
+                chunks = ChatChunks(request, name, codec, len(plugin["prompts"]))
+                return StreamingResponse(sse(runner, plugin, chunks, stream_interval), media_type="text/event-stream")
+            outputs = await runner.run(plugin, validate=False)
+            return JSONResponse(_response(outputs, request, name, codec, len(plugin["prompts"][0])))
+        except OpenAIError as exc:
+            return exc.response()
+        except Exception as exc:
+            return _mapped(exc).response()
+
+
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, dict[str, Any], Any]:
+    request = ChatRequest.model_validate(body)
+    if request.model not in (None, name):
+        raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
+                          type="not_found_error", param="model")
+    if request.top_logprobs:
+        raise OpenAIError(400, "top_logprobs > 0 is not supported (alternatives are not computed); use logprobs=true",
+                          param="top_logprobs")
+    codec = require(text_codec(runner.entry), "a chat")
+    try:
+        prompt = codec.chat(request.messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from None
+    limit = runner.entry.max_sequence_tokens()
+    if len(prompt) >= limit:
+        raise OpenAIError(400, f"the chat is {len(prompt)} tokens after its template; the model takes {limit} "
+                               "(prompt + completion): shorten the messages", param="messages")
+    max_tokens = request.limit(limit - len(prompt))
+    if len(prompt) + max_tokens > limit:
+        raise OpenAIError(400, f"the chat ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                               f"{limit} tokens; lower max_tokens", param="max_tokens")
+    plugin = generation_request([prompt], n=request.n, max_tokens=max_tokens, temperature=request.temperature,
+                                top_p=request.top_p, seed=request.seed, stop_ids=[])
+    try:
+        runner.entry.validate_request(plugin)
+    except Exception as exc:
+        raise OpenAIError(400, f"the model rejected the request: {exc}") from None
+    return request, plugin, codec
+
+
+def _token_logprobs(codec: Any, ids: list[int], lps: list[float]) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(ids, lps):
+        text = codec.decode([t])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+def _response(outputs: list, request: ChatRequest, name: str, codec: Any, prompt_tokens: int) -> dict[str, Any]:
+    stops = stop_lists(request.stop)[1]
+    choices = []
+    for i, out in enumerate(outputs):
+        text, stopped = cut_at_stop(codec.decode(out.token_ids), stops)
+        choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": _token_logprobs(codec, out.token_ids, out.log_probs) if request.logprobs else None,
+                        "finish_reason": finish_reason(out, stopped)})
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+
+
+class ChatChunks:
+    """`chat.completion.chunk` events: the role first, then content deltas, then each choice's finish."""
+
+    def __init__(self, request: ChatRequest, name: str, codec: Any, choices: int) -> None:
+        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+                     "created": int(time.time()), "model": name}
+        self.codec, self.want_lp = codec, request.logprobs
+        stops = stop_lists(request.stop)[1]
+        self.texts = [ChoiceText(codec, stops) for _ in range(choices)]
+        self.started = [False] * choices
+
+    @property
+    def finished(self) -> bool:
+        return all(t.stopped for t in self.texts)
+
+    def tokens(self, ready: list[tuple[int, list[int], list[float]]]) -> list[dict[str, Any]]:
+        events = []
+        for b, ids, lps in ready:
+            if self.texts[b].stopped:
+                continue
+            delta: dict[str, Any] = {"content": self.texts[b].push(ids)}
+            if not self.started[b]:
+                delta, self.started[b] = {"role": "assistant", **delta}, True
+            logprobs = _token_logprobs(self.codec, ids, lps) if self.want_lp else None
+            events.append({**self.head, "choices": [{"index": b, "delta": delta, "logprobs": logprobs,
+                                                     "finish_reason": None}]})
+        return events
+
+    def end(self, outputs: list) -> list[dict[str, Any]]:
+        events = []
+        for b, out in enumerate(outputs):
+            rest = self.texts[b].push([], final=True)
+            delta = {"content": rest} if rest else {}
+            events.append({**self.head, "choices": [{"index": b, "delta": delta, "logprobs": None,
+                                                     "finish_reason": finish_reason(out, self.texts[b].stopped)}]})
+        return events

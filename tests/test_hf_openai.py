@@ -1,0 +1,110 @@
+"""OpenAI's own client against `hf_causal_lm`'s routes: text completions, chat, streamed chat, bad input.
+
+Run: .venv/bin/pytest tests/test_hf_openai.py -q
+
+The routes run on one inline engine of a tiny Qwen2-shaped checkpoint (transformers writes it
+here) in a FastAPI app, reached through the `openai` package's client. Every text equals what
+transformers' tokenizer decodes from the same tokens, and the tokens equal transformers' greedy
+generation of the chat template's rendering.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from phyai_ray import Engine, EngineArgs
+from phyai_ray.serve.openai_api import add_openai_routes
+from tests.hf_checkpoints import load_reference, write_checkpoint
+from tests.test_hf_causal_lm import reference
+from tests.test_openai_api import InlineRunner
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("transformers")
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Le café — voilà?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = write_checkpoint(tmp_path_factory.mktemp("hf") / "tiny-qwen2", "qwen2")
+    with Engine(EngineArgs(plugin="hf_causal_lm", plugin_args={"model": str(folder)},
+                           config={"device": {"target": "cpu"}})) as engine:
+        api = FastAPI()
+        add_openai_routes(api, InlineRunner(engine))
+        with TestClient(api) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+            yield client, AutoTokenizer.from_pretrained(str(folder)), load_reference(folder)
+
+
+def test_models_lists_the_folder_name_and_a_text_completion_decodes_its_tokens(served):
+    client, tok, model = served
+    assert [m.id for m in client.models.list().data] == ["tiny-qwen2"]
+    out = client.completions.create(model="tiny-qwen2", prompt="The quick brown", max_tokens=10, temperature=0,
+                                    logprobs=1)
+    choice = out.choices[0]
+    tokens, log_probs = reference(model, tok("The quick brown").input_ids, 10)
+    assert choice.token_ids == tokens
+    assert choice.text == tok.decode(tokens, skip_special_tokens=True)
+    assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, log_probs)) <= 1e-4
+    assert out.usage.prompt_tokens == len(tok("The quick brown").input_ids)
+
+
+def test_chat_follows_the_template_and_streamed_chat_gives_the_same_text(served):
+    client, tok, model = served
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    tokens, _ = reference(model, ids, 16)
+    out = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=16, temperature=0,
+                                         logprobs=True)
+    text = out.choices[0].message.content
+    assert text == tok.decode(tokens, skip_special_tokens=True) and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(tokens)
+    assert len(out.choices[0].logprobs.content) == len(tokens)
+    chunks = list(client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_stop_strings_end_a_choice_before_the_stop_and_n_gives_seeded_choices(served):
+    client, tok, model = served
+    whole = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=16, temperature=0)
+    text = whole.choices[0].message.content
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=16, temperature=0,
+                                              stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[: text.find(stop)]
+    sampled = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=8, temperature=1.0,
+                                             seed=5, n=3)
+    again = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=8, temperature=1.0,
+                                           seed=5, n=3)
+    assert [c.message.content for c in sampled.choices] == [c.message.content for c in again.choices]
+    assert len({c.message.content for c in sampled.choices}) > 1
+
+
+@pytest.mark.parametrize("messages,why", [
+    ([], "messages"), ([{"role": "user"}], "has no content"), ([{"role": "robot", "content": "x"}], "is not one of"),
+    ([{"role": "user", "content": "x" * 2000}], "exceeds|shorten"),
+])
+def test_bad_chats_are_400_in_openais_shape_and_nothing_else_is_disturbed(served, messages, why):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match=why) as info:
+        client.chat.completions.create(model="tiny-qwen2", messages=messages, max_tokens=4)
+    assert info.value.body["type"] == "invalid_request_error"
+    assert client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2).choices[0].message
+
+
+def test_bad_completions_are_400(served):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match=r"out-of-range ids \[99999\]"):
+        client.completions.create(model="tiny-qwen2", prompt=[1, 99999], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's 256 tokens"):
+        client.completions.create(model="tiny-qwen2", prompt="fox " * 300, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2)
