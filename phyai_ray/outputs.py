@@ -32,11 +32,13 @@ class TokenOutput:
     extra_fields: dict[str, Any] = field(default_factory=dict)
     weight_versions: list[Any] = field(default_factory=list)
     text: str | None = None  # the completion decoded, when the request gave text (a plugin with a tokenizer)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per token {id: log-prob}, when asked
 
     def __init__(self, token_ids: list[int], log_probs: list[float], routed_experts: Any = None,
                  stop_reason: str = "length", num_preempted: int = 0, weight_version: Any = None,
                  extra_fields: dict[str, Any] | None = None, extra_info: dict[str, Any] | None = None,
-                 weight_versions: list[Any] | None = None, text: str | None = None) -> None:
+                 weight_versions: list[Any] | None = None, text: str | None = None,
+                 top_logprobs: list[dict[int, float]] | None = None) -> None:
         if stop_reason not in STOP_REASONS:
             raise ValueError(f"stop_reason={stop_reason!r} must be one of {STOP_REASONS}")
         if len(log_probs) != len(token_ids):
@@ -48,6 +50,7 @@ class TokenOutput:
         self.extra_fields = dict(extra_fields if extra_fields is not None else extra_info or {})
         self.weight_versions = list(weight_versions or [])
         self.text = text
+        self.top_logprobs = list(top_logprobs or [])
         if self.weight_versions and len(self.weight_versions) != len(self.token_ids):
             raise ValueError(f"{len(self.token_ids)} token id(s) but {len(self.weight_versions)} weight version(s); "
                              "give one per token, or none")
@@ -69,7 +72,8 @@ class TokenOutput:
         return {"token_ids": self.token_ids, "log_probs": self.log_probs, "routed_experts": self.routed_experts,
                 "stop_reason": self.stop_reason, "num_preempted": self.num_preempted,
                 "weight_version": self.weight_version, "weight_versions": self.weight_versions,
-                "extra_fields": self.extra_fields, **({"text": self.text} if self.text is not None else {})}
+                "extra_fields": self.extra_fields, **({"text": self.text} if self.text is not None else {}),
+                **({"top_logprobs": self.top_logprobs} if self.top_logprobs else {})}
 
 
 def version_order(version: Any) -> Any:

@@ -157,7 +157,8 @@ def test_a_misnamed_or_misshapen_update_is_refused_and_the_old_weights_keep_serv
         before = eng.step({"prompts": [PROMPTS[0]], "max_tokens": TOKENS})[0]
         sender = WeightSender("gloo")
         sender.init_transfer(eng)
-        bad = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)), ("model.layers.9.mlp.x", torch.zeros(2))]
+        bad = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)),
+               ("model.layers.9.mlp.x", torch.zeros(2))]
         with pytest.raises(WeightUpdateRefusedError, match=r"q_proj.weight'. shape \[3, 3\].*model.layers.9.mlp.x"):
             sender.update(eng, bad, version=5)
         again = eng.step({"prompts": [PROMPTS[0]], "max_tokens": TOKENS})[0]

@@ -106,5 +106,26 @@ def test_bad_completions_are_400(served):
         client.completions.create(model="tiny-qwen2", prompt=[1, 99999], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="exceeds the model's 256 tokens"):
         client.completions.create(model="tiny-qwen2", prompt="fox " * 300, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+        client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=4, top_logprobs=2)
+
+
+def test_top_logprobs_are_the_models_most_likely_tokens(served):
+    import torch
+
+    client, tok, model = served
+    out = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    tokens, _ = reference(model, ids, 6)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1: -1].float().log_softmax(-1)
+    for position, entry in enumerate(out.choices[0].logprobs.content):
+        want = logits[position].topk(3)
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([t]) for t in want.indices.tolist()]
+        assert max(abs(a.logprob - b) for a, b in zip(entry.top_logprobs, want.values.tolist())) <= 1e-4
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the chosen token is the most likely
+    streamed = list(client.completions.create(model="tiny-qwen2", prompt=ids, max_tokens=6, temperature=0,
+                                              logprobs=2, stream=True))
+    alternatives = [a for e in streamed for c in e.choices if c.logprobs for a in (c.logprobs.top_logprobs or [])]
+    assert len(alternatives) == len(tokens) and all(len(a) == 2 for a in alternatives)

@@ -270,6 +270,7 @@ class IterationLoop:
             seq.tokens += delta.token_ids
             seq.log_probs += delta.log_probs
             seq.versions += [version] * len(delta.token_ids)
+            seq.tops += delta.top_logprobs
             if seq.request.sink is not None and delta.token_ids:
                 touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
             if delta.stop_reason is not None:

@@ -35,13 +35,14 @@ class LoopSequence:
     """One sequence: what its rank admits, and the tokens, log-probs and weight versions it has so far."""
 
     __slots__ = ("ident", "request", "index", "payload", "cost", "tokens", "log_probs", "versions", "stop_reason",
-                 "cache_version", "stale", "state")
+                 "cache_version", "stale", "state", "tops")
 
     def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int) -> None:
         self.ident, self.request, self.index, self.payload, self.cost = ident, request, index, payload, cost
         self.tokens: list[int] = []
         self.log_probs: list[float] = []
         self.versions: list[Any] = []
+        self.tops: list[dict[int, float]] = []  # per token, when the sequence asked for alternatives
         self.stop_reason: str | None = None
         self.cache_version: Any = None
         self.stale = False  # its cache must be rebuilt at its next iteration
@@ -50,16 +51,21 @@ class LoopSequence:
     def output(self) -> TokenOutput:
         return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
                            weight_version=self.versions[-1] if self.versions else None,
-                           weight_versions=self.versions)
+                           weight_versions=self.versions, top_logprobs=self.tops)
 
 
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
     """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
     ids: list[Any] = [None] * len(req.seqs)
     lps: list[Any] = [None] * len(req.seqs)
+    tops: list[Any] = [None] * len(req.seqs)
     for seq, delta in changed:
         ids[seq.index] = delta.token_ids[-1] if len(delta.token_ids) == 1 else list(delta.token_ids)
         lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
-    req.sink.put({"index": req.chunks, "token_ids": ids, "log_probs": lps})
+        tops[seq.index] = delta.top_logprobs or None
+    chunk = {"index": req.chunks, "token_ids": ids, "log_probs": lps}
+    if any(t is not None for t in tops):
+        chunk["top_logprobs"] = tops  # per sequence: a list of {id: log-prob}, one per token of this chunk
+    req.sink.put(chunk)
     req.chunks += 1
 

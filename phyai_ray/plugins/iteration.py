@@ -39,12 +39,14 @@ class Delta:
     """What one iteration produced for one sequence: new tokens, their log-probs, and whether it ended.
 
     `stop_reason` is None while the sequence runs, else "completed" or "length" (its slot is free).
-    A chunked prefill may return an empty delta.
+    A chunked prefill may return an empty delta. `top_logprobs`, when the sequence asked for k of
+    them, holds per token its k most likely tokens {token id: log-prob}; empty otherwise.
     """
 
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -92,15 +92,17 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
     if stop_strings:
         require(codec, "a stop string")
     return generation_request([list(p) for p in _prompts(body)], n=body.n, max_tokens=body.max_tokens,
-                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids)
+                              temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
+                              top_logprobs=body.logprobs or 0)
 
 
 def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int | None, stop_ids: list[int]) -> dict[str, Any]:
+                       seed: int | None, stop_ids: list[int], top_logprobs: int = 0) -> dict[str, Any]:
     """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index)."""
-    return {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "stop_token_ids": list(stop_ids),
-            "seed": seed if seed is not None else random.randrange(2 ** 31)}
+    out = {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
+           "top_p": top_p, "stop_token_ids": list(stop_ids),
+           "seed": seed if seed is not None else random.randrange(2 ** 31)}
+    return {**out, "top_logprobs": top_logprobs} if top_logprobs else out
 
 
 def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, *, stream_interval: int = 1) -> None:
@@ -162,12 +164,18 @@ def finish_reason(out: Any, stopped: bool = False) -> str:
 def _choice(index: int, out: Any, want_logprobs: bool, codec: Any, stops: list[str]) -> dict[str, Any]:
     text, stopped = cut_at_stop(codec.decode(out.token_ids), stops) if codec is not None else ("", False)
     return {"index": index, "text": text, "token_ids": out.token_ids, "finish_reason": finish_reason(out, stopped),
-            "logprobs": _logprobs(out.token_ids, out.log_probs, codec) if want_logprobs else None}
+            "logprobs": _logprobs(out.token_ids, out.log_probs, codec, out.top_logprobs) if want_logprobs else None}
 
 
-def _logprobs(ids: list[int], lps: list[float], codec: Any = None) -> dict[str, Any]:
-    tokens = [codec.decode([t]) for t in ids] if codec is not None else [f"token_id:{t}" for t in ids]
-    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": [0] * len(ids)}
+def token_text(codec: Any, token: int) -> str:
+    """A token as OpenAI's logprobs name it: its text with a tokenizer, else "token_id:<id>" (vLLM's convention)."""
+    return codec.decode([token]) if codec is not None else f"token_id:{token}"
+
+
+def _logprobs(ids: list[int], lps: list[float], codec: Any = None, tops: list | None = None) -> dict[str, Any]:
+    top = [{token_text(codec, t): lp for t, lp in alt.items()} for alt in tops] if tops else None
+    return {"tokens": [token_text(codec, t) for t in ids], "token_logprobs": list(lps), "top_logprobs": top,
+            "text_offset": [0] * len(ids)}
 
 
 def _completion(outputs: list, request: CompletionRequest, name: str, codec: Any = None) -> dict[str, Any]:
@@ -196,14 +204,14 @@ class CompletionChunks:
         """Every choice met a stop string: the generation can be cancelled."""
         return self.texts is not None and all(t.stopped for t in self.texts)
 
-    def tokens(self, ready: list[tuple[int, list[int], list[float]]]) -> list[dict[str, Any]]:
+    def tokens(self, ready: list[tuple[int, list[int], list[float], list | None]]) -> list[dict[str, Any]]:
         choices = []
-        for b, ids, lps in ready:
+        for b, ids, lps, tops in ready:
             if self.texts is not None and self.texts[b].stopped:
                 continue
             text = self.texts[b].push(ids) if self.texts is not None else ""
             choices.append({"index": b, "text": text, "token_ids": ids, "finish_reason": None,
-                            "logprobs": _logprobs(ids, lps, self.codec) if self.want_lp else None})
+                            "logprobs": _logprobs(ids, lps, self.codec, tops) if self.want_lp else None})
         return [{**self.head, "choices": choices}] if choices else []
 
     def end(self, outputs: list) -> list[dict[str, Any]]:
@@ -235,8 +243,9 @@ async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 
                     if kind == "end":
                         final, ended = value or [], True
                         break
-                    step = [(b, _listed(t), _listed(lp)) for b, (t, lp)
-                            in enumerate(zip(value["token_ids"], value["log_probs"])) if t is not None]
+                    tops = value.get("top_logprobs") or [None] * len(value["token_ids"])
+                    step = [(b, _listed(t), _listed(lp), top) for b, (t, lp, top)
+                            in enumerate(zip(value["token_ids"], value["log_probs"], tops)) if t is not None]
                     rendered = chunks.tokens(step)
                     events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
                     steps += bool(rendered)

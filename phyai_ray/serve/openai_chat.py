@@ -10,8 +10,8 @@
 The messages go through the checkpoint's chat template with `add_generation_prompt`, are
 tokenized without adding special tokens again, and run as `n` sequences of one request. Honoured:
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
-logprobs (each token's log-probability; `top_logprobs` > 0 is refused: alternatives are not
-computed), stream. Bad input (no messages, an unknown role, a message without content, a prompt
+logprobs with top_logprobs (each token's log-probability and its k most likely alternatives),
+stream. Bad input (no messages, an unknown role, a message without content, a prompt
 longer than the model takes) is a 400 in OpenAI's error shape.
 """
 
@@ -76,9 +76,8 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
     if request.model not in (None, name):
         raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
                           type="not_found_error", param="model")
-    if request.top_logprobs:
-        raise OpenAIError(400, "top_logprobs > 0 is not supported (alternatives are not computed); use logprobs=true",
-                          param="top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     codec = require(text_codec(runner.entry), "a chat")
     try:
         prompt = codec.chat(request.messages, add_generation_prompt=True)
@@ -93,7 +92,8 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
         raise OpenAIError(400, f"the chat ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                                f"{limit} tokens; lower max_tokens", param="max_tokens")
     plugin = generation_request([prompt], n=request.n, max_tokens=max_tokens, temperature=request.temperature,
-                                top_p=request.top_p, seed=request.seed, stop_ids=[])
+                                top_p=request.top_p, seed=request.seed, stop_ids=[],
+                                top_logprobs=request.top_logprobs or 0)
     try:
         runner.entry.validate_request(plugin)
     except Exception as exc:
@@ -101,12 +101,15 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
     return request, plugin, codec
 
 
-def _token_logprobs(codec: Any, ids: list[int], lps: list[float]) -> dict[str, Any]:
-    content = []
-    for t, lp in zip(ids, lps):
-        text = codec.decode([t])
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
-    return {"content": content}
+def _entry(codec: Any, token: int, lp: float) -> dict[str, Any]:
+    text = codec.decode([token])
+    return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+
+def _token_logprobs(codec: Any, ids: list[int], lps: list[float], tops: list | None = None) -> dict[str, Any]:
+    tops = tops or [{}] * len(ids)
+    return {"content": [{**_entry(codec, t, lp), "top_logprobs": [_entry(codec, a, alp) for a, alp in top.items()]}
+                        for t, lp, top in zip(ids, lps, tops)]}
 
 
 def _response(outputs: list, request: ChatRequest, name: str, codec: Any, prompt_tokens: int) -> dict[str, Any]:
@@ -115,7 +118,8 @@ def _response(outputs: list, request: ChatRequest, name: str, codec: Any, prompt
     for i, out in enumerate(outputs):
         text, stopped = cut_at_stop(codec.decode(out.token_ids), stops)
         choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": _token_logprobs(codec, out.token_ids, out.log_probs) if request.logprobs else None,
+                        "logprobs": (_token_logprobs(codec, out.token_ids, out.log_probs, out.top_logprobs)
+                                     if request.logprobs else None),
                         "finish_reason": finish_reason(out, stopped)})
     completion = sum(len(o.token_ids) for o in outputs)
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
@@ -139,15 +143,15 @@ class ChatChunks:
     def finished(self) -> bool:
         return all(t.stopped for t in self.texts)
 
-    def tokens(self, ready: list[tuple[int, list[int], list[float]]]) -> list[dict[str, Any]]:
+    def tokens(self, ready: list[tuple[int, list[int], list[float], list | None]]) -> list[dict[str, Any]]:
         events = []
-        for b, ids, lps in ready:
+        for b, ids, lps, tops in ready:
             if self.texts[b].stopped:
                 continue
             delta: dict[str, Any] = {"content": self.texts[b].push(ids)}
             if not self.started[b]:
                 delta, self.started[b] = {"role": "assistant", **delta}, True
-            logprobs = _token_logprobs(self.codec, ids, lps) if self.want_lp else None
+            logprobs = _token_logprobs(self.codec, ids, lps, tops) if self.want_lp else None
             events.append({**self.head, "choices": [{"index": b, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": None}]})
         return events

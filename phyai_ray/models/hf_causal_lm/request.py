@@ -3,7 +3,8 @@
     {"prompts": [[1, 2, 3]], "max_tokens": 16}                     token ids, as reference_lm takes them
     {"text": ["Hello", "Bonjour"], "max_tokens": 16, "temperature": 0.7, "seed": 1}
                                                                    tokenized with the checkpoint's tokenizer
-    knobs: temperature, top_k, top_p, seed, stop_token_ids, ignore_eos (vLLM's name: keep going past EOS)
+    knobs: temperature, top_k, top_p, seed, stop_token_ids, ignore_eos (vLLM's name: keep going past EOS),
+           top_logprobs (k: each token's k most likely alternatives in TokenOutput.top_logprobs)
 
 Generation of a prompt ends at the checkpoint's end-of-sequence ids (generation_config.json, else
 config.json; a list allowed) unless `ignore_eos`, at any of `stop_token_ids`, or at `max_tokens`.
@@ -25,7 +26,7 @@ class TextRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prompts: list[list[int]] | None = Field(None, min_length=1, max_length=1024, description="Prompt token ids.")
-    text: list[str] | str | None = Field(None, description="Prompt strings (tokenized with the checkpoint's tokenizer).")
+    text: list[str] | str | None = Field(None, description="Prompt strings, tokenized with the checkpoint's tokenizer.")
     max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
@@ -33,6 +34,7 @@ class TextRequest(BaseModel):
     seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Generation ends at any of these.")
     ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence ids.")
+    top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> "TextRequest":
@@ -85,5 +87,5 @@ class Parsed:
         r = self.request
         stop = sorted(set(r.stop_token_ids) | set(self.eos))
         shared = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-                  "stop_token_ids": stop}
+                  "stop_token_ids": stop, "top_logprobs": r.top_logprobs}
         return [{"prompt": p, **shared, "seed": sequence_seed(r.seed, i)} for i, p in enumerate(self.prompts)]

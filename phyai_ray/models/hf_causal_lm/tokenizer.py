@@ -89,7 +89,8 @@ def check_messages(messages: Any) -> None:
         if content is None and not message.get("tool_calls"):
             raise ValueError(f"messages[{i}] ({role}) has no content")
         if content is not None and not isinstance(content, str):
-            if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            parts = isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+            if not parts:
                 raise ValueError(f"messages[{i}].content must be text or a list of {{'type': 'text', 'text': ...}} "
                                  "parts; other part types are not supported")
 

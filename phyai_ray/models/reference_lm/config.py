@@ -78,6 +78,7 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
     seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Generation of a prompt ends at any of these.")
+    top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
 
     @classmethod
     def parse(cls, request: Any, cfg: ReferenceLMConfig) -> "GenerateRequest":
@@ -102,7 +103,7 @@ class GenerateRequest(BaseModel):
             GenerateRequest(prompts=[[1, 2], [1, 2]], seed=3).payloads()[1]["seed"] == sequence_seed(3, 1)
         """
         shared = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                  "top_p": self.top_p, "stop_token_ids": list(self.stop_token_ids)}
+                  "top_p": self.top_p, "stop_token_ids": list(self.stop_token_ids), "top_logprobs": self.top_logprobs}
         return [{"prompt": list(p), **shared, "seed": sequence_seed(self.seed, i)} for i, p in enumerate(self.prompts)]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_lm.slots import Batch, Slots, sample
+from phyai_ray.models.reference_lm.slots import Batch, Slots, alternatives, sample
 from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.iteration import Delta
 
@@ -89,14 +89,15 @@ class SlotDecoder:
                 break
             index += 1
         return [TokenOutput(s.tokens, s.log_probs, stop_reason=s.stop_reason or "aborted",
-                            weight_version=self.weight_version) for s in seqs]
+                            weight_version=self.weight_version, top_logprobs=s.tops) for s in seqs]
 
     def run_iteration(self, slots: Slots) -> dict[int, Delta]:
         if not slots.rows:
             return {}
         batch = slots.batch(self.ctx.device)
-        chosen, log_probs = sample(self.logits(batch, slots), slots.rows)
-        return slots.advance(chosen, log_probs)
+        logits = self.logits(batch, slots)
+        chosen, log_probs = sample(logits, slots.rows)
+        return slots.advance(chosen, log_probs, alternatives(logits, slots.rows))
 
 
 def chunk(index: int, deltas: dict[int, Delta], prompts: int) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class Running:
     cached: int = 0  # tokens whose k/v are in the cache
     row: int = -1
     stop_reason: str | None = None
+    top_logprobs: int = 0  # how many alternatives each token reports (0: none)
+    tops: list[dict[int, float]] = field(default_factory=list)
 
     @classmethod
     def from_payload(cls, seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> "Running":
@@ -58,19 +60,22 @@ class Running:
         prompt = [int(t) for t in payload["prompt"]]
         generator = torch.Generator().manual_seed(int(payload["seed"]))
         return cls(seq_id, prompt, int(payload["max_tokens"]), float(payload["temperature"]), int(payload["top_k"]),
-                   float(payload["top_p"]), frozenset(payload["stop_token_ids"]), generator, pending=list(prompt))
+                   float(payload["top_p"]), frozenset(payload["stop_token_ids"]), generator, pending=list(prompt),
+                   top_logprobs=int(payload.get("top_logprobs") or 0))
 
-    def take(self, token: int, log_prob: float) -> Delta:
+    def take(self, token: int, log_prob: float, top: dict[int, float] | None = None) -> Delta:
         """Record the token sampled for this sequence; it is fed at the next iteration unless this one ends."""
         self.cached += len(self.pending)
         self.tokens.append(token)
         self.log_probs.append(log_prob)
         self.pending = [token]
+        if top is not None:
+            self.tops.append(top)
         if token in self.stop:
             self.stop_reason = "completed"
         elif len(self.tokens) >= self.max_tokens:
             self.stop_reason = "length"
-        return Delta([token], [log_prob], self.stop_reason)
+        return Delta([token], [log_prob], self.stop_reason, [top] if top is not None else [])
 
 
 def _check_payload(seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> None:
@@ -178,9 +183,11 @@ class Slots:
         hidden = torch.arange(length, device=device) > sees.view(size, 1, width, 1)
         return Batch(tokens, positions, rows, pad[0] if pad else None, hidden, last, size, width)
 
-    def advance(self, chosen: list[int], log_probs: list[float]) -> dict[int, Delta]:
-        """Give row i its token chosen[i]; free the rows of the sequences that ended."""
-        deltas = {s.seq_id: s.take(t, lp) for s, t, lp in zip(self.rows, chosen, log_probs)}
+    def advance(self, chosen: list[int], log_probs: list[float],
+                tops: list[dict[int, float] | None] | None = None) -> dict[int, Delta]:
+        """Give row i its token chosen[i] (and its alternatives tops[i]); free the rows of the sequences that ended."""
+        tops = tops or [None] * len(chosen)
+        deltas = {s.seq_id: s.take(t, lp, top) for s, t, lp, top in zip(self.rows, chosen, log_probs, tops)}
         for seq in sorted((s for s in self.rows if s.stop_reason), key=lambda s: -s.row):
             self._free(seq)  # highest rows first: a freed last row needs no move
         return deltas
@@ -221,6 +228,16 @@ def sample(logits: torch.Tensor, seqs: list[Running]) -> tuple[list[int], list[f
         chosen[drawn] = (weights / race.clamp(min=1e-30)).argmax(-1)
     log_probs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
     return chosen.tolist(), log_probs.tolist()
+
+
+def alternatives(logits: torch.Tensor, seqs: list[Running]) -> list[dict[int, float] | None] | None:
+    """Per row, its `top_logprobs` most likely tokens {id: log-prob} under the raw logits; None when no row asks."""
+    wanted = [s.top_logprobs for s in seqs]
+    if not any(wanted):
+        return None
+    k = min(max(wanted), logits.shape[-1])
+    values, ids = logits.float().cpu().log_softmax(-1).topk(k, dim=-1)
+    return [dict(zip(ids[i, :n].tolist(), values[i, :n].tolist())) if n else None for i, n in enumerate(wanted)]
 
 
 def filtered_weights(logits: torch.Tensor, seqs: list[Running]) -> torch.Tensor:
