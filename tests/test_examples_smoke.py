@@ -44,3 +44,13 @@ def test_rl_loop_learns_and_every_rollout_carries_the_pushed_version(ray_session
     curve = _load("examples/rl_loop.py").main(iterations=4)
     assert curve[0] < 0.2 and curve[-1] > curve[0] + 0.3, curve
     assert "pushed version 4" in capsys.readouterr().out
+
+
+def test_hf_rl_loop_learns_with_a_transformers_policy_synced_by_name(ray_session, capsys):
+    # main() raises if a rollout's version differs from the one just pushed, or if the trainer's
+    # transformers forward gives log-probs more than 1e-4 away from the rollout's.
+    pytest.importorskip("transformers")
+    curve = _load("examples/hf_rl_loop.py").main(iterations=5)
+    assert curve[-1] > curve[0] + 0.2, curve
+    out = capsys.readouterr().out
+    assert "pushed version 5" in out and "|trainer - rollout log-prob| <=" in out

@@ -18,12 +18,12 @@ WAIT_S = 20.0
 def _connect(name: str, token: bytes) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect("\0" + name)
-    sock.sendall(token)
-    print("connected", flush=True)
+    print("connected", flush=True)  # queued at the listener; the rank may refuse it before the token is written
     sock.settimeout(WAIT_S)
     try:
+        sock.sendall(token)
         closed = sock.recv(1) == b""
-    except ConnectionResetError:
+    except (BrokenPipeError, ConnectionResetError):
         closed = True
     except socket.timeout:
         closed = False
