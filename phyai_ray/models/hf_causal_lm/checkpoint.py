@@ -179,7 +179,6 @@ class Checkpoint:
 
     def __init__(self, folder: Path, arch: Architecture, files: dict[str, Path]) -> None:
         self.folder, self.arch, self.files = folder, arch, files
-        self._open: dict[Path, Any] = {}
 
     @classmethod
     def open(cls, folder: str | Path, max_model_len: int | None = None) -> "Checkpoint":
@@ -193,31 +192,28 @@ class Checkpoint:
         return sorted(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._read(name, lambda part: tuple(part.get_shape()))
 
     def full(self, name: str) -> torch.Tensor:
-        return self._slice(name)[:]
+        return self._read(name, lambda part: part[:])
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._slice(name)[start:stop]
+        return self._read(name, lambda part: part[start:stop])
 
     def columns(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._slice(name)[:, start:stop]
+        return self._read(name, lambda part: part[:, start:stop])
 
-    def close(self) -> None:
-        self._open.clear()
-
-    def _slice(self, name: str) -> Any:
+    def _read(self, name: str, take: Any) -> Any:
+        """`take(slice of name)`, the file mapped only meanwhile: pages of the file that a read touched
+        count in the process's memory only while it is mapped, so a rank's peak stays near its shard."""
         from safetensors import safe_open
 
         file = self.files.get(name)
         if file is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint {self.folder} "
                                   f"({len(self.files)} tensors in {sorted({f.name for f in self.files.values()})})")
-        handle = self._open.get(file)
-        if handle is None:
-            handle = self._open[file] = safe_open(str(file), framework="pt")
-        return handle.get_slice(name)
+        with safe_open(str(file), framework="pt") as handle:
+            return take(handle.get_slice(name))
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:

@@ -60,11 +60,10 @@ class HFCausalLM(SlotDecoder):
         self.plan = ShardPlan.for_rank(self.arch, ctx)
         self.shapes = self.plan.full_shapes()
         self.w = {name: self._read(ckpt, name, shape) for name, shape in self.shapes.items()}
-        ckpt.close()
         if self.arch.tied:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
-        self.slots = self.new_slots(rows=8, max_seq=self.max_len)
+        self.slots = self.new_slots(rows=1, max_seq=self.max_len)  # rows double as sequences arrive
         self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
         logger.info("hf_causal_lm rank %d: %s, %d layers, heads %d/%d kv %d/%d on this rank, vocab rows %d, %s",
                     ctx.rank, self.arch.family, self.arch.layers, self.plan.local_heads, self.arch.heads,
@@ -81,8 +80,11 @@ class HFCausalLM(SlotDecoder):
         elif cut.dim == 0:
             part = cut.padded(ckpt.rows(name, cut.start, cut.stop))
         else:
-            part = ckpt.columns(name, cut.start, cut.stop).contiguous()
-        return part.to(device=self.ctx.device, dtype=self.dtype)
+            part = ckpt.columns(name, cut.start, cut.stop)
+        # a copy of our own: a slice may view the file's mapping, which a trainer saving into the same
+        # folder could change under a running model (and whose pages would count only once touched)
+        owned = part.to(device=self.ctx.device, dtype=self.dtype)
+        return owned.clone() if owned.data_ptr() == part.data_ptr() else owned.contiguous()
 
     # -- weight updates by the trainer's names (transformers' named_parameters()) --------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
