@@ -77,6 +77,24 @@ def test_greedy_equals_transformers_alone_and_continuously_batched(checkpoints, 
             assert out.stop_reason == ("completed" if len(expected[0]) < TOKENS else "length")
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32, "rope_theta": 500000.0},
+])
+def test_scaled_rotary_embeddings_equal_transformers(tmp_path, rope) -> None:
+    from phyai_ray.models.hf_causal_lm import Architecture
+
+    folder = write_checkpoint(tmp_path / rope["rope_type"], "llama", rope_parameters=rope)
+    assert Architecture.read(folder).rope.kind == rope["rope_type"]
+    model = load_reference(folder)
+    assert model.config.rope_parameters["rope_type"] == rope["rope_type"]
+    long_prompt = [1] + [(13 * i) % 300 + 5 for i in range(60)]  # past original_max_position_embeddings
+    with engine(folder) as eng:
+        for prompt in (PROMPTS[0], long_prompt):
+            assert_matches(eng.step({"prompts": [prompt], "max_tokens": TOKENS})[0], reference(model, prompt))
+
+
 def test_text_is_tokenized_and_decoded_as_transformers_does(checkpoints) -> None:
     from transformers import AutoTokenizer
 
@@ -234,3 +252,16 @@ def test_bad_requests_are_refused_in_the_dispatcher(checkpoints) -> None:
             with pytest.raises(ValueError, match=why):
                 eng.submit(request)
         assert eng.step({"prompts": [[1, 2]], "max_tokens": 2})[0].token_ids  # nothing else disturbed
+
+
+def test_older_configs_with_rope_theta_and_rope_scaling_read_the_same(checkpoints, tmp_path) -> None:
+    from phyai_ray.models.hf_causal_lm import Architecture
+
+    folder = broken(tmp_path, checkpoints["llama"], "legacy")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    (folder / "config.json").write_text(json.dumps(config))
+    rope = Architecture.read(folder).rope
+    assert (rope.kind, rope.theta, rope.factor, rope.original_max_position) == ("llama3", 500000.0, 8.0, 32)
