@@ -79,6 +79,10 @@ class Entry:
     def display_name(self) -> str:
         return self.name or type(self).__qualname__
 
+    def served_name(self) -> str:
+        """The model's name on the protocols (OpenAI's `model`, OIP's model name) unless the app sets one."""
+        return self.display_name()
+
     def check_parallel(self, parallel: Any) -> None:
         """Reject axes in undeclared domains, then run the plugin's own `validate_parallel`."""
         unknown = set(self.parallel_domains) - KNOWN_DOMAINS

@@ -59,7 +59,7 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
 
 def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
     """Register the /v2 routes; `model_name` (default: the plugin name) is the protocol's model name."""
-    model = options.model_name or runner.entry.display_name()
+    model = options.model_name or runner.entry.served_name()
 
     def known(name: str, version: str | None) -> None:
         if name != model or version not in (None, VERSION):

@@ -94,7 +94,7 @@ class OipGrpcMethods:
     options: Any
 
     def _model(self) -> str:
-        return self.options.model_name or self.runner.entry.display_name()
+        return self.options.model_name or self.runner.entry.served_name()
 
     def _allowed(self, context: Any) -> bool:
         key = self.options.api_key

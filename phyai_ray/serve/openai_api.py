@@ -108,7 +108,7 @@ def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, tem
 def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, *, stream_interval: int = 1) -> None:
     """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
     streamed completions write at most one event per `stream_interval` token steps (the first at once)."""
-    name = model_name or getattr(runner.entry, "model_name", None) or runner.entry.display_name()
+    name = model_name or runner.entry.served_name()
 
     @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
     async def models() -> dict[str, Any]:

@@ -64,8 +64,8 @@ class ServeOptions(ConfigModel):
         256, ge=1, description="Requests one group (one Serve replica) accepts at once; they wait in its "
         "engine queue and max_ongoing_requests (engine) of them run at its ranks.")
     model_name: str | None = Field(
-        None, min_length=1, description="Token plugins: the model name of the OpenAI-compatible routes "
-        "(/v1/completions, /v1/models); default: the plugin name.")
+        None, min_length=1, description="The served model's name (OpenAI's `model`, the Open Inference Protocol's "
+        "model name); default: the plugin's (hf_causal_lm: the checkpoint folder's name).")
     stream_interval: int = Field(
         1, ge=1, le=1024, description="Token plugins: streamed /v1/completions write at most one event per this "
         "many token steps (the first token at once, the rest in groups; vLLM's stream_interval). 1: every "

@@ -52,9 +52,8 @@ class HFCausalLMEntry(Entry):
         self.max_len = self.config.resolved_max_len(self.arch)
         self._codec = None
 
-    @property
-    def model_name(self) -> str:
-        """The served model's name: the checkpoint folder's (OpenAI's `model`)."""
+    def served_name(self) -> str:
+        """The served model's name: the checkpoint folder's (OpenAI's `model`, OIP's model name)."""
         from pathlib import Path
 
         return Path(self._checked().model).expanduser().resolve().name
