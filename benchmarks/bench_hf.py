@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_generation import machine, pct, verdict  # noqa: E402
 from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,  # noqa: E402
                        Engine, EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
 
@@ -57,11 +57,6 @@ def write_checkpoint(folder: Path) -> int:
 
 def prompts(count: int) -> list[list[int]]:
     return [[(31 * i + 7 * j + 1) % SHAPE["vocab_size"] for j in range(8 + i % 17)] for i in range(count)]
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def request(prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -123,20 +118,6 @@ def ray_engine(plugin: str, plugin_args: dict, tp: int) -> Engine:
                              config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel)),
                   DeploymentConfig(mode="local", cpus_per_rank=0.5,
                                    process_config=WorkerSupervisorConfig(execution_timeout_s=600)))
-
-
-def machine() -> str:
-    import ray
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return (f"machine: {platform.platform()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads), ray {ray.__version__}")
-
-
-def verdict(name: str, value: float, target: float, higher: bool) -> str:
-    met = value >= target if higher else value <= target
-    return f"  {name:<60} {value:7.2f}x  target {'>=' if higher else '<='} {target:g}x  {'met' if met else 'NOT MET'}"
 
 
 def main(argv: list[str] | None = None) -> None:

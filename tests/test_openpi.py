@@ -105,20 +105,27 @@ def test_four_robots_at_once_each_stay_on_one_group(server: dict[str, Any], poli
     check_actions(out["3"], policy)
 
 
-def test_eight_sessions_opened_at_once_stay_four_and_four_and_count_while_open(server: dict[str, Any]) -> None:
-    robots = subprocess.Popen([client_python(), str(REPO / "tests/scripts/openpi_robots.py"), server["url"], KEY,
-                               "8", "100", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def robots_while(server: dict[str, Any], robots: int, steps: int, pause_s: float, during: Any) -> tuple[Any, dict]:
+    """`robots` openpi-client robots in a process of their own; `during()` runs once every robot has
+    connected and acted; (what it returned, the robots' records)."""
+    proc = subprocess.Popen([client_python(), str(REPO / "tests/scripts/openpi_robots.py"), server["url"], KEY,
+                             str(robots), str(steps), str(pause_s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
-        assert robots.stdout.readline().strip() == "started"  # every robot connected and acted once
-        seen = sessions_per_group(server, [4, 4])
-        stdout, stderr = robots.communicate(timeout=300)
+        assert proc.stdout.readline().strip() == "started"
+        value = during()
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
-        if robots.poll() is None:
-            robots.kill()
-            robots.wait(30)
-    assert robots.returncode == 0, stderr[-3000:]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, stderr[-3000:]
+    return value, json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_eight_sessions_opened_at_once_stay_four_and_four_and_count_while_open(server: dict[str, Any]) -> None:
+    seen, out = robots_while(server, 8, 100, 0.05, lambda: sessions_per_group(server, [4, 4]))
     assert seen == [4, 4], seen
-    out = json.loads(stdout.strip().splitlines()[-1])
     assert all(r["error"] is None and len(set(r["groups"])) == 1 for r in out.values())
     assert sorted(Counter(r["groups"][0] for r in out.values()).values()) == [4, 4]
     assert sessions_per_group(server, [0, 0]) == [0, 0]  # closed sessions stop counting
@@ -165,20 +172,13 @@ def replicas(server: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_a_killed_rank_gives_its_robots_an_error_and_the_others_keep_acting(server: dict[str, Any]) -> None:
-    robots = subprocess.Popen([client_python(), str(REPO / "tests/scripts/openpi_robots.py"), server["url"], KEY,
-                               "4", "300", "0.02"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert robots.stdout.readline().strip() == "started"
+    def kill_a_rank() -> tuple[dict[str, Any], float]:
         victim = replicas(server)[0]
         killed_at = time.time()
         os.kill(victim["pids"][1], signal.SIGKILL)
-        stdout, stderr = robots.communicate(timeout=300)
-    finally:
-        if robots.poll() is None:
-            robots.kill()
-            robots.wait(30)
-    assert robots.returncode == 0, stderr[-3000:]
-    out = json.loads(stdout.strip().splitlines()[-1])
+        return victim, killed_at
+
+    (victim, killed_at), out = robots_while(server, 4, 300, 0.02, kill_a_rank)
     hit = [r for r in out.values() if r["groups"] and r["groups"][0] == victim["group"]]
     spared = [r for r in out.values() if r not in hit]
     assert hit and spared, {k: r["groups"][:1] for k, r in out.items()}

@@ -15,26 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from phyai_ray.models.reference_lm.config import sequence_seed
+from phyai_ray.models.reference_lm.config import Sampling, sequence_seed
 
 
-class TextRequest(BaseModel):
-    """Prompts as token ids (`prompts`) or strings (`text`), and the sampling parameters."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TextRequest(Sampling):
+    """Prompts as token ids (`prompts`) or strings (`text`), and the sampling parameters (`Sampling`)."""
 
     prompts: list[list[int]] | None = Field(None, min_length=1, max_length=1024, description="Prompt token ids.")
     text: list[str] | str | None = Field(None, description="Prompt strings, tokenized with the checkpoint's tokenizer.")
-    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated per prompt.")
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
-    seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Generation ends at any of these.")
     ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence ids.")
-    top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> "TextRequest":
@@ -85,7 +76,5 @@ class Parsed:
     def payloads(self) -> list[dict[str, Any]]:
         """One sequence payload per prompt (what `Slots.admit` takes), seeded by `sequence_seed`."""
         r = self.request
-        stop = sorted(set(r.stop_token_ids) | set(self.eos))
-        shared = {"max_tokens": r.max_tokens, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-                  "stop_token_ids": stop, "top_logprobs": r.top_logprobs}
+        shared = r.shared_payload(sorted(set(r.stop_token_ids) | set(self.eos)))
         return [{"prompt": p, **shared, "seed": sequence_seed(r.seed, i)} for i, p in enumerate(self.prompts)]

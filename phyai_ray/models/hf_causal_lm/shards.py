@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from phyai_ray.errors import ParallelConfigError
 from phyai_ray.models.hf_causal_lm.checkpoint import Architecture
+from phyai_ray.models.reference_lm.config import decoder_rules, refuse
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,9 @@ class ShardPlan:
 def check_topology(arch: Architecture, parallel: Any) -> None:
     """Refuse a topology the plan cannot split, with the numbers; before any rank starts."""
     ta, td = parallel.attention.tp_size, parallel.dense.tp_size
-    rules = [(arch.heads % ta == 0, f"num_attention_heads={arch.heads} % attention.tp={ta} != 0"),
-             (arch.kv_heads % ta == 0 or ta % arch.kv_heads == 0,
-              f"num_key_value_heads={arch.kv_heads} and attention.tp={ta}: one must divide the other"),
-             (arch.intermediate % td == 0, f"intermediate_size={arch.intermediate} % dense.tp={td} != 0"),
-             (parallel.outer.pp_size == 1 and parallel.outer.cfg_size == 1, "pp and cfg must be 1"),
-             (getattr(parallel.attention, "cp_size", 1) == 1, "attention.cp must be 1"),
-             (all(getattr(parallel, d).dp_size == 1 for d in ("dense", "attention") if d in parallel.explicit_domains),
-              "an explicit dp must be 1 (the batch is not split)")]
-    bad = [why for ok, why in rules if not ok]
-    if bad:
-        raise ParallelConfigError(f"hf_causal_lm cannot run {parallel.describe()} on this checkpoint: "
-                                  f"{'; '.join(bad)}")
+    refuse("hf_causal_lm", parallel, [
+        (arch.heads % ta == 0, f"num_attention_heads={arch.heads} % attention.tp={ta} != 0"),
+        (arch.kv_heads % ta == 0 or ta % arch.kv_heads == 0,
+         f"num_key_value_heads={arch.kv_heads} and attention.tp={ta}: one must divide the other"),
+        (arch.intermediate % td == 0, f"intermediate_size={arch.intermediate} % dense.tp={td} != 0"),
+        *decoder_rules(parallel)], " on this checkpoint")

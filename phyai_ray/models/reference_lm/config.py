@@ -53,32 +53,50 @@ class ReferenceLMConfig(BaseModel):
                                   classes=1)
 
 
-def check_topology(cfg: ReferenceLMConfig, parallel: Any) -> None:
-    tp = {d: getattr(parallel, d).tp_size for d in ("dense", "attention")}
-    rules = [(cfg.heads % tp["attention"] == 0, f"heads={cfg.heads} % attention.tp={tp['attention']}"),
-             ((cfg.mlp_ratio * cfg.dim) % tp["dense"] == 0, f"hidden={cfg.mlp_ratio * cfg.dim} % dense.tp={tp['dense']}"),
-             (parallel.outer.pp_size == 1 and parallel.outer.cfg_size == 1, "pp and cfg must be 1"),
-             (getattr(parallel.attention, "cp_size", 1) == 1, "attention.cp must be 1 (decode is one token)"),
-             (all(getattr(parallel, d).dp_size == 1 for d in ("dense", "attention") if d in parallel.explicit_domains),
-              "an explicit dp must be 1 (the batch is not split)")]
+def decoder_rules(parallel: Any) -> list[tuple[bool, str]]:
+    """What every slot decoder (reference_lm, hf_causal_lm) needs of a topology besides its own divisibility."""
+    return [(parallel.outer.pp_size == 1 and parallel.outer.cfg_size == 1, "pp and cfg must be 1"),
+            (getattr(parallel.attention, "cp_size", 1) == 1, "attention.cp must be 1 (decode is one token)"),
+            (all(getattr(parallel, d).dp_size == 1 for d in ("dense", "attention") if d in parallel.explicit_domains),
+             "an explicit dp must be 1 (the batch is not split)")]
+
+
+def refuse(plugin: str, parallel: Any, rules: list[tuple[bool, str]], where: str = "") -> None:
     bad = [why for ok, why in rules if not ok]
     if bad:
-        raise ParallelConfigError(f"reference_lm cannot run {parallel.describe()}: {'; '.join(bad)}")
+        raise ParallelConfigError(f"{plugin} cannot run {parallel.describe()}{where}: {'; '.join(bad)}")
 
 
-class GenerateRequest(BaseModel):
-    """A batch of prompts (token ids, any lengths) and how to continue them."""
+def check_topology(cfg: ReferenceLMConfig, parallel: Any) -> None:
+    ta, td, hidden = parallel.attention.tp_size, parallel.dense.tp_size, cfg.mlp_ratio * cfg.dim
+    refuse("reference_lm", parallel, [(cfg.heads % ta == 0, f"heads={cfg.heads} % attention.tp={ta}"),
+                                      (hidden % td == 0, f"hidden={hidden} % dense.tp={td}"),
+                                      *decoder_rules(parallel)])
+
+
+class Sampling(BaseModel):
+    """How to continue prompts: the knobs every token plugin's request shares."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prompts: list[list[int]] = Field(min_length=1, max_length=1024, description="Prompt token ids, one list each.")
-    max_tokens: int = Field(16, ge=1, le=1 << 16, description="Most tokens generated per prompt.")
+    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
     seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Generation of a prompt ends at any of these.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
+
+    def shared_payload(self, stop: list[int]) -> dict[str, Any]:
+        """The part of every sequence's payload (`Slots.admit`) that is the same for all prompts of a request."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "stop_token_ids": stop, "top_logprobs": self.top_logprobs}
+
+
+class GenerateRequest(Sampling):
+    """A batch of prompts (token ids, any lengths) and how to continue them."""
+
+    prompts: list[list[int]] = Field(min_length=1, max_length=1024, description="Prompt token ids, one list each.")
 
     @classmethod
     def parse(cls, request: Any, cfg: ReferenceLMConfig) -> "GenerateRequest":
@@ -102,8 +120,7 @@ class GenerateRequest(BaseModel):
 
             GenerateRequest(prompts=[[1, 2], [1, 2]], seed=3).payloads()[1]["seed"] == sequence_seed(3, 1)
         """
-        shared = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                  "top_p": self.top_p, "stop_token_ids": list(self.stop_token_ids), "top_logprobs": self.top_logprobs}
+        shared = self.shared_payload(list(self.stop_token_ids))
         return [{"prompt": list(p), **shared, "seed": sequence_seed(self.seed, i)} for i, p in enumerate(self.prompts)]
 
 
