@@ -191,6 +191,17 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self.files)
 
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every tensor the decoder reads is there with the shape config.json implies (headers only, no data)."""
+        missing = [name for name in shapes if name not in self.files]
+        if missing:
+            self._read(missing[0], lambda part: None)  # raises, naming it
+        for name, shape in shapes.items():
+            found = self.shape(name)
+            if found != shape:
+                raise CheckpointError(f"tensor {name!r} in {self.files[name].name} has shape {list(found)}; "
+                                      f"config.json implies {list(shape)}")
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._read(name, lambda part: tuple(part.get_shape()))
 

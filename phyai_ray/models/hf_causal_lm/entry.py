@@ -5,19 +5,19 @@
         [out] = engine.step({"text": ["The capital of France is"], "max_tokens": 8})
         out.text, out.token_ids, out.log_probs
 
-The entry runs in the dispatcher: it reads config.json (no weights) to check the topology before
-any rank starts, tokenizes text prompts, splits a request into one sequence per prompt, and
-decodes the completions of a request that gave text.
+The entry runs in the dispatcher: it reads config.json and the safetensors headers (no weights)
+to check the checkpoint and the topology before any rank starts, tokenizes text prompts, splits a
+request into one sequence per prompt, and decodes the completions of a request that gave text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from phyai_ray.models.hf_causal_lm.checkpoint import Architecture, CheckpointError
+from phyai_ray.models.hf_causal_lm.checkpoint import Architecture, Checkpoint, CheckpointError
 from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
-from phyai_ray.models.hf_causal_lm.shards import check_topology
+from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import Sequence
@@ -48,7 +48,9 @@ class HFCausalLMEntry(Entry):
             raise CheckpointError(f"model {self.config.model!r} is not a folder; hf_causal_lm reads a local "
                                   "checkpoint folder (config.json, *.safetensors, tokenizer.json) and never "
                                   "downloads one")
-        self.arch = Architecture.read(folder, self.config.max_model_len)
+        ckpt = Checkpoint.open(folder, self.config.max_model_len)
+        ckpt.check(ShardPlan(ckpt.arch).full_shapes())  # before any rank starts: headers only, no weights
+        self.arch = ckpt.arch
         self.max_len = self.config.resolved_max_len(self.arch)
         self._codec = None
 

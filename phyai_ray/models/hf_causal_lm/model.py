@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.collectives import P
-from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint, CheckpointError
+from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint
 from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
@@ -70,10 +70,7 @@ class HFCausalLM(SlotDecoder):
                     self.plan.local_kv_heads, self.arch.kv_heads, self.plan.vocab_rows, self.dtype)
 
     def _read(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        found = ckpt.shape(name)
-        if found != shape:
-            raise CheckpointError(f"tensor {name!r} in {ckpt.files[name].name} has shape {list(found)}; config.json "
-                                  f"implies {list(shape)}")
+        ckpt.check({name: shape})  # the entry checked them all before any rank started; the folder may have changed
         cut = self.plan.cut(name)
         if cut.dim is None:
             part = ckpt.full(name)
