@@ -9,19 +9,19 @@ proxy and every `DeploymentHandle` of the deployment (other apps, tasks, actors)
 
 `choose_replicas` returns one group per rank, best first. Serve then sends the request to the
 first rank whose group has room (`in flight < max_ongoing_requests`), probing a group whose count
-it does not know. "In flight" of a group, as this router sees it, is the sum of
+it does not know. "In flight" of a group, as this router sees it, is the larger of
 
 * Serve's queue-length view: requests this router sent and that have not finished (+1 on send,
   -1 on completion), corrected by the exact count a group returns with each request it accepts
-  and by probes. Serve forgets an entry after a few seconds without news;
-* the requests this router sent there that are still open, when that is more: a long-lived
-  session (an openpi WebSocket, a streamed response) counts for as long as it is open, never
-  forgotten;
-* this router's own choices not yet sent: a reservation is taken the moment a group is chosen and
-  released when the request is sent, routed elsewhere or fails. Serve runs several routing tasks
-  at once and sends a chosen request only after the choice returns, so without it a burst of N
-  requests (N robots reconnecting after a restart) would all see the same counts and all pick the
-  same group; with it they spread as evenly as the counts allow, and ties rotate at choice time.
+  and by probes; it holds other routers' requests too, but lags (a count a group returns does not
+  yet hold the requests still on their way to it) and forgets an entry after a few seconds;
+* this router's own count (`Ledger`): every request it chose the group for, from the moment of the
+  choice until Serve reports it routed, and then until it completes. Serve runs several routing
+  tasks at once and sends a chosen request only after the choice returns, so without counting at
+  choice time a burst of N requests (N robots reconnecting after a restart) would all see the
+  same counts and all pick the same group; with it they spread as evenly as the counts allow, and
+  ties rotate at choice time. A long-lived session (an openpi WebSocket, a streamed response)
+  counts for as long as it is open, never forgotten.
 
     two idle groups, four sessions arrive together:  A, B, A, B   (not A, A, A, A)
 
@@ -30,10 +30,10 @@ A group is known failed when its `record_routing_stats` says so (Serve's control
 drops it once its health check fails.
 
 Several proxies (one per node) and handles each run their own router: each counts exactly what it
-sent and chose, and learns other routers' requests only from the counts groups return (on every
-accepted request and on probes). So with N routers a choice can lag by the requests the others
-sent since this router last heard from that group; at most one such request per other router and
-group while they all route concurrently. Ties and failures are judged the same everywhere.
+chose and has open, and learns other routers' requests only from the counts groups return (on every
+accepted request and on probes). So with N routers a choice can miss the requests the others sent
+to a group since it last returned a count here, and, while this router's own count is the larger,
+the others' share of that group. Ties and failures are judged the same everywhere.
 """
 
 from __future__ import annotations
@@ -69,68 +69,55 @@ def rank_groups(replicas: List[Any], in_flight: dict, last_chosen: dict, forward
 
 
 class Ledger:
-    """A router's own account per group: choices not yet sent (reservations) and requests still open.
+    """A router's own account per group: what it chose and has not heard back of, and what is still open.
 
-        ledger.reserve("r1", A)     # chosen: A counts one more at once
-        ledger.sent(A)              # Serve sent a request to A: its queue view now has it, the reservation stops
-        ledger.routed("r1", A)      # A accepted r1: r1 is open on A until ledger.completed("r1", A)
+        ledger.reserve("r1", A)     # chosen: A counts one more at once (before Serve even sends it)
+        ledger.routed("r1", A)      # A accepted r1 (wherever it was reserved): open on A until...
+        ledger.completed("r1", A)   # ...it finished, failed or was refused: it counts no more
 
-    `sent` names only the group (Serve's hook says no more), so it marks one reservation of that
-    group as counted elsewhere; the reservation itself goes when its request is routed or
-    completes. A request sent elsewhere than it was reserved drops its reservation then too, and
-    a reservation nobody reported back expires after RESERVATION_TTL_S. Pure: no Serve; pass a clock.
+    `count(A)` is exact for this router's own requests: a choice counts from the moment it is made
+    until Serve reports the request routed (then it is open) or completed; choosing again for a
+    request (a retry) moves its reservation. A reservation nobody reported back expires after
+    RESERVATION_TTL_S. Pure: no Serve; pass a clock.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._pending: dict[Hashable, tuple[Hashable, float]] = {}  # request -> (group, when chosen)
-        self._waiting: Counter = Counter()  # group -> reservations
-        self._sent: Counter = Counter()  # group -> of those, how many Serve's queue view already holds
         self._open: dict[Hashable, Hashable] = {}  # request -> group it is open on
-        self._open_count: Counter = Counter()
+        self._counts: Counter = Counter()  # group -> pending + open requests
 
     def reserve(self, request: Hashable, group: Hashable) -> None:
         self.expire()
-        self._drop(request)
+        self._drop_pending(request)
         self._pending[request] = (group, self._clock())
-        self._waiting[group] += 1
-
-    def sent(self, group: Hashable) -> None:
-        if self._waiting[group] > self._sent[group]:
-            self._sent[group] += 1
+        self._counts[group] += 1
 
     def routed(self, request: Hashable, group: Hashable) -> None:
-        self._drop(request, group)
+        self._drop_pending(request)
         if request not in self._open:
             self._open[request] = group
-            self._open_count[group] += 1
+            self._counts[group] += 1
 
     def completed(self, request: Hashable, group: Hashable) -> None:
-        self._drop(request, group)
+        self._drop_pending(request)
         was = self._open.pop(request, None)
         if was is not None:
-            self._open_count[was] -= 1
+            self._counts[was] -= 1
 
-    def reserved(self, group: Hashable) -> int:
-        """Choices of `group` that no other count holds yet."""
-        return self._waiting[group] - self._sent[group]
-
-    def open(self, group: Hashable) -> int:
-        return self._open_count[group]
+    def count(self, group: Hashable) -> int:
+        """This router's requests on `group`: chosen and not yet heard back of, plus routed and still open."""
+        return self._counts[group]
 
     def expire(self) -> None:
         horizon = self._clock() - RESERVATION_TTL_S
         for request in [r for r, (_, at) in self._pending.items() if at < horizon]:
-            self._drop(request)
+            self._drop_pending(request)
 
-    def _drop(self, request: Hashable, went_to: Hashable | None = None) -> None:
+    def _drop_pending(self, request: Hashable) -> None:
         entry = self._pending.pop(request, None)
-        if entry is None:
-            return
-        group = entry[0]
-        self._waiting[group] -= 1
-        if self._sent[group] > 0 and (group == went_to or self._sent[group] > self._waiting[group]):
-            self._sent[group] -= 1  # it was one of the sent ones (or the count would exceed the reservations)
+        if entry is not None:
+            self._counts[entry[0]] -= 1
 
 
 class FewestInFlightRouter(RequestRouter):
@@ -142,8 +129,10 @@ class FewestInFlightRouter(RequestRouter):
         self._ledger = Ledger()
 
     def in_flight(self, replica_id: ReplicaID) -> int:
-        queue_view = self.replica_queue_len_cache.get(replica_id) or 0
-        return max(queue_view, self._ledger.open(replica_id)) + self._ledger.reserved(replica_id)
+        """Serve's queue view of the group (other routers' requests included), or this router's own
+        count when that is more (the view lags a send, forgets after a few seconds, and an exact count
+        a group returns does not yet hold the requests still on their way to it)."""
+        return max(self.replica_queue_len_cache.get(replica_id) or 0, self._ledger.count(replica_id))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -155,10 +144,6 @@ class FewestInFlightRouter(RequestRouter):
             self._ledger.reserve(_request_key(pending_request), best)
             self._last_chosen[best] = next(self._clock)
         return [[r] for r in ranked]
-
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self._ledger.sent(replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._ledger.routed(_request_key(pending_request), replica_id)
