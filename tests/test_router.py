@@ -179,3 +179,11 @@ def test_a_reservation_nobody_reports_back_expires() -> None:
     clock.now += 31
     ledger.reserve("next", "b")
     assert ledger.count("a") == 0 and ledger.count("b") == 1
+
+
+def test_without_completion_reports_a_routed_request_is_left_to_serves_view() -> None:
+    ledger = Ledger(track_open=False)
+    ledger.reserve("r", "a")
+    assert ledger.count("a") == 1
+    ledger.routed("r", "a")
+    assert ledger.count("a") == 0  # nothing would ever release it: Serve's queue view counts it instead

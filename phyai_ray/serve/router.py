@@ -50,6 +50,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from phyai_ray.serve.registry import FAILED_STAT, failed_here
 
 RESERVATION_TTL_S = 30.0  # a choice Serve never reported back (a bug, a lost callback) stops counting then
+# Serve versions without the hook never say when a routed request ends: there the router's own count
+# covers its choices until routed only, and Serve's view does the rest.
+SERVE_REPORTS_COMPLETION = "on_request_completed" in vars(RequestRouter)
 
 
 def known_failed(replica: Any) -> bool:
@@ -81,8 +84,8 @@ class Ledger:
     RESERVATION_TTL_S. Pure: no Serve; pass a clock.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self, clock: Callable[[], float] = time.monotonic, track_open: bool = True) -> None:
+        self._clock, self._track_open = clock, track_open
         self._pending: dict[Hashable, tuple[Hashable, float]] = {}  # request -> (group, when chosen)
         self._open: dict[Hashable, Hashable] = {}  # request -> group it is open on
         self._counts: Counter = Counter()  # group -> pending + open requests
@@ -95,7 +98,7 @@ class Ledger:
 
     def routed(self, request: Hashable, group: Hashable) -> None:
         self._drop_pending(request)
-        if request not in self._open:
+        if self._track_open and request not in self._open:
             self._open[request] = group
             self._counts[group] += 1
 
@@ -126,7 +129,7 @@ class FewestInFlightRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._last_chosen: dict[ReplicaID, int] = {}
         self._clock = itertools.count()
-        self._ledger = Ledger()
+        self._ledger = Ledger(track_open=SERVE_REPORTS_COMPLETION)
 
     def in_flight(self, replica_id: ReplicaID) -> int:
         """Serve's queue view of the group (other routers' requests included), or this router's own
