@@ -342,6 +342,9 @@ class StepEntry:
     def display_name(self) -> str:
         return "step-entry"
 
+    def served_name(self) -> str:
+        return self.display_name()
+
     def validate_request(self, request: Any) -> None:
         if "bad" in request:
             raise ValueError("x must be a list of 8 numbers")
