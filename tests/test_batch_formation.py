@@ -18,7 +18,7 @@ import pytest
 from phyai_ray.errors import RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, Histogram, form_batch
 from phyai_ray.executors.delivery import CallbackThread
-from phyai_ray.executors.scheduler import ReplicaScheduler
+from phyai_ray.executors.scheduler import _CLOCK_TICK_S, ReplicaScheduler
 
 
 @dataclass(eq=False)
@@ -122,16 +122,21 @@ class Recorder:
 
     def finish(self, values=None) -> None:
         work = self.launched.pop(0)
-        out = values if values is not None else [m.payload for m in work.members]
+        if values is not None:
+            out = values
+        else:
+            out = [m.payload for m in work.members] if work.kind == "batch" else work.payload
         self.scheduler.deliver(work, out)
         self.scheduler.finished(work)
 
 
-def batching_scheduler(max_size: int = 4, delay_s: float = 0.0, max_ongoing: int = 1, max_queued: int = 100):
+def batching_scheduler(max_size: int | None = 4, delay_s: float = 0.0, max_ongoing: int = 1, max_queued: int = 100):
+    """A scheduler fed by a Recorder; `max_size=None`: batching off."""
     rec = Recorder()
     sched = ReplicaScheduler(0, max_ongoing=max_ongoing, max_queued=max_queued, launch=rec.launch,
                              on_hung=lambda w, s: None, delivery=CallbackThread("test-callbacks"))
-    sched.policy = BatchPolicy(max_size=max_size, max_delay_s=delay_s)
+    if max_size is not None:
+        sched.policy = BatchPolicy(max_size=max_size, max_delay_s=delay_s)
     rec.scheduler = sched
     return sched, rec
 
@@ -185,6 +190,22 @@ def test_cancelled_and_expired_requests_never_reach_the_launcher():
     rec.finish()
     assert blocker.result(timeout=1) == "running" and kept.result(timeout=1) == "kept"
 
+
+
+@pytest.mark.parametrize("max_size", [None, 8])
+def test_a_short_limit_queued_behind_a_long_one_expires_at_its_own_deadline(max_size):
+    """The clock wakes for the earliest deadline of the whole queue, not only the head's."""
+    sched, rec = batching_scheduler(max_size=max_size)
+    blocker = sched.submit("step", "running", 30.0)
+    patient = sched.submit("step", "patient", 30.0)
+    short = sched.submit("step", "expires", 0.2)
+    with pytest.raises(RequestTimeoutError, match="never reached a rank"):
+        short.result(timeout=_CLOCK_TICK_S / 2)  # the clock's idle tick would be too late
+    assert time.monotonic() - short.work.deadline < _CLOCK_TICK_S / 2
+    assert sched.counts().queued == 1 and not patient.done()
+    rec.finish()
+    rec.finish()
+    assert blocker.result(timeout=1) == "running" and patient.result(timeout=1) == "patient"
 
 def test_the_clock_dispatches_a_waiting_head_after_max_batch_delay():
     sched, rec = batching_scheduler(max_size=8, delay_s=0.2)

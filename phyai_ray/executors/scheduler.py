@@ -24,8 +24,8 @@
 
 Pure Python, no Ray: the executor supplies `launch(work)` (send to every rank, called in dispatch
 order under the scheduler's lock) and `on_hung(work, running_s)`. One timer thread per replica
-wakes only for the earliest deadline: queued requests share one limit, so the queue's head always
-has the earliest deadline of the queue.
+wakes only for the earliest deadline (of any queued or dispatched request: limits may differ, so
+the queue's head need not hold the earliest).
 """
 
 from __future__ import annotations
@@ -427,9 +427,9 @@ class ReplicaScheduler:
         head = self._dispatched[0] if self._dispatched else None
         if head is not None and now - self._head_since >= head.limit_s:
             return [], head
-        expired = []
-        while self._queued and self._queued[0].deadline <= now:
-            expired.append(self._queued.popleft())
+        expired = [w for w in self._queued if w.deadline <= now]
+        if expired:
+            self._queued = deque(w for w in self._queued if w.deadline > now)
         expired += [r for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
                     if r.deadline <= now and not r.future.done()]
         return expired, None
@@ -438,8 +438,7 @@ class ReplicaScheduler:
         times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
                  if not r.future.done()]
         times.append(self._flush_at)
-        if self._queued:
-            times.append(self._queued[0].deadline)
+        times += [w.deadline for w in self._queued]
         if self._dispatched:
             times.append(self._head_since + self._dispatched[0].limit_s)
         return min(times, default=float("inf"))
