@@ -37,10 +37,9 @@ class SerialWorker:
 
     def put(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
-        if self._thread is None:  # it ended idle (read after the put: see _idle)
-            with self._lock:
-                if self._thread is None and not self._stopped:
-                    self._start()
+        with self._lock:  # read under the lock, after the put: see _idle
+            if self._thread is None and not self._stopped:
+                self._start()
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn()` after the jobs already queued; its result or exception lands in the future."""
@@ -98,8 +97,10 @@ class SerialWorker:
             job()
 
     def _idle(self) -> bool:
-        """Lock held inside: end this thread if nothing is queued. A `put` enqueues before it reads
-        `_thread`, so a job is either seen here or starts a new thread."""
+        """Lock held inside: end this thread if nothing is queued. A `put` enqueues, then reads
+        `_thread` under the same lock: either its job is seen here, or the put runs after this
+        thread gave up its place and starts a new one (read without the lock, a put landing between
+        the check and the giving up would see this thread still there, and its job would never run)."""
         with self._lock:
             if not self._jobs.empty():
                 return False
