@@ -29,6 +29,9 @@ from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
 
+# Weight-sync phases after start_weight_update: a replica that failed since then (a rank died while the
+# trainer was sending) gets a FAILED report like a failure during the call, and the others carry on.
+_LATER_SYNC_PHASES = ("update_weights", "finish_weight_update")
 _WAIT_GRACE_S = 30.0  # step() waits this long past execution_timeout_s before giving up itself
 
 
@@ -170,7 +173,7 @@ class Engine:
         replies = [self._rpc_reply(e, f, done, method) for e, f in zip(targets, futures)]
         return replies[0] if replica is not None else replies
 
-    def _rpc_targets(self, replica: int | Sequence[int] | None) -> list:
+    def _rpc_targets(self, replica: int | Sequence[int] | None, allow_failed: bool = False) -> list:
         chosen = [replica] if isinstance(replica, int) else (range(len(self._executors)) if replica is None
                                                              else list(replica))
         bad = [r for r in chosen if not 0 <= r < len(self._executors)]
@@ -178,7 +181,7 @@ class Engine:
             raise ValueError(f"replica={replica} is out of range; this engine has {len(self._executors)} replica(s)")
         targets = [self._executors[r] for r in chosen]
         failed = [e for e in targets if not e.healthy]
-        if failed:
+        if failed and not allow_failed:
             raise failed[0].unavailable_error()
         return list(targets)
 
@@ -267,11 +270,19 @@ class Engine:
                  mode: str = "wait", wait: bool = True) -> Any:
         """Check every target first (an illegal call changes nothing), then run `op` on all at once."""
         self._check_open()
-        targets = self._rpc_targets(replicas)
+        started = time.monotonic()
+        lost: list[ControlReport] = []
+        if op in _LATER_SYNC_PHASES:  # a replica that failed since its update began reports FAILED, as mid-call
+            targets = self._rpc_targets(replicas, allow_failed=True)
+            lost = [e.failed_report(op, e.unavailable_error(), started) for e in targets if not e.healthy]
+            targets = [e for e in targets if e.healthy]
+            if not targets:
+                return lost if wait else _done(lost)
+        else:
+            targets = self._rpc_targets(replicas)
         for e in targets:
             e.check_transition(op)
         timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
-        started = time.monotonic()
 
         def one(e: Any) -> ControlReport:
             try:
@@ -285,7 +296,7 @@ class Engine:
         futures = [pool.submit(one, e) for e in targets]
         pool.shutdown(wait=False)
         gathered: Future = Future()
-        threading.Thread(target=_gather, args=(futures, gathered), daemon=True).start()
+        threading.Thread(target=_gather, args=(futures, gathered, lost), daemon=True).start()
         return gathered.result(timeout=timeout_s + _WAIT_GRACE_S) if wait else gathered
 
     @property
@@ -372,11 +383,18 @@ class Engine:
         return self.deployment.process_config.execution_timeout_s + _WAIT_GRACE_S
 
 
-def _gather(futures: list[Future], out: Future) -> None:
-    """Resolve `out` with every future's result in order, or the first exception once all have settled
-    (each is bounded by its call's timeout), so a refusal is raised only when every replica is done."""
+def _gather(futures: list[Future], out: Future, known: Sequence[ControlReport] = ()) -> None:
+    """Resolve `out` with every future's report and the `known` ones, in replica order, or the first
+    exception once all have settled (each is bounded by its call's timeout), so a refusal is raised
+    only when every replica is done."""
     wait(futures)
     try:
-        out.set_result([f.result() for f in futures])
+        out.set_result(sorted([*known, *(f.result() for f in futures)], key=lambda r: r.replica))
     except BaseException as exc:
         out.set_exception(exc)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future

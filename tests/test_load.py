@@ -40,6 +40,9 @@ def _held(engine: Engine, replica: int = 0) -> list[tuple[int, int]]:
     return ray.get([executor.actor(r).held.remote() for r in range(executor.world_size)], timeout=10)
 
 
+CALLBACK_LAG_S = 0.25  # how far a done-callback may trail the event on a loaded machine
+
+
 def _finish_times(futures) -> dict:
     """future -> when it finished (stamped by a done-callback; `_all_stamped` waits for the last ones)."""
     times: dict = {}
@@ -195,7 +198,7 @@ def test_with_a_thousand_queued_control_and_failure_stay_fast(ray_session, how):
         assert not status.healthy and noticed < 2.0, noticed
         assert status.failure_reason == "worker_exit" and status.failed_rank == 1
         done, not_done = wait(futures, timeout=5)
-        assert not not_done and status.in_flight == 0
+        assert not not_done and engine.replica_status()[0].in_flight == 0
         failed = [f.exception() for f in futures if f.exception() is not None]
         assert len(failed) >= 900 and all(isinstance(e, EngineUnavailableError) and e.rank == 1 for e in failed)
 
@@ -211,8 +214,10 @@ def test_a_step_stuck_running_fails_the_group_within_1s_of_its_limit(ray_session
         while engine.replica_status()[0].healthy and time.monotonic() < deadline:
             time.sleep(0.01)
         failed_at = time.monotonic()
-        running_from = max(_all_stamped(times, 2).values())  # it runs once its predecessor finished, not from submission
-        assert 3.0 <= failed_at - running_from <= 4.0, failed_at - running_from
+        # It runs once its predecessor finished, not from submission (that would fail it ~1 s earlier). The
+        # stamp is a done-callback on the delivery thread: it may trail the finish the clock counts from.
+        running_from = max(_all_stamped(times, 2).values())
+        assert 3.0 - CALLBACK_LAG_S <= failed_at - running_from <= 4.0, failed_at - running_from
         status = engine.replica_status()[0]
         assert not status.healthy and status.failure_reason == "timeout" and status.failed_rank == 0
         assert "execution_timeout_s=3" in status.failure and "rank(s) [0, 1] had not replied" in status.failure

@@ -105,12 +105,13 @@ def test_stream_yields_the_tokens_of_a_plain_call_and_cancel_frees_the_replica(s
     assert _tokens(chunks, 3) == [o.token_ids for o in single.step(request)]
     long = single.stream({"prompts": [[1, 2]], "max_tokens": 250})
     assert len([next(long) for _ in range(3)]) == 3
-    long.close()
-    started = time.monotonic()
-    assert single.step({"prompts": [[1]], "max_tokens": 2})[0].token_ids
-    assert time.monotonic() - started < 0.5
+    closed_at = single.batch_stats()[0]["iterations"]
+    long.close()  # its sequence leaves at the next iteration, long before its 250 tokens
+    wait_until(lambda: single.batch_stats()[0]["running_sequences"] == 0, 10, "the closed stream's sequence dropped")
+    assert single.batch_stats()[0]["iterations"] - closed_at < 10
     status = single.replica_status()[0]
-    assert status.healthy and status.in_flight == 0
+    assert status.healthy and status.in_flight == 0 and status.errored == 0
+    assert single.step({"prompts": [[1]], "max_tokens": 2})[0].token_ids
 
 
 def test_a_plugin_without_stream_says_so():

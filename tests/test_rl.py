@@ -17,6 +17,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
 from phyai_ray.models.reference_dit.weights import full_weights
 from tests.plugins.faults import SlowTPEntry
+from tests.helpers import wait_until
 from tests.plugins.rl import LinearPolicyEntry
 
 pytestmark = pytest.mark.ray
@@ -137,7 +138,10 @@ def test_four_phase_weight_sync_matches_a_single_rank_model(ray_session, backend
         assert [s.weight_version for s in engine.replica_status()] == [11, 11]
 
 
-def test_a_rank_killed_mid_update_fails_only_its_replica(ray_session):
+@pytest.mark.parametrize("noticed", [False, True], ids=["in_the_call", "before_the_call"])
+def test_a_rank_killed_mid_update_fails_only_its_replica(ray_session, noticed):
+    """Whether the death is noticed during update_weights or before it is called, the dead replica
+    reports FAILED and the other one finishes its update."""
     import ray
 
     with _dit(tp=2, replicas=2) as engine:
@@ -145,6 +149,8 @@ def test_a_rank_killed_mid_update_fails_only_its_replica(ray_session):
         sender.init_transfer(engine)
         engine.start_weight_update(3)
         ray.kill(engine._executors[1].actor(1), no_restart=True)
+        if noticed:
+            wait_until(lambda: not engine.replica_status()[1].healthy, 10, "replica 1's death noticed")
         reports = engine.update_weights(sender.prepare(_perturbed().items()))
         assert reports[0].error is None
         assert reports[1].state == "FAILED" and reports[1].error
