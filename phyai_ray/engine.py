@@ -127,6 +127,11 @@ class Engine:
         unread. `timeout` bounds the whole stream (default: execution_timeout_s plus a grace).
         """
         future, reader = self.open_stream(request, session=session, max_buffered=max_buffered)
+        return (yield from self.read_stream(future, reader, timeout))
+
+    def read_stream(self, future: Future, reader: Any, timeout: float | None = None) -> Iterator[Any]:
+        """`stream`'s loop over a stream `open_stream` opened: its chunks, then (as the generator's
+        value) its result; leaving early cancels it. `timeout` bounds the whole stream."""
         deadline = time.monotonic() + (timeout if timeout is not None else self._default_wait_s())
         done = False
         try:
@@ -153,7 +158,7 @@ class Engine:
         """The parts `stream` is built on, for consumers with a loop of their own: the request's future
         and a reader, `read(timeout_s) -> (chunks, done)` and `cancel()`. A reader with a `sink` (the
         iteration protocol) calls `reader.sink.on_change()` after every chunk and at the end, so an
-        asyncio consumer needs no thread per stream (`phyai_ray.serve.pump.stream_items`)."""
+        asyncio consumer needs no thread per stream (`phyai_ray.async_streams.stream_items`)."""
         self._check_open()
         self.entry.validate_request(request)
         return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)

@@ -167,6 +167,8 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(clie
         "datatype": raw_infer(port, json.dumps({"inputs": [{"name": "tokens", "datatype": "INT4", "shape": [1],
                                                             "data": [1]}]}).encode()),
         "not_json": raw_infer(port, b"{not json"),
+        "nested_5000_deep": raw_infer(port, ('{"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1], '
+                                             '"data": ' + "[" * 5000 + "1" + "]" * 5000 + "}]}").encode()),
     }
     for case, reply in replies.items():
         assert reply.status_code == 400, (case, reply.status_code, reply.text)
@@ -174,6 +176,7 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(clie
     assert "binary_data_size is 48" in replies["shape_vs_bytes"].json()["error"]
     assert "the body is truncated" in replies["truncated"].json()["error"]
     assert "unknown datatype 'INT4'" in replies["datatype"].json()["error"]
+    assert "nested too deeply" in replies["nested_5000_deep"].json()["error"]
     good = raw_infer(port, header + TOKENS.tobytes(), len(header), request_id="trace-42")
     assert good.status_code == 200, good.text
     assert good.headers["X-Request-ID"] == "trace-42" and good.json()["id"] == "trace-42"  # no outputs asked: JSON

@@ -9,8 +9,6 @@ Run: .venv/bin/pytest tests/test_openai_api.py -q
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 
 import pytest
 import torch
@@ -19,28 +17,17 @@ from starlette.testclient import TestClient
 
 from phyai_ray import Engine, EngineArgs
 from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
+from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.openai_api import add_openai_routes
+from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.runner import GroupRunner
 
 openai = pytest.importorskip("openai")
 
 
-class InlineRunner:
-    """The part of the Serve group runner the routes use (entry, engine, run), over one engine."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.entry = engine, engine.entry
-        self.sessions = 0
-
-    @contextlib.contextmanager
-    def session(self):
-        self.sessions += 1
-        try:
-            yield
-        finally:
-            self.sessions -= 1
-
-    async def run(self, request, *, validate: bool = True):
-        return await asyncio.wrap_future(self.engine.submit(request))
+def InlineRunner(engine: Engine) -> GroupRunner:
+    """The Serve group's own request path (GroupRunner), over one engine in this process."""
+    return GroupRunner(EngineHolder(lambda: engine))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +132,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence_at_the_next_ite
 def test_a_stream_interval_groups_writes_and_keeps_every_token(client):
     _, engine = client
     api = FastAPI()
-    add_openai_routes(api, InlineRunner(engine), stream_interval=4)
+    add_openai_routes(api, InlineRunner(engine), ServeOptions(stream_interval=4))
     [want] = engine.step({"prompts": [[6, 7]], "max_tokens": 10})
     with TestClient(api) as http:
         oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)

@@ -132,3 +132,50 @@ def test_slow_streams_hold_no_default_executor_thread(app):
 
     assert asyncio.run(many()) < 0.5, "slow streams held every thread of the default pool"
     assert len(_ended(streams_n, 10)) == streams_n
+
+
+def test_a_stream_a_failed_group_never_started_is_read_from_another_group():
+    """Two real engines behind two group runners: the first one's engine is closed (as a failed group
+    refuses at open), so its streamed completion is forwarded and read from the second, with the
+    same tokens as the second serves directly; after MAX_HOPS failed groups the cause is the answer."""
+    from fastapi.testclient import TestClient
+
+    from phyai_ray.errors import EngineUnavailableError
+    from phyai_ray.serve.registry import failed_here, set_failed
+    from phyai_ray.serve.runner import MAX_HOPS
+
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config={"device": {"target": "cpu"}})
+    with Engine(args) as healthy:
+        peer = InlineRunner(healthy)
+        peer.group = "peer"
+        hops_seen = []
+
+        async def forward_stream(request, hops, failed):
+            hops_seen.append((hops, failed))
+            async for items in peer.stream(request, hops=hops, failed=failed):
+                yield items
+        failed_engine = Engine(args)
+        failed_engine.close()
+        broken = InlineRunner(failed_engine)
+        broken.group, broken.forward_stream = "broken", forward_stream
+        api = FastAPI()
+        add_openai_routes(api, broken)
+        body = {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0, "stream": True}
+        try:
+            with TestClient(api) as http:
+                reply = http.post("/v1/completions", json=body)
+            assert reply.status_code == 200
+            events = [json.loads(line[6:]) for line in reply.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert not [e for e in events if "error" in e], events
+            tokens = [t for e in events for c in e["choices"] for t in c["token_ids"]]
+            want = healthy.step({"prompts": [[1, 2, 3]], "max_tokens": 5, "temperature": 0})[0].token_ids
+            assert tokens == want and hops_seen == [(1, ("broken",))] and failed_here("broken")
+
+            async def read_all(**kw):
+                return [i async for i in broken.stream({"prompts": [[1]], "max_tokens": 2}, **kw)]
+            with pytest.raises(EngineUnavailableError):  # no more hops: the group's own refusal
+                asyncio.run(read_all(hops=MAX_HOPS))
+            assert len(hops_seen) == 1
+        finally:
+            set_failed("broken", False)

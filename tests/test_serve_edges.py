@@ -1,6 +1,6 @@
 """Edge cases of the HTTP edge found by review, each a unit of the real code (no server, no Ray):
-an empty tensor with a huge dimension, a non-ASCII API key, a non-finite float in a result, and
-the OpenAI route's overload answer.
+an empty tensor with a huge dimension, a non-ASCII API key, a non-finite float in a result, the
+one failure table as each protocol renders it, and a JSON header nested as a hostile client would.
 
 Run: `.venv/bin/pytest tests/test_serve_edges.py`.
 """
@@ -13,11 +13,15 @@ import math
 import pytest
 import torch
 
-from phyai_ray.errors import EngineOverloadedError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
 from phyai_ray.serve import codec
-from phyai_ray.serve.errors import HttpError
+from phyai_ray.serve import oip_codec as oc
+from phyai_ray.serve.errors import HttpError, classify, from_engine_error, key_matches
 from phyai_ray.serve.guard import EdgeGuard
-from phyai_ray.serve.openai_api import _mapped
+from phyai_ray.serve.oip import _split
+from phyai_ray.serve.oip_grpc import _CODES
+from phyai_ray.serve.openai_api import openai_error
+from phyai_ray.serve.runner import SubmitFault
 
 
 @pytest.mark.parametrize("shape", [[0, 2 ** 63], [2 ** 62, 0, 4], [0] + [2 ** 31] * 3])
@@ -45,5 +49,47 @@ def test_non_finite_floats_in_a_result_travel_as_scalar_tensors():
 
 
 def test_the_openai_route_answers_overload_with_retry_after():
-    response = _mapped(EngineOverloadedError("full", queued=4, limit=4)).response()
+    response = openai_error(EngineOverloadedError("full", queued=4, limit=4)).response()
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
+
+
+TABLE = [  # (exception, status, kind, Retry-After, gRPC code)
+    (EngineOverloadedError("full"), 503, "overloaded", True, "UNAVAILABLE"),
+    (RequestTimeoutError("late"), 504, "timeout", False, "DEADLINE_EXCEEDED"),
+    (EngineUnavailableError("hung", reason="timeout"), 504, "timeout", False, "DEADLINE_EXCEEDED"),
+    (EngineUnavailableError("raised", reason="exception"), 500, "execution_error", False, "INTERNAL"),
+    (EngineUnavailableError("gone", reason="worker_exit"), 503, "unavailable", True, "UNAVAILABLE"),
+    (SubmitFault("bug"), 500, "internal", False, "INTERNAL"),
+    (ValueError("the plugin raised"), 500, "execution_error", False, "INTERNAL"),
+]
+
+
+@pytest.mark.parametrize("exc,status,kind,retry,code", TABLE, ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None)
+def test_every_protocol_renders_the_one_failure_table(exc, status, kind, retry, code):
+    failure = classify(exc)
+    assert (failure.status, failure.kind, failure.retry_after) == (status, kind, retry)
+    http = from_engine_error(exc)
+    assert (http.status_code, http.type, "Retry-After" in (http.headers or {})) == (status, kind, retry)
+    openai = openai_error(exc)
+    assert openai.status == status and (openai.headers is not None) == retry
+    assert openai.type == {"overloaded": "overloaded_error", "timeout": "timeout_error"}.get(kind, "server_error")
+    assert _CODES.get(status, "INTERNAL") == code
+    if isinstance(exc, EngineOverloadedError):  # --overload-status 429 reaches every protocol alike
+        assert classify(exc, overload_status=429).status == openai_error(exc, overload_status=429).status == 429
+
+
+def test_one_key_check_for_every_protocol():
+    assert key_matches(None, None) and key_matches("anything", None)
+    assert key_matches("Bearer s3cret", "s3cret") and key_matches("bearer  s3cret ", "s3cret")
+    assert not key_matches("Bearer wrong", "s3cret") and not key_matches(None, "s3cret")
+    assert not key_matches("Api-Key s3cret", "s3cret")  # openpi's scheme only where openpi asks for it
+    assert key_matches("Api-Key s3cret", "s3cret", ("api-key", "bearer"))
+
+
+def test_a_deeply_nested_inference_header_is_a_bad_request_not_a_server_fault():
+    depth = 5000
+    body = ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": ' + "[" * depth + "1" +
+            "]" * depth + "}]}").encode()
+    with pytest.raises(oc.OipError, match="nested too deeply") as caught:
+        _split(body, None)
+    assert caught.value.status == 400

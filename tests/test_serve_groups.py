@@ -126,3 +126,49 @@ def test_router_sends_each_request_to_the_group_with_fewest_in_flight(port: int)
         assert sorted(r.result(timeout_s=60)["pid"] for r in burst) == sorted([spared, *first_pids])
     finally:
         serve.delete("route")
+
+
+def test_streamed_completions_reach_a_healthy_group_after_a_rank_is_killed(port: int) -> None:
+    """2 groups x TP=2 of reference_lm. Once a killed rank has failed its group, every new streamed
+    completion succeeds: the router skips the failed group, or the failed group, refusing the stream
+    at open (nothing ran), forwards it to the healthy one. Tokens equal a completion made before."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import requests
+    from ray import serve
+
+    from phyai_ray import AttentionParallelConfig, DenseParallelConfig, ParallelConfig
+    from phyai_ray.serve import create_app
+
+    lm = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config=EngineConfig(
+        device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2),
+                                                                   attention=AttentionParallelConfig(tp_size=2))))
+    deployment = DeploymentConfig.local(replica_count=2, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
+        startup_timeout_s=120, execution_timeout_s=30))
+    serve.run(create_app(lm, deployment), name="lmstreams", route_prefix="/lm")
+    try:
+        base = f"http://127.0.0.1:{port}/lm"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        body = dict(model="reference_lm", prompt=[1, 2, 3], max_tokens=8, temperature=0)
+        want = client.completions.create(**body).choices[0].token_ids
+
+        def streamed(_: int) -> list[int]:
+            events = list(client.completions.create(**body, stream=True))  # an error event raises here
+            return [t for e in events for c in e.choices for t in c.token_ids]
+
+        assert streamed(0) == want
+        victim = requests.get(f"{base}/v1/replicas", timeout=30).json()["replicas"][0]
+        os.kill(victim["pids"][1], signal.SIGKILL)
+
+        def victim_failed() -> bool:
+            groups = requests.get(f"{base}/v1/replicas", timeout=30).json()["replicas"]
+            return any(g["group"] == victim["group"] and g["state"] == "failed" for g in groups)
+
+        wait_until(victim_failed, 30, "the killed rank's group to report itself failed")
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(streamed, range(12)))
+        assert outs == [want] * 12
+    finally:
+        serve.delete("lmstreams")

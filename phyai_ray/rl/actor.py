@@ -50,9 +50,9 @@ class _EngineActor:
     async def stream(self, request: Any, session: Any = None, max_buffered: int = 64) -> Any:
         """Async generator of the output rank's chunks (`engine.stream`); `ray.cancel` it to stop early:
         every rank stops at the same step (a sequence batched per iteration leaves at the next one).
-        Read without a thread per chunk (`serve.pump.stream_items`): a pump thread for plugins that
+        Read without a thread per chunk (`phyai_ray.async_streams.stream_items`): a pump thread for plugins that
         stream whole requests, none for iterative ones; cancelling never races a pull in progress."""
-        from phyai_ray.serve.pump import stream_items
+        from phyai_ray.async_streams import stream_items
 
         items = stream_items(self.engine, request, session=session, max_buffered=max_buffered)
         try:

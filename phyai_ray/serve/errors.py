@@ -27,22 +27,81 @@ never reported as 4xx.
 (*) with `Retry-After: 1`.
 503 vs 429 for overload is `ServeOptions.overload_status` (`--overload-status`, `overload_status=`).
 `reason` is EngineUnavailableError.reason, or "request_timeout" for a RequestTimeoutError.
+
+`classify(exc)` is the one place a failure gets its row; every protocol renders that `Failure` in
+its own shape: this JSON API (`HttpError.of`), OpenAI (`openai_api.openai_error`), OIP over HTTP
+(`{"error": ...}`) and gRPC (the status code of the HTTP status, `oip_grpc.fail`), openpi (an error
+frame naming the kind). `key_matches` is the one API-key check of all of them.
 """
 
 from __future__ import annotations
 
+import hmac
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+from phyai_ray.serve.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type",
                  422: "invalid_request", 429: "overloaded", 500: "internal", 503: "unavailable", 504: "timeout"}
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; overload and a group restart are usually over by then
-ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure as every protocol reports it: its status, kind (the table's type), message and reason."""
+
+    status: int
+    kind: str
+    message: str
+    reason: str | None = None
+    retry_after: bool = False
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return dict(RETRY_AFTER) if self.retry_after else None
+
+
+def classify(exc: BaseException, *, overload_status: int = 503) -> Failure:
+    """The table's row for an exception of submitting or running a request (see the module docstring)."""
+    if isinstance(exc, HttpError):  # already classified (a check of the edge itself)
+        return Failure(exc.status_code, exc.type, str(exc.detail), exc.reason, "Retry-After" in (exc.headers or {}))
+    if isinstance(exc, EngineOverloadedError):
+        return Failure(overload_status, "overloaded", f"overloaded, retry later: {exc}", retry_after=True)
+    if isinstance(exc, RequestTimeoutError):
+        return Failure(504, "timeout", str(exc), "request_timeout")
+    if isinstance(exc, EngineUnavailableError):
+        if exc.reason == "timeout":  # its group hung on a request
+            return Failure(504, "timeout", str(exc), exc.reason)
+        if exc.reason == "exception":  # the plugin failed on this request: the same request would fail again
+            return Failure(500, "execution_error", str(exc), exc.reason)
+        return Failure(503, "unavailable", str(exc), exc.reason, retry_after=True)
+    if isinstance(exc, SubmitFault):
+        return Failure(500, "internal", f"internal error: {exc}")
+    return Failure(500, "execution_error", f"the plugin failed on this request: {describe(exc)}")
+
+
+async def run_request(runner: Any, request: Any, *, overload_status: int = 503) -> Any:
+    """The group runner's result for an already validated request, or `HttpError` of its failure's row;
+    the request is never cancelled."""
+    try:
+        return await runner.run(request, validate=False)
+    except Exception as exc:
+        raise HttpError.of(classify(exc, overload_status=overload_status)) from None
+
+
+def key_matches(authorization: str | None, key: str | None, schemes: tuple[str, ...] = ("bearer",)) -> bool:
+    """Whether an Authorization value (`<scheme> <key>`) carries `key` under one of `schemes`; True without a key."""
+    if key is None:
+        return True
+    scheme, _, token = str(authorization or "").partition(" ")
+    return scheme.lower() in schemes and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
+                                                             key.encode("utf-8"))
 
 
 class HttpError(HTTPException):
@@ -53,6 +112,10 @@ class HttpError(HTTPException):
         super().__init__(status_code=status, detail=message, headers=headers)
         self.type = type or _STATUS_TYPES.get(status, "error")
         self.reason = reason
+
+    @classmethod
+    def of(cls, failure: Failure) -> "HttpError":
+        return cls(failure.status, failure.message, type=failure.kind, reason=failure.reason, headers=failure.headers)
 
 
 def error_response(error: HttpError) -> JSONResponse:
@@ -72,23 +135,7 @@ def from_http_exception(exc: HTTPException) -> HttpError:
 
 def from_engine_error(exc: BaseException, *, overload_status: int = 503) -> HttpError:
     """The response for an exception of `Engine.submit` or of a request's future (see the table)."""
-    if isinstance(exc, EngineOverloadedError):
-        return HttpError(overload_status, f"overloaded, retry later: {exc}", type="overloaded",
-                         headers=dict(RETRY_AFTER))
-    if isinstance(exc, RequestTimeoutError):
-        return HttpError(504, str(exc), type="timeout", reason="request_timeout")
-    if isinstance(exc, EngineUnavailableError):
-        return from_unavailable(exc)
-    return HttpError(500, f"internal error: {describe(exc)}", type="internal")
-
-
-def from_unavailable(exc: EngineUnavailableError) -> HttpError:
-    """504 when its group hung on a request, 500 when the plugin raised in a Ray group, else 503."""
-    if exc.reason == "timeout":
-        return HttpError(504, str(exc), type="timeout", reason=exc.reason)
-    if exc.reason == "exception":  # the plugin failed on this request: the same request would fail again
-        return HttpError(500, str(exc), type="execution_error", reason=exc.reason)
-    return HttpError(503, str(exc), type="unavailable", reason=exc.reason, headers=dict(RETRY_AFTER))
+    return HttpError.of(classify(exc, overload_status=overload_status))
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> HttpError:

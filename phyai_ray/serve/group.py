@@ -79,7 +79,8 @@ class ReplicaGroup(OipGrpcMethods):
         holder = await asyncio.to_thread(EngineHolder, partial(Engine, engine_args, config),
                                          rebuild_failed=options.rebuild_failed)
         wait_s = deployment.process_config.execution_timeout_s + RESULT_GRACE_S
-        self.runner = GroupRunner(holder, group=self.group, wait_s=wait_s, forward=self._forward)
+        self.runner = GroupRunner(holder, group=self.group, wait_s=wait_s, forward=self._forward,
+                                  forward_stream=self._forward_stream)
         self.runner.routable = False  # "starting" until Serve's first health check: routers know it by then
         self.api: Any = None
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
@@ -100,8 +101,19 @@ class ReplicaGroup(OipGrpcMethods):
         """
         return await self.runner.run(request, hops=hops, failed=failed)
 
+    async def stream(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
+        """The streaming handle method: `handle.options(stream=True).stream.remote(request)` yields lists of
+        ("chunk" | "end" | "error", value) items (see `phyai_ray.async_streams`), forwarded like `step`."""
+        if hops == 0:
+            await asyncio.to_thread(self.runner.entry.validate_request, request)
+        async for items in self.runner.stream(request, hops=hops, failed=failed):
+            yield items
+
     def _forward(self, request: Any, hops: int, failed: tuple) -> Any:
         return self._peers.step.remote(request, hops=hops, failed=failed)
+
+    def _forward_stream(self, request: Any, hops: int, failed: tuple) -> Any:
+        return self._peers.options(stream=True).stream.remote(request, hops=hops, failed=failed)
 
     def check_health(self) -> None:
         """Raise (unhealthy, so Serve replaces this replica) while the group has failed."""

@@ -10,11 +10,10 @@ protocol's shape, `{"error": "..."}`.
 
 from __future__ import annotations
 
-import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phyai_ray.serve.errors import HttpError, error_response
+from phyai_ray.serve.errors import HttpError, key_matches, error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 OIP_PREFIX = "/v2"
@@ -52,11 +51,7 @@ class EdgeGuard:
                 _check_json(headers.get("content-type"))
 
     def _check_key(self, authorization: str) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"),
-                                                                   self.api_key.encode("utf-8")):
+        if not key_matches(authorization, self.api_key):
             raise HttpError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 

@@ -31,12 +31,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray import __version__
 from phyai_ray.serve import codec
-from phyai_ray.serve.errors import (ENGINE_ERRORS, RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
-                                    from_http_exception, from_validation_errors)
+from phyai_ray.serve.errors import (RETRY_AFTER, HttpError, describe, error_response, from_http_exception,
+                                    from_validation_errors, run_request)
 from phyai_ray.serve.guard import EdgeGuard
 from phyai_ray.serve.metrics import EdgeMetrics
 from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner, SubmitFault
+from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.serve.schema import ErrorBody, StepResponse
 
 ROUTES = ("/v1/step", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
@@ -60,7 +60,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     if getattr(runner.entry, "generates_tokens", False):
         from phyai_ray.serve.openai_api import add_openai_routes
 
-        add_openai_routes(api, runner, options.model_name, stream_interval=options.stream_interval)
+        add_openai_routes(api, runner, options)
     _add_protocol_routes(api, runner, options)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
@@ -134,7 +134,7 @@ def _add_step_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) ->
     async def step(body: Any) -> JSONResponse:
         raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
         request = await asyncio.to_thread(_decode_and_validate, runner.entry, raw, options)
-        result = await _run(runner, request, options.overload_status)
+        result = await run_request(runner, request, overload_status=options.overload_status)
         return JSONResponse({"result": await asyncio.to_thread(_encode, result)})
 
     model = runner.entry.request_model
@@ -172,18 +172,6 @@ def _encode(result: Any) -> Any:
         return codec.encode(result, root="result")
     except codec.CodecError as exc:
         raise HttpError(500, f"the plugin's result cannot be sent as JSON: {exc}", type="internal") from None
-
-
-async def _run(runner: GroupRunner, request: Any, overload_status: int) -> Any:
-    """The result, or the status of the failure (serve/errors.py); the request is never cancelled."""
-    try:
-        return await runner.run(request, validate=False)
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc, overload_status=overload_status) from None
-    except SubmitFault as exc:
-        raise HttpError(500, f"internal error: {exc}", type="internal") from None
-    except Exception as exc:
-        raise HttpError(500, f"the plugin failed on this request: {describe(exc)}", type="execution_error") from None
 
 
 class _Measured:

@@ -32,19 +32,16 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from phyai_ray import __version__
-from phyai_ray.plugins.signature import SignatureError, check_inputs
 from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.errors import ENGINE_ERRORS, describe, from_engine_error
+from phyai_ray.serve.errors import describe, run_request
+from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, model_metadata,
+                                       missing_outputs, model_name, named_outputs, unknown_model)
 from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner, SubmitFault
+from phyai_ray.serve.runner import GroupRunner
 
 logger = logging.getLogger(__name__)
 
 HEADER_LENGTH = "inference-header-content-length"
-RESERVED = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
-                      "binary_data_output"})
-VERSION = "1"
-EXTENSIONS = ["binary_tensor_data"]
 
 
 def request_id(request: Request) -> str:
@@ -59,12 +56,12 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
 
 def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
     """Register the /v2 routes; `model_name` (default: the plugin name) is the protocol's model name."""
-    model = options.model_name or runner.entry.served_name()
+    model = model_name(options, runner.entry)
 
     def known(name: str, version: str | None) -> None:
-        if name != model or version not in (None, VERSION):
-            shown = name if version is None else f"{name} version {version}"
-            raise oc.OipError(f"unknown model {shown!r}; this server serves {model!r} (version {VERSION})", 404)
+        problem = unknown_model(name, version, model)
+        if problem is not None:
+            raise oc.OipError(problem, 404)
 
     async def server_metadata() -> dict[str, Any]:
         return {"name": "phyai-ray", "version": __version__, "extensions": EXTENSIONS}
@@ -77,10 +74,7 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
 
     async def metadata(name: str, version: str | None = None) -> Response:
         known(name, version)
-        entry = runner.entry
-        return JSONResponse({"name": model, "versions": [VERSION], "platform": "phyai-ray",
-                             "inputs": [s.metadata() for s in entry.inputs],
-                             "outputs": [s.metadata() for s in entry.outputs]})
+        return JSONResponse(model_metadata(runner.entry, model))
 
     async def model_ready(name: str, version: str | None = None) -> Response:
         known(name, version)
@@ -93,7 +87,7 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
             body = await request.body()
             parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
                                              options)
-            result = await run(runner, parsed.request, options.overload_status)
+            result = await run_request(runner, parsed.request, overload_status=options.overload_status)
             return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
         except (oc.OipError, HTTPException) as exc:
             status = getattr(exc, "status", None) or getattr(exc, "status_code", 500)
@@ -152,26 +146,6 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
                   bool(params.get("binary_data_output", False)))
 
 
-def finish_request(request: dict[str, Any], params: dict[str, Any], entry: Any) -> None:
-    """Add the request `parameters` (not the protocol's reserved ones) and run the plugin's validator."""
-    clash = sorted(set(params) & set(request))
-    if clash:
-        raise oc.OipError(f"parameter(s) {clash} have the names of inputs; rename one")
-    request.update({k: v for k, v in params.items() if k not in RESERVED})
-    try:
-        entry.validate_request(request)
-    except Exception as exc:
-        raise oc.OipError(f"the model rejected the request: {describe(exc)}") from None
-
-
-def check_signature(entry: Any, given: dict[str, tuple[str, list[int]]]) -> None:
-    """The plugin's signature against the inputs' names, datatypes and shapes (400 when they do not fit)."""
-    try:
-        check_inputs(entry.inputs, given)
-    except SignatureError as exc:
-        raise oc.OipError(str(exc)) from None
-
-
 def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
     view = memoryview(body)
     if header_length is None:
@@ -187,6 +161,9 @@ def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memo
         header = json.loads(bytes(view[:size]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise oc.OipError(f"the inference header is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder's own depth limit: a hostile body, never a server fault
+        raise oc.OipError("the inference header is nested too deeply to decode; flatten the tensors' "
+                          f"'data' (at most {oc.MAX_DEPTH} levels are read)") from None
     if not isinstance(header, dict):
         raise oc.OipError(f"the inference header must be a JSON object, got {type(header).__name__}")
     return header, view[size:]
@@ -229,22 +206,11 @@ def _requested(outputs: Any) -> dict[str, bool] | None:
     return {o["name"]: bool((o.get("parameters") or {}).get("binary_data", False)) for o in outputs}
 
 
-def named_outputs(result: Any, entry: Any) -> dict[str, Any]:
-    """The plugin's result as output name -> value: a dict per key, anything else one output."""
-    if isinstance(result, dict):
-        return {str(k): v for k, v in result.items() if v is not None}
-    if result is None:
-        return {}
-    return {entry.outputs[0].name if entry.outputs else "output": result}
-
-
 def respond(parsed: Parsed, result: Any, model: str, rid: str, runner: GroupRunner) -> Response:
     """The infer response: JSON, or the JSON header followed by the binary outputs."""
     values = named_outputs(result, runner.entry)
     wanted = parsed.outputs if parsed.outputs is not None else {n: parsed.binary for n in values}
-    missing = sorted(set(wanted) - set(values))
-    if missing:
-        raise oc.OipError(f"requested output(s) {missing} are not produced; the model gives {sorted(values)}")
+    missing_outputs(wanted, values)
     outputs, chunks = [], []
     for name, binary in wanted.items():
         out, raw = oc.to_output(name, values[name], binary)
@@ -258,13 +224,3 @@ def respond(parsed: Parsed, result: Any, model: str, rid: str, runner: GroupRunn
     return Response(b"".join([header, *chunks]), media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(header))})
 
-
-async def run(runner: GroupRunner, request: Any, overload_status: int) -> Any:
-    try:
-        return await runner.run(request, validate=False)
-    except ENGINE_ERRORS as exc:
-        raise from_engine_error(exc, overload_status=overload_status) from None
-    except SubmitFault as exc:
-        raise oc.OipError(f"internal error: {exc}", 500) from None
-    except Exception as exc:
-        raise oc.OipError(f"the model failed on this request: {describe(exc)}", 500) from None

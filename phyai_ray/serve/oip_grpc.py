@@ -21,12 +21,14 @@ INVALID_ARGUMENT (bad request), NOT_FOUND (unknown model), UNAUTHENTICATED (key)
 from __future__ import annotations
 
 import asyncio
-import hmac
 import uuid
 from typing import Any
 
 from phyai_ray import __version__
 from phyai_ray.serve import oip_codec as oc
+from phyai_ray.serve.errors import classify, key_matches, run_request
+from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, missing_outputs,
+                                       model_name, model_metadata, named_outputs, unknown_model)
 
 SERVICER_FUNCTION = "phyai_ray.serve.grpc_v2.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -94,24 +96,22 @@ class OipGrpcMethods:
     options: Any
 
     def _model(self) -> str:
-        return self.options.model_name or self.runner.entry.served_name()
+        return model_name(self.options, self.runner.entry)
 
     def _allowed(self, context: Any) -> bool:
-        key = self.options.api_key
-        if key is None:
+        if self.options.api_key is None:
             return True
         metadata = dict(context.invocation_metadata()) if context is not None else {}
-        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        if key_matches(metadata.get("authorization"), self.options.api_key):
             return True
         fail(context, 401, "missing or wrong API key; send the metadata 'authorization: Bearer <key>'")
         return False
 
     def _known(self, name: str, version: str, context: Any) -> bool:
-        if name == self._model() and version in ("", "1"):
+        problem = unknown_model(name, version, self._model())
+        if problem is None:
             return True
-        fail(context, 404, f"unknown model {name!r} version {version!r}; this server serves {self._model()!r} "
-                           "(version 1)")
+        fail(context, 404, problem)
         return False
 
     async def ServerLive(self, request: Any, grpc_context: Any = None) -> Any:
@@ -123,7 +123,7 @@ class OipGrpcMethods:
     async def ServerMetadata(self, request: Any, grpc_context: Any = None) -> Any:
         if not self._allowed(grpc_context):
             return pb().ServerMetadataResponse()
-        return pb().ServerMetadataResponse(name="phyai-ray", version=__version__, extensions=["binary_tensor_data"])
+        return pb().ServerMetadataResponse(name="phyai-ray", version=__version__, extensions=EXTENSIONS)
 
     async def ModelReady(self, request: Any, grpc_context: Any = None) -> Any:
         if not self._allowed(grpc_context) or not self._known(request.name, request.version, grpc_context):
@@ -135,31 +135,28 @@ class OipGrpcMethods:
         if not self._allowed(grpc_context) or not self._known(request.name, request.version, grpc_context):
             return messages.ModelMetadataResponse()
         spec = messages.ModelMetadataResponse.TensorMetadata
-        entry = self.runner.entry
+        meta = model_metadata(self.runner.entry, self._model())
         return messages.ModelMetadataResponse(
-            name=self._model(), versions=["1"], platform="phyai-ray",
-            inputs=[spec(**s.metadata()) for s in entry.inputs], outputs=[spec(**s.metadata()) for s in entry.outputs])
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[spec(**s) for s in meta["inputs"]], outputs=[spec(**s) for s in meta["outputs"]])
 
     async def ModelInfer(self, request: Any, grpc_context: Any = None) -> Any:
-        from phyai_ray.serve.oip import run
-
         messages = pb()
         if not self._allowed(grpc_context) or not self._known(request.model_name, request.model_version,
                                                                grpc_context):
             return messages.ModelInferResponse()
         try:
             plugin_request = await asyncio.to_thread(self._decode, request)
-            result = await run(self.runner, plugin_request, self.options.overload_status)
+            result = await run_request(self.runner, plugin_request, overload_status=self.options.overload_status)
             return await asyncio.to_thread(self._encode, request, result)
         except oc.OipError as exc:
             fail(grpc_context, exc.status, str(exc))
-        except Exception as exc:  # an engine error (HttpError with its status), or a server fault
-            fail(grpc_context, getattr(exc, "status_code", 500), str(getattr(exc, "detail", exc)))
+        except Exception as exc:  # an engine error (its row of the failure table), or a server fault
+            failure = classify(exc, overload_status=self.options.overload_status)
+            fail(grpc_context, failure.status, failure.message)
         return messages.ModelInferResponse()
 
     def _decode(self, request: Any) -> dict[str, Any]:
-        from phyai_ray.serve.oip import check_signature, finish_request
-
         entry = self.runner.entry
         check_signature(entry, {t.name: (t.datatype, list(t.shape)) for t in request.inputs})
         plugin_request = decode_inputs(request, self.options.max_tensor_bytes)
@@ -167,15 +164,11 @@ class OipGrpcMethods:
         return plugin_request
 
     def _encode(self, request: Any, result: Any) -> Any:
-        from phyai_ray.serve.oip import named_outputs
-
         messages = pb()
         values = named_outputs(result, self.runner.entry)
         wanted = [o.name for o in request.outputs] or list(values)
-        missing = sorted(set(wanted) - set(values))
-        if missing:
-            raise oc.OipError(f"requested output(s) {missing} are not produced; the model gives {sorted(values)}")
-        response = messages.ModelInferResponse(model_name=self._model(), model_version="1",
+        missing_outputs(wanted, values)
+        response = messages.ModelInferResponse(model_name=self._model(), model_version=VERSION,
                                                id=request.id or uuid.uuid4().hex)
         for name in wanted:
             out, raw = oc.to_output(name, values[name], binary=True)

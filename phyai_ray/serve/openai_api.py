@@ -31,9 +31,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
+from phyai_ray.serve.errors import classify
 from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
-from phyai_ray.serve.pump import stream_items
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
@@ -105,10 +105,15 @@ def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, tem
     return {**out, "top_logprobs": top_logprobs} if top_logprobs else out
 
 
-def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, *, stream_interval: int = 1) -> None:
+def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
     """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
-    streamed completions write at most one event per `stream_interval` token steps (the first at once)."""
-    name = model_name or runner.entry.served_name()
+    `options` (ServeOptions; None: the defaults) gives the model name, `overload_status` and
+    `stream_interval` (streamed completions write at most one event per that many token steps)."""
+    from phyai_ray.serve.options import ServeOptions
+
+    options = options if options is not None else ServeOptions()
+    name = options.model_name or runner.entry.served_name()
+    stream_interval, overloaded = options.stream_interval, options.overload_status
 
     @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
     async def models() -> dict[str, Any]:
@@ -121,18 +126,17 @@ def add_openai_routes(api: FastAPI, runner: Any, model_name: str | None = None, 
             codec = usable(text_codec(runner.entry))
             if request.stream:
                 chunks = CompletionChunks(request, name, codec, len(plugin["prompts"]))
-                return StreamingResponse(sse(runner, plugin, chunks, stream_interval), media_type="text/event-stream")
+                return StreamingResponse(sse(runner, plugin, chunks, stream_interval, overloaded),
+                                         media_type="text/event-stream")
             outputs = await _generate(runner, plugin)
             return JSONResponse(_completion(outputs, request, name, codec))
-        except OpenAIError as exc:
-            return exc.response()
-        except Exception as exc:  # pydantic ValidationError, engine errors: mapped to OpenAI's shape
-            return _mapped(exc).response()
+        except Exception as exc:  # a bad body, engine errors: OpenAI's shape, the failure table's status
+            return openai_error(exc, overload_status=overloaded).response()
 
     if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
         from phyai_ray.serve.openai_chat import add_chat_route
 
-        add_chat_route(api, runner, name, stream_interval=stream_interval)
+        add_chat_route(api, runner, name, stream_interval=stream_interval, overload_status=overloaded)
 
 
 def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, dict[str, Any]]:
@@ -224,46 +228,46 @@ class CompletionChunks:
         return [{**self.head, "choices": choices}]
 
 
-async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 1) -> AsyncIterator[str]:
+async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 1,
+              overload_status: int = 503) -> AsyncIterator[str]:
     """Server-sent events of one streamed generation, rendered by `chunks` (`tokens`, `end`, `finished`);
     leaving early (disconnect), or every choice stopping, cancels the generation.
 
     One write carries every event waiting; after the first token (written at once) a write waits
     until `interval` token steps are there, or the stream ended."""
-    items, final = stream_items(runner.engine, plugin), []
-    with runner.session():  # the stream counts as open on this group until its last event
-        try:
-            ended, events, steps, written = False, [], 0, False
-            async for ready in items:
-                for kind, value in ready:
-                    if kind == "error":
-                        if events:
-                            yield "".join(events)
-                        raise value
-                    if kind == "end":
-                        final, ended = value or [], True
-                        break
-                    tops = value.get("top_logprobs") or [None] * len(value["token_ids"])
-                    step = [(b, _listed(t), _listed(lp), top) for b, (t, lp, top)
-                            in enumerate(zip(value["token_ids"], value["log_probs"], tops)) if t is not None]
-                    rendered = chunks.tokens(step)
-                    events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
-                    steps += bool(rendered)
-                    if chunks.finished:
-                        final, ended = [_Stopped()] * len(value["token_ids"]), True
-                        break
-                if events and (ended or not written or steps >= interval):  # one message through the proxy
-                    yield "".join(events)
-                    events, steps, written = [], 0, True
-                if ended:
+    items, final = runner.stream(plugin), []  # forwarded when this group failed; open as a session meanwhile
+    try:
+        ended, events, steps, written = False, [], 0, False
+        async for ready in items:
+            for kind, value in ready:
+                if kind == "error":
+                    if events:
+                        yield "".join(events)
+                    raise value
+                if kind == "end":
+                    final, ended = value or [], True
                     break
-            yield "".join(f"data: {json.dumps(e)}\n\n" for e in chunks.end(final))
-        except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
-            error = _mapped(exc)
-            shape = {'message': str(error), 'type': error.type, 'code': error.status}
-            yield f"data: {json.dumps({'error': shape})}\n\n"
-        finally:
-            await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
+                tops = value.get("top_logprobs") or [None] * len(value["token_ids"])
+                step = [(b, _listed(t), _listed(lp), top) for b, (t, lp, top)
+                        in enumerate(zip(value["token_ids"], value["log_probs"], tops)) if t is not None]
+                rendered = chunks.tokens(step)
+                events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
+                steps += bool(rendered)
+                if chunks.finished:
+                    final, ended = [_Stopped()] * len(value["token_ids"]), True
+                    break
+            if events and (ended or not written or steps >= interval):  # one message through the proxy
+                yield "".join(events)
+                events, steps, written = [], 0, True
+            if ended:
+                break
+        yield "".join(f"data: {json.dumps(e)}\n\n" for e in chunks.end(final))
+    except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
+        error = openai_error(exc, overload_status=overload_status)
+        shape = {'message': str(error), 'type': error.type, 'code': error.status}
+        yield f"data: {json.dumps({'error': shape})}\n\n"
+    finally:
+        await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
     yield "data: [DONE]\n\n"
 
 
@@ -278,22 +282,19 @@ def _listed(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _mapped(exc: Exception) -> OpenAIError:
+OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error"}  # every other server kind: server_error
+
+
+def openai_error(exc: Exception, *, overload_status: int = 503) -> OpenAIError:
+    """`exc` in OpenAI's error shape: a bad body is 400, anything else has its row of the failure table."""
     from pydantic import ValidationError
 
-    from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
-    from phyai_ray.serve.errors import RETRY_AFTER
-
+    if isinstance(exc, OpenAIError):
+        return exc
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         return OpenAIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                            param=str(first["loc"][0]) if first["loc"] else None)
-    if isinstance(exc, EngineOverloadedError):
-        return OpenAIError(503, str(exc), type="overloaded_error", headers=dict(RETRY_AFTER))
-    if isinstance(exc, RequestTimeoutError):
-        return OpenAIError(504, str(exc), type="timeout_error")
-    if isinstance(exc, EngineUnavailableError):
-        if exc.reason == "exception":
-            return OpenAIError(500, str(exc), type="server_error")
-        return OpenAIError(503, str(exc), type="server_error", headers=dict(RETRY_AFTER))
-    return OpenAIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+    failure = classify(exc, overload_status=overload_status)
+    kind = OPENAI_TYPES.get(failure.kind, "server_error" if failure.status >= 500 else "invalid_request_error")
+    return OpenAIError(failure.status, failure.message, type=kind, headers=failure.headers)

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.openai_api import OpenAIError, _mapped, finish_reason, generation_request, sse
+from phyai_ray.serve.openai_api import OpenAIError, finish_reason, generation_request, openai_error, sse
 from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
 
 MAX_N = 16
@@ -55,20 +55,20 @@ class ChatRequest(BaseModel):
         return self.max_completion_tokens or self.max_tokens or max(1, min(room, 4096))
 
 
-def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int = 1) -> None:
+def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int = 1,
+                   overload_status: int = 503) -> None:
     @api.post("/v1/chat/completions", tags=["openai"], summary="Chat completions (OpenAI-compatible)")
     async def chat(body: dict[str, Any]) -> Any:
         try:  # template, tokenization and checks off the event loop
             request, plugin, codec = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
                 chunks = ChatChunks(request, name, codec, len(plugin["prompts"]))
-                return StreamingResponse(sse(runner, plugin, chunks, stream_interval), media_type="text/event-stream")
+                return StreamingResponse(sse(runner, plugin, chunks, stream_interval, overload_status),
+                                         media_type="text/event-stream")
             outputs = await runner.run(plugin, validate=False)
             return JSONResponse(_response(outputs, request, name, codec, len(plugin["prompts"][0])))
-        except OpenAIError as exc:
-            return exc.response()
         except Exception as exc:
-            return _mapped(exc).response()
+            return openai_error(exc, overload_status=overload_status).response()
 
 
 def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, dict[str, Any], Any]:

@@ -23,7 +23,6 @@ rejects gets an error frame and the session goes on. An idle session closes afte
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import time
@@ -37,7 +36,7 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.serve.errors import describe
+from phyai_ray.serve.errors import classify, describe, key_matches
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 
@@ -119,10 +118,7 @@ def pack(obj: Any) -> bytes:
 
 def authorized(websocket: WebSocket, api_key: str | None) -> bool:
     """`Authorization: Api-Key <key>` (openpi's form) or `Bearer <key>`; always True without a key."""
-    if api_key is None:
-        return True
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    return scheme.lower() in ("api-key", "bearer") and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return key_matches(websocket.headers.get("authorization"), api_key, ("api-key", "bearer"))
 
 
 def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
@@ -193,7 +189,9 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
     except Exception as exc:
         fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
         again = "; connect again to reach a healthy group" if fatal else ""
-        return f"request {rid}: group {runner.group} could not act: {describe(exc)}{again}", fatal
+        failure = classify(exc, overload_status=options.overload_status)
+        return (f"request {rid}: group {runner.group} could not act ({failure.kind}, {failure.status}): "
+                f"{failure.message}{again}", fatal)
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
     status = runner.engine.replica_status()[0]
     reply["server_timing"] = {"infer_ms": (time.perf_counter() - began) * 1e3,

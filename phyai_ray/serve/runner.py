@@ -1,7 +1,8 @@
 """`GroupRunner`: what one Serve replica of the group deployment does with a request, without Serve.
 
-    runner = GroupRunner(holder, group="abc123", wait_s=630.0, forward=peers_step)
+    runner = GroupRunner(holder, group="abc123", wait_s=630.0, forward=peers_step, forward_stream=peers_stream)
     result = await runner.run(request)     # validate, submit to this replica's ONE group, await the result
+    async for items in runner.stream(request):   # a streamed request: lists of ("chunk" | "end" | "error", value)
 
 The HTTP route and the handle method `step` both end here. A request refused because this group
 has failed touched no rank, so it is forwarded (`forward`, a call of another group through the
@@ -9,6 +10,11 @@ deployment's handle) instead of failing: between the failure and Serve replacing
 request is lost to it. The forwarded call names the failed groups it passed, so the next group's
 router skips them too; after MAX_HOPS failed groups the request fails with the cause. A request that was already queued or running when the group failed is
 not retried (the engine never re-runs a started request); it fails with the cause.
+
+A stream takes the same path: refused at open because this group failed (nothing ran), it is
+read from another group through `forward_stream` (the deployment handle's streaming call); it
+counts as a session while open; every wait for its next items is bounded by `wait_s`, and the
+first item of a forwarded one by FORWARD_WAIT_S.
 
 `view` is the last copy of every group's report (see `registry.py`); it answers `/v1/replicas`,
 `/readyz` and the per-group metrics, whichever group the proxy picked. No Ray needed here.
@@ -19,14 +25,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
                               RequestTimeoutError)
+from phyai_ray.async_streams import stream_items
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.registry import GroupReport, note_failed, set_failed
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
+StreamForward = Callable[[Any, int, tuple], AsyncIterator[list]]  # the same, for a stream's item lists
 MAX_HOPS = 3
 FORWARD_WAIT_S = 30.0  # a forwarded request waits this long for a healthy group (Serve replacing them all)
 _ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
@@ -40,8 +48,9 @@ class GroupRunner:
     """One replica group's request path and its state as the registry sees it."""
 
     def __init__(self, holder: EngineHolder, *, group: str = "local", wait_s: float = 630.0,
-                 forward: Forward | None = None) -> None:
+                 forward: Forward | None = None, forward_stream: StreamForward | None = None) -> None:
         self.holder, self.group, self.wait_s, self.forward = holder, group, wait_s, forward
+        self.forward_stream = forward_stream
         self.view: list[GroupReport] = []
         self.routable = True  # False from a Serve replica's start until Serve first checks its health
         self.sessions = 0  # long-lived sessions open on this group: openpi WebSockets, streamed responses
@@ -77,6 +86,59 @@ class GroupRunner:
                 raise
             return await self._forwarded(request, hops + 1, (*failed, self.group))
         return await self._within(asyncio.wrap_future(future), "; the request keeps running on its group")
+
+    async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (),
+                     forward: bool = True) -> AsyncIterator[list[tuple[str, Any]]]:
+        """The items of `request`'s stream (validated already), in lists of those ready together; leaving
+        early cancels it. Refused at open because this group failed, it is forwarded (see the module)."""
+        note_failed(tuple(failed))
+        with self.session():  # the stream counts as open on this group until its last item
+            items = stream_items(self.engine, request)
+            try:
+                try:
+                    first = await _next_items(items, self.wait_s, "for the stream's first chunk")
+                except EngineUnavailableError:  # refused at open: nothing ran
+                    if not forward or hops >= MAX_HOPS or self.forward_stream is None or self.engine.healthy:
+                        raise
+                    async for got in self._forwarded_stream(request, hops + 1, (*failed, self.group)):
+                        yield got
+                    return
+                except StopAsyncIteration:
+                    return
+                yield first
+                while True:
+                    try:
+                        got = await _next_items(items, self.wait_s, "for the stream's next chunk")
+                    except StopAsyncIteration:
+                        return
+                    yield got
+            finally:
+                await items.aclose()
+
+    async def _forwarded_stream(self, request: Any, hops: int, failed: tuple) -> AsyncIterator[list]:
+        set_failed(self.group, True)  # before routing: this process's router must not pick this group
+        remote = self.forward_stream(request, hops, failed)
+        limit = min(self.wait_s, FORWARD_WAIT_S)  # until a healthy group answers; then its own bounds
+        try:
+            while True:
+                try:
+                    got = await _next_items(remote, limit, "from the group it was forwarded to")
+                except StopAsyncIteration:
+                    return
+                except RequestTimeoutError:
+                    raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the stream "
+                                                 f"within {limit:.0f}s; retry later", reason="no_healthy_replica")
+                except Exception as exc:
+                    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
+                    if isinstance(cause, Exception):
+                        raise cause from None
+                    raise
+                limit = self.wait_s
+                yield got
+        finally:
+            cancel = getattr(remote, "cancel", None)
+            if cancel is not None:
+                cancel()
 
     async def _forwarded(self, request: Any, hops: int, failed: tuple) -> Any:
         """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
@@ -140,3 +202,20 @@ class GroupRunner:
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
+
+
+async def _next_items(items: AsyncIterator[Any], limit_s: float, where: str) -> Any:
+    """The next item of `items` within `limit_s` (StopAsyncIteration at its end); past it the pending
+    read is cancelled (the stream closes) and RequestTimeoutError says where it waited."""
+    task = asyncio.ensure_future(items.__anext__())
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit_s)
+    except BaseException:  # the reader left (cancelled): the read ends before `items` can be closed
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+        raise RequestTimeoutError(f"no stream item within {limit_s:.0f}s {where}", waited_s=limit_s)
+    return task.result()

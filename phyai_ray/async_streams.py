@@ -17,7 +17,9 @@ one chunk later. The pump runs at most `ahead` chunks ahead of the reader.
 `stream_items(engine, request)` is what a route iterates: for a replica that batches per
 iteration (its reader's sink calls back after every chunk) it needs no thread at all, so dozens
 of open streams do not put dozens of threads on the GIL beside the engine; for the others it is a
-`StreamPump`.
+`StreamPump`. It opens the stream before its first item: a stream the engine refuses (no healthy
+replica, a full queue) raises from the first `__anext__` and never appears as an item, so a caller
+can tell "refused, nothing ran" (safe to send elsewhere) from a failure of a stream that started.
 
     async for items in stream_items(engine, request):    # lists of ("chunk" | "end" | "error", value)
         ...
@@ -89,12 +91,17 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
                        max_buffered: int = 64) -> AsyncIterator[list[tuple[str, Any]]]:
     """Every item of `engine`'s stream of `request`, in lists of those ready together; leaving early
     (closing the generator) cancels the stream. Threadless when the replica batches per iteration."""
+    opening = asyncio.ensure_future(asyncio.to_thread(
+        lambda: engine.open_stream(request, session=session, max_buffered=max_buffered)))
+    try:
+        future, reader = await asyncio.shield(opening)
+    except asyncio.CancelledError:  # the reader left while the stream opened: cancel it once it is open
+        opening.add_done_callback(lambda t: None if t.cancelled() or t.exception() else t.result()[1].cancel())
+        raise
     if not engine.batches_per_iteration:  # its readers only block: a pump with a thread of its own
-        async for items in _pumped(engine.stream(request, session=session, max_buffered=max_buffered)):
+        async for items in _pumped(engine.read_stream(future, reader)):
             yield items
         return
-    future, reader = await asyncio.to_thread(
-        lambda: engine.open_stream(request, session=session, max_buffered=max_buffered))
     sink = reader.sink
     loop, woken, done = asyncio.get_running_loop(), asyncio.Event(), False
 
