@@ -45,6 +45,8 @@ class Engine:
         parallel = args.config.parallel
         self.entry.configure(args.plugin_args)
         self.entry.check_parallel(parallel)
+        batching = self.deployment.batching.resolve(getattr(self.entry, "default_max_batch_size", 1))
+        self.deployment = self.deployment.model_copy(update={"batching": batching})  # what is in effect
         self.topology = Topology.from_parallel(parallel)
         self.mode: str = self.deployment.resolve_mode(self.topology.world_size)
         logger.info("phyai-ray engine: plugin=%s mode=%s replicas=%d topology: %s", self.entry.display_name(),
@@ -113,7 +115,9 @@ class Engine:
         """Per replica: histograms of samples per step and of each request's queue wait (seconds); with the
         iteration protocol, of sequences per iteration and each sequence's wait for a slot, plus the
         running and waiting sequences now."""
+        size = self.deployment.batching.max_batch_size or 1
         return [{"replica": e.index, "batching": e.batching or e.iterations is not None,
+                 "max_batch_size": size if e.batching else 1,
                  **e.scheduler.batch_snapshot(), **(e.iterations.snapshot() if e.iterations is not None else {})}
                 for e in list(self._executors)]
 

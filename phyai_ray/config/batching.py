@@ -1,4 +1,9 @@
-"""`BatchingConfig`: how a replica's scheduler groups queued requests into one step (opt-in per plugin).
+"""`BatchingConfig`: how a replica's scheduler groups queued requests into one step.
+
+On by default for plugins that declare it: `max_batch_size=None` means the plugin's own default
+(`Entry.default_max_batch_size`: 64 for reference_dit, minilm and reference_policy, 1 for the
+others), with no delay, so an idle replica runs a lone request at once and only what queued while
+a step ran joins the next one. `max_batch_size=1` (`--max-batch-size 1`) turns it off.
 
     DeploymentConfig.local(replica_count=2, batching=BatchingConfig(max_batch_size=32, max_batch_delay_ms=2))
     phyai-ray serve --plugin reference_dit --max-batch-size 32 --max-batch-delay-ms 2
@@ -29,9 +34,10 @@ from phyai_ray.errors import DeploymentConfigError
 class BatchingConfig(ConfigModel):
     """Dynamic batching inside one replica group: Triton's dynamic batcher, Ray Serve's @serve.batch."""
 
-    max_batch_size: int = Field(
-        1, ge=1, le=1 << 20, description="Most samples (Entry.request_size of each request) one step runs; "
-        "1 turns batching off. A single request larger than this runs as a batch of its own.")
+    max_batch_size: int | None = Field(
+        None, ge=1, le=1 << 20, description="Most samples (Entry.request_size of each request) one step runs; "
+        "1 turns batching off; unset: the plugin's default (64 for reference_dit, minilm and reference_policy, "
+        "else 1). A single request larger than this runs as a batch of its own.")
     max_batch_delay_ms: float = Field(
         0.0, ge=0, le=60_000, description="0: dispatch whatever waits as soon as the ranks have room (a batch "
         "forms from the requests that queued while the previous step ran). > 0: when fewer than max_batch_size "
@@ -56,16 +62,24 @@ class BatchingConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_sizes(self) -> "BatchingConfig":
-        bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= self.max_batch_size]
+        limit = self.max_batch_size if self.max_batch_size is not None else 1 << 20
+        bad = [s for s in self.preferred_batch_sizes if not 1 <= s <= limit]
         if bad or len(set(self.preferred_batch_sizes)) != len(self.preferred_batch_sizes):
             raise DeploymentConfigError(
                 f"preferred_batch_sizes={self.preferred_batch_sizes} must be distinct sizes in [1, max_batch_size="
                 f"{self.max_batch_size}], e.g. (8, 16) with max_batch_size=16")
         return self
 
+    def resolve(self, plugin_default: int) -> "BatchingConfig":
+        """This config with `max_batch_size` set: as given, else the plugin's default (checked again)."""
+        if self.max_batch_size is not None:
+            return self
+        return BatchingConfig(**{**self.model_dump(), "max_batch_size": plugin_default})
+
     @property
     def enabled(self) -> bool:
-        return self.max_batch_size > 1
+        """Batching is on (after `resolve`; unresolved, only an explicit size above 1 counts)."""
+        return (self.max_batch_size or 1) > 1
 
     @property
     def max_delay_s(self) -> float:

@@ -31,6 +31,10 @@ class Entry:
     name: ClassVar[str] = ""
     parallel_domains: ClassVar[frozenset[str]] = frozenset()
     request_model: ClassVar[Any] = None  # optional pydantic model describing one request (HTTP body)
+    # BatchingConfig.max_batch_size when the deployment leaves it unset (None): a plugin whose per-rank
+    # model has `step_batch` and batches well says so here (reference_dit, minilm, reference_policy: 64);
+    # 1 keeps every request a step of its own. Delay 0: nothing waits when the replica is idle.
+    default_max_batch_size: ClassVar[int] = 1
 
     def configure(self, plugin_args: dict[str, Any]) -> None:
         """Learn the engine's plugin_args before any check runs (e.g. the model shape); optional."""

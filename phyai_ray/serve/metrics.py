@@ -23,6 +23,8 @@ group's Serve replica id):
                                                    Triton's exec_count / inference_count per step)
     phyai_replica_queue_wait_seconds{engine_replica}  histogram (time each request waited in the
                                                    group's engine queue before its step was dispatched)
+    phyai_replica_max_batch_size{engine_replica}   gauge (the batching in effect: samples one step may
+                                                   run; 1: off; the plugin's default unless set)
 
 The two batching histograms are the answering group's (like the latency histogram), read from its
 engine's scheduler at scrape time; they are filled with batching off too (every step then has 1).
@@ -89,6 +91,8 @@ class _BatchCollector:
                     "queue_wait_seconds": HistogramMetricFamily(
                         "phyai_replica_queue_wait_seconds", "time a request waited in the engine queue before "
                         "its step was dispatched", labels=["engine_replica"])}
+        limit = GaugeMetricFamily("phyai_replica_max_batch_size", "samples one step of the replica group may run "
+                                  "(the batching in effect; 1: off)", labels=["engine_replica"])
         try:
             stats = self.stats()
         except Exception as exc:  # the engine is being replaced: no sample this scrape
@@ -100,7 +104,8 @@ class _BatchCollector:
                 snap = replica[name]
                 buckets = [(_le(bound), float(count)) for bound, count in snap["buckets"]]
                 family.add_metric([label], buckets, snap["sum"])
-        return list(families.values())
+            limit.add_metric([label], float(replica.get("max_batch_size", 1)))
+        return [*families.values(), limit]
 
 
 def _le(bound: float) -> str:

@@ -31,6 +31,7 @@ class MiniLMEntry(Entry):
 
     name = "minilm"
     parallel_domains = frozenset({"dense", "attention"})
+    default_max_batch_size = 64  # step_batch: sentences of several requests as one forward
     request_model: ClassVar[Any] = MiniLMRequest
     inputs = (TensorSpec("sentences", "BYTES", (-1,)),)
     outputs = (TensorSpec("embeddings", "FP32", (-1, 384)),)

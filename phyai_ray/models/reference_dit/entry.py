@@ -44,6 +44,7 @@ class ReferenceDiTEntry(Entry):
 
     name = "reference_dit"
     parallel_domains = frozenset({"dense", "attention", "moe", "pipeline", "cfg"})
+    default_max_batch_size = 64  # step_batch: requests of one batch key as one forward
     request_model = ReferenceDiTRequest
     inputs = (TensorSpec("tokens", "INT64", (-1, -1)), TensorSpec("labels", "INT64", (-1,), optional=True))
     outputs = (TensorSpec("logits", "FP32", (-1, -1, -1)),)

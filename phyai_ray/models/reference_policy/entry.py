@@ -26,6 +26,7 @@ class ReferencePolicyEntry(Entry):
 
     name = "reference_policy"
     parallel_domains = frozenset({"dense"})
+    default_max_batch_size = 64  # robots on one group share steps (step_batch: one row per frame)
     inputs = (TensorSpec("state", "FP32", (-1,)),)
     outputs = (TensorSpec("actions", "FP32", (-1, -1)),)
 

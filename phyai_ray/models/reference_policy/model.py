@@ -72,12 +72,22 @@ class ReferencePolicy:
         self.blocks = [DenseMLP(None, {k: w[f"{b}.{k}"] for k in ("w1", "b1", "w2", "b2")}, ctx, to)
                        for b in range(cfg.blocks)]
 
+    @torch.inference_mode()
     def step(self, request: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         """{"actions": [horizon, action_dim] float32} on the output rank, None elsewhere."""
-        state = torch.as_tensor(request["state"], dtype=torch.float32).to(self.embed.device).reshape(-1)
-        state = state + math.sin(int(request.get("step", 0)) / 10) * self.offset
-        x = (state @ self.embed.T).reshape(1, 1, -1)
+        out = self.step_batch([request])
+        return None if out is None else out[0]
+
+    @torch.inference_mode()
+    def step_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]] | None:
+        """Several robots' frames as ONE forward (a row each); one {"actions": ...} per frame, in order."""
+        device = self.embed.device
+        states = torch.stack([torch.as_tensor(r["state"], dtype=torch.float32).reshape(-1) for r in requests])
+        shift = torch.tensor([math.sin(int(r.get("step", 0)) / 10) for r in requests], dtype=torch.float32)
+        states = states.to(device) + shift.to(device)[:, None] * self.offset
+        x = (states @ self.embed.T).unsqueeze(1)  # [frames, 1, dim]
         for block in self.blocks:
             x = block(x)
-        actions = torch.tanh(norm(x).reshape(-1) @ self.head.T).reshape(self.cfg.horizon, self.cfg.action_dim)
-        return {"actions": actions.cpu()} if self.ctx.is_output_rank else None
+        actions = torch.tanh(norm(x).reshape(len(requests), -1) @ self.head.T)
+        actions = actions.reshape(len(requests), self.cfg.horizon, self.cfg.action_dim).cpu()
+        return [{"actions": a} for a in actions.unbind(0)] if self.ctx.is_output_rank else None
