@@ -49,6 +49,7 @@ class RankActor:
         self._stream_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-rank-stream",
                                                initializer=self._bind_device)
         self._streams: dict[int, ChunkSink] = {}  # seq -> chunks of a streamed request (output rank)
+        self._latest_stream = -1  # the last stream that started here (streams start in seq order)
         self._next_seq = 0
         self._turn: asyncio.Condition | None = None
         self._runner: Any = None
@@ -154,8 +155,14 @@ class RankActor:
     @ray.method(concurrency_group=CONTROL)
     async def cancel_stream(self, seq: int) -> None:
         """The consumer stopped: the next emit returns False on every rank (also before it started);
-        the buffer is forgotten once the stream has ended (nobody reads it any more)."""
-        self._streams.setdefault(seq, ChunkSink()).cancel(then=lambda: self._streams.pop(seq, None))
+        the buffer is forgotten once the stream has ended (nobody reads it any more). A cancel that
+        arrives after the stream ended and was read changes nothing (no buffer is made again)."""
+        sink = self._streams.get(seq)
+        if sink is None:
+            if seq <= self._latest_stream:  # it started here, and its buffer is already gone
+                return
+            sink = self._streams.setdefault(seq, ChunkSink())
+        sink.cancel(then=lambda: self._streams.pop(seq, None))
 
     async def setup(self, spec: RankSpec) -> tuple[int, bool, bool]:
         """Join the replica's process groups and build the plugin model (on the execution thread);
@@ -229,6 +236,7 @@ class RankActor:
             sink = None
             if self._runner.ctx.is_output_rank:
                 sink = self._streams.setdefault(seq, ChunkSink(max_buffered))
+            self._latest_stream = max(self._latest_stream, seq)  # after the sink: see cancel_stream
             return self._runner.stream(request, sink), OK
         method, args, kwargs = payload
         if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):

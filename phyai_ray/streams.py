@@ -26,8 +26,12 @@ DEFAULT_MAX_BUFFERED = 64
 class ChunkSink:
     """A bounded, cancellable queue of chunks between a producing rank and one consumer."""
 
-    def __init__(self, max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
-        self.max_buffered = max_buffered
+    def __init__(self, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                 merge: Callable[[Any, Any], Any] | None = None) -> None:
+        """`merge(last, chunk)`: a producer that must never wait (the iteration loop runs every sequence)
+        folds a chunk into the last one once `max_buffered` wait, instead of blocking: a slow reader
+        gets fewer, larger chunks, and the buffer stays `max_buffered` chunks long."""
+        self.max_buffered, self._merge = max_buffered, merge
         self._chunks: deque = deque()
         self._cond = threading.Condition()
         self.cancelled = self.closed = False
@@ -37,11 +41,14 @@ class ChunkSink:
     def put(self, chunk: Any) -> bool:
         """Add a chunk, waiting while the buffer is full; False once the consumer cancelled."""
         with self._cond:
-            while len(self._chunks) >= self.max_buffered and not self.cancelled:
+            while len(self._chunks) >= self.max_buffered and not self.cancelled and self._merge is None:
                 self._cond.wait(timeout=1.0)
             if self.cancelled:
                 return False
-            self._chunks.append(chunk)
+            if self._chunks and len(self._chunks) >= self.max_buffered:
+                self._chunks[-1] = self._merge(self._chunks[-1], chunk)
+            else:
+                self._chunks.append(chunk)
             self._cond.notify_all()
             poke = self.on_change
         if poke is not None:

@@ -267,3 +267,48 @@ def test_a_rank_killed_mid_iteration_fails_every_sequence_soon_and_nothing_hangs
     finally:
         engine.close()
     assert ray_probe.replica_status()[0].healthy  # the other group never noticed
+
+
+def test_a_slow_gather_holds_no_lock_that_status_or_submit_need(inline_probe):
+    """Entry.gather is plugin code: while it runs, replica_status, batch_stats and submit answer at once."""
+    from tests.plugins.iterating import GATHERING
+
+    GATHERING.clear()
+    slow = inline_probe.submit({"prompts": [[1, 2]], "max_tokens": 2, "gather_s": 1.5})
+    assert GATHERING.wait(10)
+    started = time.monotonic()
+    inline_probe.replica_status()
+    inline_probe.batch_stats()
+    other = inline_probe.submit({"prompts": [[3]], "max_tokens": 2})
+    assert time.monotonic() - started < 0.5, "the loop's lock was held while the plugin gathered"
+    assert slow.result(timeout=30)[0].token_ids == expected_tokens([1, 2], 2)
+    assert other.result(timeout=30)[0].token_ids == expected_tokens([3], 2)
+
+
+def test_requests_that_leave_while_the_replica_is_held_leave_nothing_queued(inline_probe):
+    """Paused: nothing plans, so requests cancelled meanwhile must not pile up in the waiting line."""
+    loop = inline_probe._executors[0].iterations
+    inline_probe.pause(mode="keep")
+    try:
+        kept = inline_probe.submit({"prompts": [[7]], "max_tokens": 2})
+        for _ in range(5000):
+            assert inline_probe.submit({"prompts": [[1], [2]], "max_tokens": 2}).cancel()
+        assert len(loop._waiting) <= 2 * 1 + 64 + 2, len(loop._waiting)
+        assert inline_probe.replica_status()[0].queued == 1
+    finally:
+        inline_probe.resume()
+    assert kept.result(timeout=30)[0].token_ids == expected_tokens([7], 2)
+
+
+def test_an_unread_stream_never_holds_up_the_loop_and_stays_max_buffered_chunks_long(inline_probe):
+    """Nobody reads until the request is done: its chunks fold into max_buffered ones, tokens in order."""
+    future, reader = inline_probe.open_stream({"prompts": [[1, 2], [3]], "max_tokens": 20}, max_buffered=3)
+    outputs = future.result(timeout=30)  # finished without a reader
+    chunks, done = reader.read(1.0)
+    assert done and len(chunks) <= 3, len(chunks)
+
+    def tokens(b: int) -> list[int]:
+        got = [c["token_ids"][b] for c in chunks if c["token_ids"][b] is not None]
+        return [t for g in got for t in (g if isinstance(g, list) else [g])]
+    assert [tokens(0), tokens(1)] == [o.token_ids for o in outputs] == [expected_tokens([1, 2], 20),
+                                                                       expected_tokens([3], 20)]

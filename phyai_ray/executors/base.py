@@ -130,7 +130,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         """Queue a streamed request; returns its future (the final result) and a chunk reader."""
         self._check_healthy()
         if self.iterations is not None:
-            return self.iterations.submit_stream(request)
+            return self.iterations.submit_stream(request, max_buffered)
         return self._submit_stream(request, max_buffered)
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
@@ -251,23 +251,3 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
                                        replica=self.index, rank=cause.rank, node=cause.node, detail=cause.detail)
         error.__cause__ = cause
         return error
-
-
-def fail_future(future: Future, error: BaseException) -> None:
-    """Set `error` on `future` unless it already finished (safe against races with the worker)."""
-    if future.done():
-        return
-    try:
-        future.set_exception(error)
-    except Exception:  # InvalidStateError: finished concurrently
-        pass
-
-
-def resolve_future(future: Future, value: Any) -> None:
-    """Set `value` on `future` unless it already finished."""
-    if future.done():
-        return
-    try:
-        future.set_result(value)
-    except Exception:
-        pass

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestAbortedError, RequestTimeoutError
 from phyai_ray.executors.delivery import EngineFuture
 from phyai_ray.executors.scheduler import Counts, settle
-from phyai_ray.executors.sequences import LoopRequest, LoopSequence, stream_chunk
+from phyai_ray.executors.sequences import LoopRequest, LoopSequence, merge_chunks, stream_chunk
 from phyai_ray.outputs import version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 _TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
 _REPLY_GRACE_S = 30.0  # past the step limit the scheduler's hang clock fails the replica first
 _IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
+_COMPACT_SLACK = 64  # left sequences `_waiting` may hold beyond twice the waiting ones
+GATHER = object()  # a settled request whose result is still to be gathered (outside the lock)
 
 
 class IterationLoop:
@@ -109,12 +111,13 @@ class IterationLoop:
             self._wake()
         return future
 
-    def submit_stream(self, request: Any) -> tuple[EngineFuture, LocalReader]:
+    def submit_stream(self, request: Any, max_buffered: int) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
-        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. A request's chunks
-        are bounded by its max_tokens, so they never wait for the reader: a slow reader holds up
-        no other sequence."""
-        sink = ChunkSink(max_buffered=1 << 30)
+        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. The loop never
+        waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
+        (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
+        sequence and the buffer stays `max_buffered` chunks long."""
+        sink = ChunkSink(max_buffered=max_buffered, merge=merge_chunks)
         future = self.submit(request, sink)
         return future, LocalReader(sink, future)
 
@@ -156,8 +159,10 @@ class IterationLoop:
                 del self._running[seq.ident]
                 self._to_drop.append(seq.ident)
             elif seq.state == "waiting":
-                self._n_waiting -= 1  # it stays in `_waiting` until the planner passes it
+                self._n_waiting -= 1  # it stays in `_waiting` until the planner passes it...
             seq.state = "done"
+        if len(self._waiting) > 2 * self._n_waiting + _COMPACT_SLACK:  # ...or until the left ones outnumber
+            self._waiting = deque(s for s in self._waiting if s.state == "waiting")  # it (held: no planner)
 
     def _wake(self) -> None:
         """Lock held: make the loop's thread look again (start it if it ended)."""
@@ -282,9 +287,10 @@ class IterationLoop:
                     ended.append(seq.request)
         for req, changed in touched.values():
             stream_chunk(req, changed)
-        return [(req, self._result(req), None) for req in ended]
+        return [(req, GATHER, None) for req in ended]
 
     def _result(self, req: LoopRequest) -> Any:
+        """The request's result (Entry.gather: plugin code, so never called with the lock held)."""
         return self._entry.gather(req.payload, [s.output() for s in req.seqs])
 
     def _record(self, size: int, waits: list[float]) -> None:
@@ -316,8 +322,14 @@ class IterationLoop:
         return next((r.deadline for r in self._requests), float("inf"))
 
     def _settle(self, items: list) -> None:
-        """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread)."""
+        """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread);
+        a GATHER value is the request's result, gathered here."""
         for req, value, error in items:
+            if value is GATHER:
+                try:
+                    value = self._result(req)
+                except Exception as exc:  # the plugin's gather failed: this request fails with it
+                    value, error = None, exc
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
                 req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
                                                 default=None, key=version_order)
@@ -373,7 +385,7 @@ class IterationLoop:
         for req in list(self._requests):
             self._forget(req)
             if req.admitted:
-                settle.append((req, self._result(req), None))
+                settle.append((req, GATHER, None))
             else:
                 settle.append((req, None, RequestAbortedError(
                     f"replica {self.index} was paused with mode='abort'; the request was dropped before any of its "

@@ -403,7 +403,8 @@ class ReplicaScheduler:
                 if delay > 0:
                     self._wakes_by = now + min(delay, _CLOCK_TICK_S)
                     self._cond.wait(timeout=min(delay, _CLOCK_TICK_S))
-                    self._wakes_by = float("-inf")  # awake: every _arm notifies until it waits again
+                    self._wakes_by = float("-inf")  # awake: it re-reads every deadline before it waits
+                    # again, so until then an _arm needs no notify (`when >= -inf`: it returns at once)
                     continue
                 if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
                     self._flush_at = float("inf")

@@ -54,6 +54,21 @@ class LoopSequence:
                            weight_versions=self.versions, top_logprobs=self.tops)
 
 
+def merge_chunks(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive chunks of one request's stream as one (each sequence's tokens, in order)."""
+    def joined(a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return b if a is None else a
+        return (a if isinstance(a, list) else [a]) + (b if isinstance(b, list) else [b])
+    out = {"index": first["index"], "token_ids": [joined(a, b) for a, b in zip(first["token_ids"], then["token_ids"])],
+           "log_probs": [joined(a, b) for a, b in zip(first["log_probs"], then["log_probs"])]}
+    if "top_logprobs" in first or "top_logprobs" in then:
+        n = len(first["token_ids"])
+        out["top_logprobs"] = [joined(a, b) for a, b in zip(first.get("top_logprobs") or [None] * n,
+                                                             then.get("top_logprobs") or [None] * n)]
+    return out
+
+
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
     """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
     ids: list[Any] = [None] * len(req.seqs)

@@ -12,6 +12,7 @@ iteration a sequence runs in; "raise_at": i makes the iteration giving its token
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from typing import Any
@@ -94,5 +95,15 @@ class IterProbeEntry(Entry):
         return [Sequence({"prompt": list(p), "max_tokens": int(request.get("max_tokens", 4)), **extra}, len(p))
                 for p in request["prompts"]]
 
+    def gather(self, request: dict[str, Any], outputs: list[Any]) -> Any:
+        """As the default; with "gather_s", it sets GATHERING and takes that long (plugin code the loop runs)."""
+        if request.get("gather_s"):
+            GATHERING.set()
+            time.sleep(request["gather_s"])
+        return outputs
+
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> IterProbe:
         return IterProbe(plugin_args, ctx)
+
+
+GATHERING = threading.Event()  # set by a gather that takes its time (test_iterations)
