@@ -30,6 +30,7 @@ import ray
 from actors import ipc, peer
 from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
+from phyai_ray.work import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -223,25 +224,22 @@ class RankActor:
     def _run(self, seq: int, kind: str, payload: Any) -> tuple[Any, str]:
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
-        if kind == "step":
-            return self._runner.step(payload), OK
-        if kind == "batch":  # one step of several requests; exception items travel as values
+        if kind == Kind.BATCH:  # one step of several requests; exception items travel as values
             requests = [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in payload]
-            out = self._runner.step_batch(requests)
+            out = self._runner.execute(Kind.BATCH, requests)
             return (None if out is None else [_portable(v) if isinstance(v, BaseException) else v for v in out]), OK
-        if kind == "iterate":  # one iteration of the continuous-batching loop (IterationPlan)
-            return self._runner.iterate(payload), OK
-        if kind == "stream":
+        if kind == Kind.STREAM:
             request, max_buffered = payload
             sink = None
             if self._runner.ctx.is_output_rank:
                 sink = self._streams.setdefault(seq, ChunkSink(max_buffered))
             self._latest_stream = max(self._latest_stream, seq)  # after the sink: see cancel_stream
-            return self._runner.stream(request, sink), OK
-        method, args, kwargs = payload
-        if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
-            return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", MISSING
-        return self._runner.call(method, args, kwargs), OK
+            return self._runner.execute(Kind.STREAM, request, sink), OK
+        if kind == Kind.CALL:
+            method = payload[0]
+            if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
+                return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", MISSING
+        return self._runner.execute(kind, payload), OK
 
 
 def _setup_rank(actor: RankActor, spec: RankSpec) -> tuple[int, bool, bool]:

@@ -47,6 +47,7 @@ from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError, StartupError
 from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
+from phyai_ray.work import Kind
 from placement.bundles import ReplicaPlan
 from placement.spread import physical_device
 from placement.topology import Topology
@@ -207,7 +208,7 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _lane_payload(self, work: Work) -> Any:
         """A batch's payloads as one message: joined encodings on the socket lane, a list elsewhere."""
-        if work.kind == "batch" and isinstance(self._lane, IpcLane):
+        if work.kind == Kind.BATCH and isinstance(self._lane, IpcLane):
             return self._lane.join(work.payload)
         return work.payload
 
@@ -217,7 +218,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         self._seq += 1
         work.state = sent
         if self._lane is not None:
-            reply_ranks = frozenset(range(self.world_size)) if work.kind == "call" and work.all_ranks else \
+            reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
                 frozenset((self._output_rank,))
             window = min(self._lane.in_flight + 1, self._lane.capacity)
             self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
@@ -225,7 +226,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         replies = []
         try:
             for rank, actor in enumerate(self._actors):
-                wants = rank == self._output_rank or (work.kind == "call" and work.all_ranks)
+                wants = rank == self._output_rank or (work.kind == Kind.CALL and work.all_ranks)
                 replies.append(actor.execute.remote(sent.seq, work.kind, work.payload, wants))
         except BaseException as exc:  # some ranks have it, others not: the order is broken for good
             self._fail(self._send_error(len(replies), exc))
@@ -234,7 +235,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             reply.future().add_done_callback(partial(self._post_reply, work, rank))
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
-        future = self.scheduler.submit("stream", self._prepare((request, max_buffered)), self._step_limit_s)
+        future = self.scheduler.submit(Kind.STREAM, self._prepare((request, max_buffered)), self._step_limit_s)
         return future, RemoteReader(self, future.work)
 
     def _post_reply(self, work: Work, rank: int, reply: Future) -> None:
@@ -326,10 +327,10 @@ class RayReplicaExecutor(ReplicaExecutor):
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind in ("step", "stream", "batch", "iterate") and rank == self._output_rank:
+        if work.kind != Kind.CALL and rank == self._output_rank:
             self.scheduler.deliver(work, envelope.value)
         if not sent.pending:
-            if work.kind == "call":
+            if work.kind == Kind.CALL:
                 self._deliver_rpc(work, sent)
             self.scheduler.finished(work)
 

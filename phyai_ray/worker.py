@@ -14,6 +14,7 @@ from typing import Any
 from phyai_ray.groups import GroupSet
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
+from phyai_ray.work import Kind
 from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,22 @@ class RankRunner:
             raise TypeError(f"plugin {entry.display_name()}: create() returned {type(self.model).__name__}, "
                             "which has no step(request) method")
 
+    def execute(self, kind: Any, payload: Any, sink: Any = None) -> Any:
+        """Run one unit of work of `kind` (phyai_ray.work.Kind): the one entry every executor's ranks
+        call; the output rank returns the result, the others None. `sink` is a STREAM's chunk sink."""
+        if kind == Kind.STEP:
+            return self.step(payload)
+        if kind == Kind.BATCH:
+            return self.step_batch(payload)
+        if kind == Kind.ITERATE:
+            return self.iterate(payload)
+        if kind == Kind.STREAM:
+            return self.stream(payload, sink)
+        if kind == Kind.CALL:
+            method, args, kwargs = payload
+            return self.call(method, args, kwargs)
+        raise ValueError(f"unknown work kind {kind!r}; one of {[k.value for k in Kind]}")
+
     def step(self, request: Any) -> Any:
         """Run one request; the output rank returns the result, the others None."""
         self._check_awake("a request")
@@ -84,8 +101,9 @@ class RankRunner:
     def step_batch(self, requests: list) -> list | None:
         """Run several requests as one step; the output rank returns one result (or exception) per request.
 
-        A list of the wrong length becomes one TypeError per request: every rank ran the step, so
-        the replica stays consistent and only these requests fail."""
+        The one check of what a plugin's step_batch returned: a list of the wrong length becomes
+        one TypeError per request (every rank ran the step, so the replica stays consistent and only
+        these requests fail); executors hand the list out member by member as it is."""
         self._check_awake("a batch")
         with self.ctx.groups.activate():
             out = self.model.step_batch(list(requests))

@@ -156,7 +156,7 @@ def test_queued_requests_form_batches_while_one_runs_and_accounting_stays_exact(
     assert (counts.queued, counts.dispatched, counts.served, counts.errored) == (0, 0, 7, 0)
 
 
-def test_an_exception_item_fails_only_its_request_and_a_short_list_fails_the_batch():
+def test_an_exception_item_fails_only_its_request():
     sched, rec = batching_scheduler(max_size=4)
     first = sched.submit("step", "x", 30.0)
     futures = [sched.submit("step", i, 30.0) for i in range(3)]
@@ -165,15 +165,21 @@ def test_an_exception_item_fails_only_its_request_and_a_short_list_fails_the_bat
     assert first.result(timeout=1) == "x" and futures[0].result(timeout=1) == 0 and futures[2].result(timeout=1) == 2
     with pytest.raises(ValueError, match="bad item"):
         futures[1].result(timeout=1)
-    blocker = sched.submit("step", "blocker", 30.0)
-    more = [sched.submit("step", i, 30.0) for i in range(2)]
-    rec.finish()
-    rec.finish([1])  # the plugin returned one result for two requests
-    for f in more:
-        with pytest.raises(TypeError, match="one result"):
-            f.result(timeout=1)
-    assert blocker.result(timeout=1) == "blocker"
-    assert (sched.counts().served, sched.counts().errored) == (4, 3)
+    assert (sched.counts().served, sched.counts().errored) == (3, 1)
+
+
+def test_a_short_step_batch_list_fails_each_request_of_the_batch_once_on_the_rank():
+    """The one check of what step_batch returned is the rank's (RankRunner.execute, every executor's path)."""
+    from phyai_ray.config.engine import DeviceConfig
+    from phyai_ray.config.parallel import ParallelConfig
+    from phyai_ray.executors.inline import build_inline_runner
+    from phyai_ray.work import Kind
+    from tests.plugins.batching import BatchProbeEntry
+
+    runner = build_inline_runner(BatchProbeEntry(), {}, ParallelConfig(), DeviceConfig(target="cpu"))
+    runner.model.step_batch = lambda requests: [1]  # one result for two requests
+    out = runner.execute(Kind.BATCH, [{"x": 1}, {"x": 2}])
+    assert len(out) == 2 and all(isinstance(e, TypeError) and "one result" in str(e) for e in out)
 
 
 def test_cancelled_and_expired_requests_never_reach_the_launcher():

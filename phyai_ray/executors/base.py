@@ -15,6 +15,7 @@ from phyai_ray.executors.control import ReplicaControl, ReplicaState
 from phyai_ray.executors.delivery import CallbackThread
 from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
+from phyai_ray.work import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         if self.iterations is not None:
             return self.iterations.submit(request)
         payload = self._prepare(request)
-        return self.scheduler.submit("step", payload, self._step_limit_s, key=key, size=size,
+        return self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, key=key, size=size,
                                      weight=self._weight(payload))
 
     def enable_iterations(self, entry: Any, batching: Any, iterative: bool) -> None:
@@ -100,7 +101,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
     def run_iteration(self, plan: Any) -> Future:
         """Send one iteration's plan to every rank, after what is already dispatched; the future holds
         the output rank's deltas. Only the iteration loop calls it, never while the replica is held."""
-        return self.scheduler.submit("iterate", self._prepare(plan), self._step_limit_s, control=True)
+        return self.scheduler.submit(Kind.ITERATE, self._prepare(plan), self._step_limit_s, control=True)
 
     def enable_batching(self, batching: Any, batchable: bool) -> None:
         """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
@@ -143,7 +144,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self._check_healthy()
         payload = self._prepare((method, tuple(args), dict(kwargs)))
         with self.rpc_admission(timeout_s):
-            return self.scheduler.submit("call", payload, timeout_s, all_ranks=all_ranks, control=True)
+            return self.scheduler.submit(Kind.CALL, payload, timeout_s, all_ranks=all_ranks, control=True)
 
     def counts(self) -> Counts:
         if self.iterations is None:
@@ -190,7 +191,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()
 
     def _on_hung(self, work: Work, running_s: float) -> None:
-        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == "call"
+        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == Kind.CALL
                  else f"execution_timeout_s={work.limit_s}")
         rank, node, waiting = self._hang_detail(work)
         self._fail(EngineUnavailableError(

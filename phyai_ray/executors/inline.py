@@ -20,6 +20,7 @@ from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
+from phyai_ray.work import Kind
 from phyai_ray.worker import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class InlineExecutor(ReplicaExecutor):
         if not caller_runs or self.iterations is not None:
             return super().submit(request, key=key, size=size)
         self._check_healthy()
-        future = self.scheduler.submit("step", request, self._step_limit_s, here=True, key=key, size=size)
+        future = self.scheduler.submit(Kind.STEP, request, self._step_limit_s, here=True, key=key, size=size)
         work = future.work
         if work.here:
             if self._device_guard is None:
@@ -79,7 +80,7 @@ class InlineExecutor(ReplicaExecutor):
     def run_iteration(self, plan: Any) -> Future:
         """On the loop's own thread when nothing else is at the rank (no hand-off per iteration), else
         right after what is. Never held by the scheduler: the loop itself stops at pause and sleep."""
-        future = self.scheduler.submit("iterate", plan, self._step_limit_s, control=True, here=True)
+        future = self.scheduler.submit(Kind.ITERATE, plan, self._step_limit_s, control=True, here=True)
         if future.work.here:
             self._guarded(self._run, future.work)
         return future
@@ -111,23 +112,17 @@ class InlineExecutor(ReplicaExecutor):
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         sink = ChunkSink(max_buffered)
-        future = self.scheduler.submit("stream", (request, sink), self._step_limit_s)
+        future = self.scheduler.submit(Kind.STREAM, (request, sink), self._step_limit_s)
         return future, LocalReader(sink, future)
 
     def _execute(self, work: Work) -> Any:
-        if work.kind == "step":
-            if self.batching:  # the same code path as a batch: an exception item fails the request
-                return _only(self._runner.step_batch([work.payload]))
-            return self._runner.step(work.payload)
-        if work.kind == "batch":
-            return self._runner.step_batch(work.payload)
-        if work.kind == "stream":
-            return self._runner.stream(*work.payload)
-        if work.kind == "iterate":
-            return self._runner.iterate(work.payload)
-        method, args, kwargs = work.payload
-        value = self._runner.call(method, args, kwargs)
-        return [value] if work.all_ranks else value
+        if work.kind == Kind.STEP and self.batching:  # a batch of one: an exception item fails the request
+            return _only(self._runner.execute(Kind.BATCH, [work.payload]))
+        if work.kind == Kind.STREAM:
+            request, sink = work.payload
+            return self._runner.execute(Kind.STREAM, request, sink)
+        value = self._runner.execute(work.kind, work.payload)
+        return [value] if work.kind == Kind.CALL and work.all_ranks else value
 
     def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
         """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""
@@ -152,11 +147,8 @@ class InlineExecutor(ReplicaExecutor):
 
 
 def _only(results: list) -> Any:
-    """The one result of a batch of one; an exception item is raised (it fails only this request)."""
-    if not isinstance(results, list) or len(results) != 1:
-        raise TypeError(f"step_batch of 1 request returned {type(results).__name__} of "
-                        f"{len(results) if isinstance(results, list) else '?'} item(s); it must return a list with one "
-                        "result per request")
+    """The one result of a batch of one (RankRunner.step_batch checked the list); an exception item is
+    raised (it fails only this request)."""
     if isinstance(results[0], BaseException):
         raise results[0]
     return results[0]

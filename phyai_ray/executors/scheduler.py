@@ -42,11 +42,11 @@ from typing import Any, Callable
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.delivery import CallbackThread, EngineFuture
+from phyai_ray.work import REQUEST_KINDS, Kind
 
 logger = logging.getLogger(__name__)
 
 _ids = itertools.count()
-REQUEST_KINDS = ("step", "stream")  # counted as requests; "call" (collective_rpc) is not
 _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
 
 
@@ -79,7 +79,7 @@ class Work:
     def batch(cls, members: list["Work"]) -> "Work":
         """One step of several requests; its deadline is its earliest member's."""
         first = min(members, key=lambda m: m.deadline)
-        work = cls("batch", [m.payload for m in members], first.limit_s, None)
+        work = cls(Kind.BATCH, [m.payload for m in members], first.limit_s, None)
         work.submitted, work.members = first.submitted, members
         work.size = sum(m.size for m in members)
         return work
@@ -91,13 +91,13 @@ class Work:
     @property
     def unfinished(self) -> bool:
         """Some future of this work (its own, or a member's) has no outcome yet."""
-        if self.kind == "batch":
+        if self.kind == Kind.BATCH:
             return any(not m.future.done() for m in self.members)
         return not self.future.done()
 
     def requests(self) -> list["Work"]:
         """The requests this work carries: its members, itself, or none (a control call)."""
-        if self.kind == "batch":
+        if self.kind == Kind.BATCH:
             return self.members
         return [self] if self.kind in REQUEST_KINDS else []
 
@@ -249,7 +249,7 @@ class ReplicaScheduler:
 
     def _dispatch(self, work: Work) -> None:
         now = work.dispatched = time.monotonic()
-        if work.kind == "batch":
+        if work.kind == Kind.BATCH:
             for member in work.members:
                 member.future.weight_version, member.dispatched = self.weight_version, now
             self.stats.record(work.size, [now - m.submitted for m in work.members])
@@ -270,7 +270,7 @@ class ReplicaScheduler:
 
         A batch: `error` fails every member; else `value` is the output rank's list, one result per
         member in order, where an exception instance fails only its member."""
-        if work.kind == "batch":
+        if work.kind == Kind.BATCH:
             self._deliver_batch(work, value, error)
             return
         if settle(work.future, value, error) and work.kind in REQUEST_KINDS:
@@ -281,11 +281,8 @@ class ReplicaScheduler:
                     self._errored += 1
 
     def _deliver_batch(self, work: Work, values: Any, error: BaseException | None) -> None:
+        """`values`: the output rank's list, one per member (RankRunner.step_batch made sure of it)."""
         members = work.members
-        if error is None and (not isinstance(values, list) or len(values) != len(members)):
-            got = f"a list of {len(values)}" if isinstance(values, list) else type(values).__name__
-            error = TypeError(f"replica {self.index}: step_batch of {len(members)} request(s) returned {got}; it must "
-                              "return a list with one result (or exception) per request, in order")
         for i, member in enumerate(members):
             if error is not None:
                 self.deliver(member, error=error)
@@ -431,12 +428,12 @@ class ReplicaScheduler:
         expired = [w for w in self._queued if w.deadline <= now]
         if expired:
             self._queued = deque(w for w in self._queued if w.deadline > now)
-        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
+        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
                     if r.deadline <= now and not r.future.done()]
         return expired, None
 
     def _next_deadline(self) -> float:
-        times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == "batch" else [w])
+        times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
                  if not r.future.done()]
         times.append(self._flush_at)
         times += [w.deadline for w in self._queued]
@@ -448,7 +445,7 @@ class ReplicaScheduler:
         waited = now - work.submitted
         where = ("it was still queued and never reached a rank" if work.dispatched is None else
                  "it had been dispatched to the ranks, which finish it but its result is dropped")
-        what = "collective_rpc timeout" if work.kind == "call" else "execution_timeout_s"
+        what = "collective_rpc timeout" if work.kind == Kind.CALL else "execution_timeout_s"
         return RequestTimeoutError(
             f"replica {self.index}: no result {waited:.2f}s after submission ({what}={work.limit_s}); {where}. "
             "The replica keeps serving; add replicas or lower the load if this repeats",
