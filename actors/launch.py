@@ -74,3 +74,10 @@ def start_replica(index: int, mode: str, entry: Any, args: Any, deployment: Any)
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s
     return RayReplicaExecutor(plans[index], entry=entry, args=args, deployment=deployment, device_type=device_type,
                               target_node=targets[index], deadline=deadline)
+
+
+def register() -> None:
+    """The `phyai_ray.backends` entry point: Ray replica groups serve the modes local and cluster."""
+    from phyai_ray.executors.backends import Backend, register_backend
+
+    register_backend(("local", "cluster"), Backend(start=start_replicas, restart=start_replica))

@@ -1,8 +1,9 @@
-"""Imports run one way: `phyai_ray` -> `actors` -> `placement`, through one door.
+"""Imports run one way: `actors` -> `phyai_ray` -> `placement`.
 
 * `placement` is pure: it imports neither `phyai_ray`, `actors` nor Ray (not even lazily).
-* `phyai_ray` reaches `actors` in exactly one module, `phyai_ray/executors/__init__.py` (the
-  executor factory), so Ray is imported only when a Ray-backed engine is built.
+* `phyai_ray` never imports `actors`: the Ray backend registers itself through the
+  `phyai_ray.backends` entry point (phyai_ray/executors/backends.py), loaded only when a Ray mode is
+  asked for, so Ray is imported only when a Ray-backed engine is built.
 
 Read from the source with `ast`, so a lazy import inside a function counts too.
 
@@ -38,9 +39,12 @@ def test_placement_imports_nothing_of_ours_and_no_ray():
     assert not {k: v for k, v in offenders.items() if v}
 
 
-def test_phyai_ray_reaches_actors_through_one_module():
+def test_phyai_ray_never_imports_actors_and_the_ray_backend_registers_itself():
     users = [str(p.relative_to(ROOT)) for p in _modules("phyai_ray") if "actors" in _imports(p)]
-    assert users == ["phyai_ray/executors/__init__.py"]
+    assert users == []
+    from phyai_ray.executors.backends import backend
+
+    assert backend("local").start.__module__ == "actors.launch" and backend("cluster") == backend("local")
 
 
 def test_the_check_sees_lazy_imports(tmp_path):

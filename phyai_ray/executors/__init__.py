@@ -1,9 +1,11 @@
-"""Replica executors and the factory that picks them by mode (Ray is imported only when chosen)."""
+"""Replica executors and the factory that picks them by mode (Ray is imported only when chosen:
+the Ray backend registers itself, see backends.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from phyai_ray.executors.backends import backend
 from phyai_ray.executors.base import ReplicaExecutor, ReplicaStatus
 
 
@@ -24,18 +26,15 @@ def create_executors(mode: str, entry: Any, args: Any, deployment: Any) -> list[
                                  execution_timeout_s=proc.execution_timeout_s,
                                  startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s,
                                  collective_timeout_s=proc.collective_timeout_s)]
-    if mode in ("local", "cluster"):
-        from actors.launch import start_replicas  # the one place phyai_ray reaches into `actors`
-
-        return start_replicas(mode, entry, args, deployment)
-    raise ValueError(f"unknown deployment mode {mode!r}")
+    return backend(mode).start(mode, entry, args, deployment)
 
 
 def restart_executor(index: int, mode: str, entry: Any, args: Any, deployment: Any) -> ReplicaExecutor:
-    """A fresh Ray replica group `index` on the plan it had (local/cluster modes)."""
-    from actors.launch import start_replica
-
-    return start_replica(index, mode, entry, args, deployment)
+    """A fresh replica `index` on the plan it had (the Ray modes: local, cluster)."""
+    restart = backend(mode).restart
+    if restart is None:
+        raise ValueError(f"deployment mode {mode!r} cannot restart a replica in place")
+    return restart(index, mode, entry, args, deployment)
 
 
 __all__ = ["ReplicaExecutor", "ReplicaStatus", "create_executors", "restart_executor"]
