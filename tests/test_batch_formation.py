@@ -17,7 +17,7 @@ import pytest
 
 from phyai_ray.errors import RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, Histogram, form_batch
-from phyai_ray.executors.delivery import CallbackThread
+from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.scheduler import _CLOCK_TICK_S, ReplicaScheduler
 
 

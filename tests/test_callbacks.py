@@ -12,7 +12,7 @@ from concurrent.futures import wait
 
 import pytest
 
-from phyai_ray.executors import delivery
+from phyai_ray.executors import futures as delivery
 
 def test_callback_thread_keeps_order_and_moves_on_past_a_stalled_callback():
     """Pure: the delivery thread alone, with a short stall bound."""

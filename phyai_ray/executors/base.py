@@ -12,7 +12,7 @@ from typing import Any
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.batching import BatchPolicy
 from phyai_ray.executors.control import ReplicaControl, ReplicaState
-from phyai_ray.executors.delivery import CallbackThread
+from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
 from phyai_ray.work import Kind

@@ -38,7 +38,7 @@ from collections import deque
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestAbortedError, RequestTimeoutError
-from phyai_ray.executors.delivery import EngineFuture
+from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.scheduler import Counts, settle
 from phyai_ray.executors.sequences import LoopRequest, LoopSequence, merge_chunks, stream_chunk
 from phyai_ray.outputs import version_order

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
-from phyai_ray.executors.delivery import CallbackThread, EngineFuture
+from phyai_ray.executors.futures import CallbackThread, EngineFuture
 from phyai_ray.work import REQUEST_KINDS, Kind
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from phyai_ray.executors.delivery import EngineFuture
+from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.iteration import Delta
 from phyai_ray.streams import ChunkSink

@@ -57,7 +57,7 @@ class Entry:
         return 1
 
     def sequences(self, request: Any) -> list[Any]:
-        """Plugins with the iteration protocol: the request's sequences (`plugins.iteration.Sequence`),
+        """Plugins with the iteration protocol: the request's sequences (`plugins.iteration.SequenceSpec`),
         batched per iteration with every other request's; runs in the dispatcher. Not overridden: the
         plugin runs whole requests (step / step_batch)."""
         raise NotImplementedError(f"plugin {self.display_name()} does not split requests into sequences")

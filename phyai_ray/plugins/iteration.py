@@ -3,7 +3,7 @@
 A request is split into sequences (`Entry.sequences`); the replica runs ONE loop over every
 running sequence of every request, and sequences join and leave between iterations:
 
-    Entry.sequences(request)      -> [Sequence(payload, cost), ...]      in the dispatcher
+    Entry.sequences(request)      -> [SequenceSpec(payload, cost), ...]      in the dispatcher
     per-rank model (every rank, the same plan, the same forward):
         admit(seq_id, payload)    a new sequence: its prefill runs in the next iterate()
         drop(seq_id)              forget a sequence (cancelled, past its deadline, aborted); free its slot
@@ -27,7 +27,7 @@ ITERATION_METHODS = ("admit", "drop", "recompute", "iterate")
 
 
 @dataclass(frozen=True)
-class Sequence:
+class SequenceSpec:
     """One sequence of a request: what `admit` receives, and its prefill cost in tokens."""
 
     payload: Any

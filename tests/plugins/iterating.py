@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from phyai_ray import Entry, P, register_plugin
-from phyai_ray.plugins.iteration import Delta, Sequence
+from phyai_ray.plugins.iteration import Delta, SequenceSpec
 
 
 class IterProbe(torch.nn.Module):
@@ -90,9 +90,9 @@ class IterProbeEntry(Entry):
         if not isinstance(request, dict) or not request.get("prompts"):
             raise ValueError(f"iter_probe request needs non-empty 'prompts'; got {request!r:.80}")
 
-    def sequences(self, request: dict[str, Any]) -> list[Sequence]:
+    def sequences(self, request: dict[str, Any]) -> list[SequenceSpec]:
         extra = {k: request[k] for k in ("sleep", "raise_at") if k in request}
-        return [Sequence({"prompt": list(p), "max_tokens": int(request.get("max_tokens", 4)), **extra}, len(p))
+        return [SequenceSpec({"prompt": list(p), "max_tokens": int(request.get("max_tokens", 4)), **extra}, len(p))
                 for p in request["prompts"]]
 
     def gather(self, request: dict[str, Any], outputs: list[Any]) -> Any:

@@ -20,7 +20,7 @@ from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.plugins.iteration import Sequence
+from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
 
 
@@ -86,8 +86,8 @@ class HFCausalLMEntry(Entry):
     def validate_request(self, request: Any) -> None:
         self.parse(request)
 
-    def sequences(self, request: Any) -> list[Sequence]:
-        return [Sequence(payload=p, cost=len(p["prompt"])) for p in self.parse(request).payloads()]
+    def sequences(self, request: Any) -> list[SequenceSpec]:
+        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self.parse(request).payloads()]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""

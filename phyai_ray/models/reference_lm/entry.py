@@ -16,7 +16,7 @@ from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMCon
 from phyai_ray.models.reference_lm.model import ReferenceLM
 from phyai_ray.outputs import TokenOutput
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.plugins.iteration import Sequence
+from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
 
 
@@ -43,10 +43,10 @@ class ReferenceLMEntry(Entry):
     def validate_request(self, request: Any) -> None:
         GenerateRequest.parse(request, self.config)
 
-    def sequences(self, request: Any) -> list[Sequence]:
+    def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per prompt, seeded `sequence_seed(seed, i)` as `step` seeds it; costs its prompt length."""
         payloads = GenerateRequest.parse(request, self.config).payloads()
-        return [Sequence(payload=p, cost=len(p["prompt"])) for p in payloads]
+        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in payloads]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """The request's result: one `TokenOutput` per prompt, in prompt order (as `sequences` split it)."""
