@@ -101,7 +101,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
     def run_iteration(self, plan: Any) -> Future:
         """Send one iteration's plan to every rank, after what is already dispatched; the future holds
         the output rank's deltas. Only the iteration loop calls it, never while the replica is held."""
-        return self.scheduler.submit(Kind.ITERATE, self._prepare(plan), self._step_limit_s, control=True)
+        return self.scheduler.submit(Kind.ITERATE, self._prepare(plan), self._step_limit_s, bypass_queue=True)
 
     def enable_batching(self, batching: Any, batchable: bool) -> None:
         """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
@@ -144,7 +144,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self._check_healthy()
         payload = self._prepare((method, tuple(args), dict(kwargs)))
         with self.rpc_admission(timeout_s):
-            return self.scheduler.submit(Kind.CALL, payload, timeout_s, all_ranks=all_ranks, control=True)
+            return self.scheduler.submit(Kind.CALL, payload, timeout_s, all_ranks=all_ranks, bypass_queue=True)
 
     def counts(self) -> Counts:
         if self.iterations is None:

@@ -80,7 +80,7 @@ class InlineExecutor(ReplicaExecutor):
     def run_iteration(self, plan: Any) -> Future:
         """On the loop's own thread when nothing else is at the rank (no hand-off per iteration), else
         right after what is. Never held by the scheduler: the loop itself stops at pause and sleep."""
-        future = self.scheduler.submit(Kind.ITERATE, plan, self._step_limit_s, control=True, here=True)
+        future = self.scheduler.submit(Kind.ITERATE, plan, self._step_limit_s, bypass_queue=True, here=True)
         if future.work.here:
             self._guarded(self._run, future.work)
         return future

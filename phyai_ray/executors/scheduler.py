@@ -6,7 +6,7 @@
 * Requests wait here, on the caller's side; at most `max_ongoing` are at the ranks at once (a short
   pipeline: the ranks always have the next request, and never hold thousands of calls). A full
   queue refuses at once with `EngineOverloadedError`; the dispatcher then tries another replica.
-* Control calls (`collective_rpc`) skip the queue: they are dispatched at once, so they run on the
+* `collective_rpc` calls and iterations skip the queue (`bypass_queue`): dispatched at once, they run on the
   ranks right after the requests already dispatched, in the same order on every rank.
 * Two clocks. A request's deadline is `submitted + limit`: past it the future fails with
   `RequestTimeoutError` (a queued request is dropped and never reaches a rank; a dispatched one still
@@ -51,7 +51,7 @@ _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this of
 
 
 class Work:
-    """One request ("step", "stream"), control call ("call"), batch of requests ("batch") or iteration
+    """One request ("step", "stream"), collective_rpc ("call"), batch of requests ("batch") or iteration
     of the continuous-batching loop ("iterate") of one replica.
 
     `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
@@ -96,7 +96,7 @@ class Work:
         return not self.future.done()
 
     def requests(self) -> list["Work"]:
-        """The requests this work carries: its members, itself, or none (a control call)."""
+        """The requests this work carries: its members, itself, or none (a collective_rpc)."""
         if self.kind == Kind.BATCH:
             return self.members
         return [self] if self.kind in REQUEST_KINDS else []
@@ -104,7 +104,7 @@ class Work:
 
 @dataclass(frozen=True)
 class Counts:
-    """Exact accounting of one replica's requests (control calls are not counted).
+    """Exact accounting of one replica's requests (collective_rpc calls and iterations are not counted).
 
     `dispatched` counts requests at the ranks whose future is unfinished, so a result in hand is
     never still in flight; `in_flight` (queued + dispatched) is what routing compares.
@@ -147,9 +147,11 @@ class ReplicaScheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
-               control: bool = False, here: bool = False, key: Any = None, size: int = 1,
+               bypass_queue: bool = False, here: bool = False, key: Any = None, size: int = 1,
                weight: int = 0) -> EngineFuture:
-        """Queue a request (or dispatch a control call at once); returns its future.
+        """Queue a request, or with `bypass_queue` dispatch at once (a collective_rpc, an iteration:
+        they run right after what is already at the ranks, in the same order on every rank); returns
+        its future.
 
         `here=True`: when nothing is queued or dispatched, the request is dispatched without
         `launch` and `future.work.here` is set: the caller must run it now, then call `finished`.
@@ -162,7 +164,7 @@ class ReplicaScheduler:
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
-            if control:  # `here` too: a control call the caller runs itself when nothing is at the ranks
+            if bypass_queue:  # `here` too: work the caller runs itself when nothing is at the ranks
                 future.start()
                 work.here = here and not self._dispatched
                 self._dispatch(work)
