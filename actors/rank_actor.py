@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from actors import ipc, peer
+from actors import ipc_codec, ipc_wire, peer
 from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
 from phyai_ray.work import Kind
@@ -122,7 +122,7 @@ class RankActor:
         listening, address, token = peer.listen()
         threading.Thread(target=self._serve_ipc, args=(listening, token, engine_cuda, engine_pid),
                          name="phyai-rank-ipc", daemon=True).start()
-        return address, token, ipc.cuda_visible(), os.getpid()
+        return address, token, ipc_wire.cuda_visible(), os.getpid()
 
     def _serve_ipc(self, listening: socket.socket, token: bytes, engine_cuda: bool, engine_pid: int) -> None:
         """The request thread: read a request, run it, write the reply; ends when the engine closes the socket."""
@@ -134,7 +134,7 @@ class RankActor:
         with conn:
             while True:
                 try:
-                    got = ipc.recv_frame(conn)
+                    got = ipc_wire.recv_frame(conn)
                 except (OSError, ConnectionError):
                     return
                 if got is None:
@@ -142,14 +142,14 @@ class RankActor:
                 meta, body, fds = got
                 seq, kind, reply_ranks, window = pickle.loads(meta)
                 reply = self._run_lane(LaneRequest(seq, kind, None, reply_ranks, window),
-                                       lambda: ipc.decode(body, fds, private=True))
-                ipc.close_fds(fds)  # a request that failed before its payload was read: decode did not close them
+                                       lambda: ipc_codec.decode(body, fds, private=True))
+                ipc_codec.close_fds(fds)  # a request that failed before its payload was read: decode did not close them
                 try:
-                    encoded = ipc.encode(reply, cuda_ipc=engine_cuda)
+                    encoded = ipc_codec.encode(reply, cuda_ipc=engine_cuda)
                 except Exception as exc:  # the result does not pickle: the engine gets why
-                    encoded = ipc.encode(RankReply(seq, self._rank, ERROR, _portable(exc)))
+                    encoded = ipc_codec.encode(RankReply(seq, self._rank, ERROR, _portable(exc)))
                 try:
-                    ipc.send_encoded(conn, b"", encoded)
+                    ipc_wire.send_encoded(conn, b"", encoded)
                 except OSError:
                     return
 

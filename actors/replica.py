@@ -37,7 +37,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors import ipc, peer
+from actors import ipc, ipc_codec, peer
 from actors.compiled import CompiledLane
 from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
@@ -201,10 +201,10 @@ class RayReplicaExecutor(ReplicaExecutor):
         return payload
 
     def _weight(self, payload: Any) -> int:
-        return len(payload.fds) if isinstance(payload, ipc.Encoded) else 0
+        return len(payload.fds) if isinstance(payload, ipc_codec.Encoded) else 0
 
     def _max_batch_weight(self) -> int | None:
-        return ipc.MAX_BATCH_FDS if isinstance(self._lane, IpcLane) else None
+        return ipc_codec.MAX_BATCH_FDS if isinstance(self._lane, IpcLane) else None
 
     def _lane_payload(self, work: Work) -> Any:
         """A batch's payloads as one message: joined encodings on the socket lane, a list elsewhere."""

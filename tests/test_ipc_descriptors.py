@@ -76,7 +76,7 @@ def test_queued_large_tensors_hold_a_bounded_number_of_descriptors(ray_session):
 
 _EXHAUST = """
 import os, resource, torch
-from actors import ipc
+from actors import ipc_codec, ipc_wire
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:
@@ -86,7 +86,7 @@ except OSError:
     pass
 os.close(held.pop())  # one left: the memfd takes it, nothing is left for the body
 try:
-    ipc.frame(b"", ipc.encode({"big": torch.ones(2 ** 18), "body": bytes(300_000)}))
+    ipc_wire.frame(b"", ipc_codec.encode({"big": torch.ones(2 ** 18), "body": bytes(300_000)}))
 except Exception as exc:
     print(type(exc).__name__, isinstance(exc, OSError), exc)
 """

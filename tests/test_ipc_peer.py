@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from actors import ipc, peer
+from actors import ipc_codec, ipc_wire, peer
 
 INTRUDER = Path(__file__).parent / "scripts" / "ipc_intruder.py"
 
@@ -48,9 +48,9 @@ def _intruder(*args: str) -> Iterator[_Intruder]:
 def _call(sock, method: str):
     """One rpc over a rank's request socket, framed as the engine's lane frames it."""
     meta = pickle.dumps((0, "call", frozenset({0}), 1))
-    ipc.send_encoded(sock, meta, ipc.encode((method, (), {})))
-    _, body, fds = ipc.recv_frame(sock)
-    return ipc.decode(body, fds, private=False)
+    ipc_wire.send_encoded(sock, meta, ipc_codec.encode((method, (), {})))
+    _, body, fds = ipc_wire.recv_frame(sock)
+    return ipc_codec.decode(body, fds, private=False)
 
 
 def test_the_engine_never_sends_its_token_to_a_process_holding_the_rank_socket_name():
