@@ -43,6 +43,7 @@ from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
 from actors.protocol import ERROR, MISSING, ActorInfo, LaneRequest, RankReply, RankSpec
 from actors.rank_actor import CONCURRENCY_GROUPS, RankActor
+from actors.remote_streams import RemoteReader
 from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError, StartupError
 from phyai_ray.executors.base import ReplicaExecutor
@@ -217,6 +218,8 @@ class RayReplicaExecutor(ReplicaExecutor):
         sent = _Sent(self._seq, set(range(self.world_size)))
         self._seq += 1
         work.state = sent
+        if work.launched is not None:  # a stream's reader waits for it (see _submit_stream)
+            work.launched.set()
         if self._lane is not None:
             reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
                 frozenset((self._output_rank,))
@@ -236,7 +239,11 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         future = self.scheduler.submit(Kind.STREAM, self._prepare((request, max_buffered)), self._step_limit_s)
-        return future, RemoteReader(self, future.work)
+        work = future.work
+        work.launched = threading.Event()
+        if work.state is not None:  # launched before the event was there
+            work.launched.set()
+        return future, RemoteReader(self, work)
 
     def _post_reply(self, work: Work, rank: int, reply: Future) -> None:
         self._inbox.put((work, rank, reply))  # on Ray's thread: hand over, never block or call back
@@ -446,33 +453,6 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _node(self, rank: int) -> str:
         return self._infos[rank].node_id if rank < len(self._infos) else "?"
-
-
-class RemoteReader:
-    """The consumer's end of a stream produced by the output rank of a Ray replica (its control lane)."""
-
-    def __init__(self, executor: RayReplicaExecutor, work: Work) -> None:
-        self.executor, self.work = executor, work
-        self._sink = executor.actor(executor._output_rank)
-
-    def read(self, timeout_s: float) -> tuple[list, bool]:
-        if self.work.future.cancelled():
-            return [], True
-        sent = self.work.state
-        if sent is None:  # still queued in the engine
-            time.sleep(min(timeout_s, 0.01))
-            return [], False
-        try:
-            return ray.get(self._sink.read_stream.remote(sent.seq, 64, timeout_s), timeout=timeout_s + 10)
-        except Exception:  # the replica failed: the future says why
-            return [], self.work.future.done()
-
-    def cancel(self) -> None:
-        if self.work.future.cancel():
-            return
-        sent = self.work.state
-        if sent is not None and self.executor.healthy:
-            self._sink.cancel_stream.remote(sent.seq)
 
 
 def _tensor_bytes(payload: Any) -> int:

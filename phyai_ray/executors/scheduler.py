@@ -61,7 +61,7 @@ class Work:
     """
 
     __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here", "key", "size", "weight", "members")
+                 "ident", "state", "here", "key", "size", "weight", "members", "launched")
 
     def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
                  all_ranks: bool = False) -> None:
@@ -74,6 +74,7 @@ class Work:
         self.key: Any = None
         self.size, self.weight = 1, 0
         self.members: list[Work] = []
+        self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
 
     @classmethod
     def batch(cls, members: list["Work"]) -> "Work":
