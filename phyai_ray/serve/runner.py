@@ -120,21 +120,14 @@ class GroupRunner:
         remote = self.forward_stream(request, hops, failed)
         limit = min(self.wait_s, FORWARD_WAIT_S)  # until a healthy group answers; then its own bounds
         try:
+            with self._as_forwarded("stream", limit):
+                got = await _next_items(remote, limit, "from the group it was forwarded to")
             while True:
-                try:
-                    got = await _next_items(remote, limit, "from the group it was forwarded to")
-                except StopAsyncIteration:
-                    return
-                except RequestTimeoutError:
-                    raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the stream "
-                                                 f"within {limit:.0f}s; retry later", reason="no_healthy_replica")
-                except Exception as exc:
-                    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
-                    if isinstance(cause, Exception):
-                        raise cause from None
-                    raise
-                limit = self.wait_s
                 yield got
+                with _unwrapped():
+                    got = await _next_items(remote, self.wait_s, "from the group it was forwarded to")
+        except StopAsyncIteration:
+            return
         finally:
             cancel = getattr(remote, "cancel", None)
             if cancel is not None:
@@ -143,17 +136,20 @@ class GroupRunner:
     async def _forwarded(self, request: Any, hops: int, failed: tuple) -> Any:
         """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
+        limit = min(self.wait_s, FORWARD_WAIT_S)
+        with self._as_forwarded("request", limit):
+            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to", limit)
+
+    @contextlib.contextmanager
+    def _as_forwarded(self, what: str, limit: float) -> Iterator[None]:
+        """A forwarded call's errors as the other group raised them; no answer within `limit` means that
+        no healthy group took it."""
         try:
-            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to",
-                                      min(self.wait_s, FORWARD_WAIT_S))
+            with _unwrapped():
+                yield
         except RequestTimeoutError:
-            raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the request "
-                                         f"within {FORWARD_WAIT_S:.0f}s; retry later", reason="no_healthy_replica")
-        except Exception as exc:
-            cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the original
-            if isinstance(cause, Exception):
-                raise cause from None
-            raise
+            raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} "
+                                         f"within {limit:.0f}s; retry later", reason="no_healthy_replica") from None
 
     def _submit(self, request: Any, validate: bool) -> Any:
         if validate:
@@ -202,6 +198,18 @@ class GroupRunner:
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
     return await awaitable
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """Raise another group's error as it was raised there (ray.exceptions.RayTaskError carries it)."""
+    try:
+        yield
+    except Exception as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception) and not isinstance(exc, (StopAsyncIteration, RequestTimeoutError)):
+            raise cause from None
+        raise
 
 
 async def _next_items(items: AsyncIterator[Any], limit_s: float, where: str) -> Any:
