@@ -13,6 +13,9 @@ Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_batching.py [--requests 100
 3. HTTP: the same traffic through the phyai-ray Serve app (one group, TP=1, batching on) vs a bare Ray
    Serve deployment that wraps the same model in `@serve.batch` with the same max_batch_size and wait
    (throughput target >= 1.0x, p50 <= 1.3x).
+4. Defaults (`--only defaults`): `--default-requests` (256) one-sample requests from `--clients`
+   threads with NO BatchingConfig, so the plugin's own default applies (reference_dit: 64, delay 0),
+   against the same samples as one request, in the three deployments (target >= 0.4), results equal.
 Prints the machine first, then every measurement, then each ratio with its target.
 """
 
@@ -57,8 +60,10 @@ def engine_args(tp: int) -> EngineArgs:
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
 
 
-def deployment(name: str, batch: int, delay_ms: float = 0.0) -> DeploymentConfig:
-    batching = BatchingConfig(max_batch_size=batch, max_batch_delay_ms=delay_ms if batch > 1 else 0.0)
+def deployment(name: str, batch: int | None, delay_ms: float = 0.0) -> DeploymentConfig:
+    """`batch=None`: no BatchingConfig given (the plugin's default batching)."""
+    batching = BatchingConfig() if batch is None else \
+        BatchingConfig(max_batch_size=batch, max_batch_delay_ms=delay_ms if batch > 1 else 0.0)
     if name == "inline":
         return DeploymentConfig(batching=batching)
     replicas = 2 if name.startswith("2") else 1
@@ -142,9 +147,9 @@ def one_request_rate(engine: Engine, requests: list) -> float:
     return len(requests) / min(times)
 
 
-def bench_engine(name: str, tp: int, count: int, clients: int, batch: int, shape: str) -> dict[str, Any]:
+def bench_engine(name: str, tp: int, count: int, clients: int, batch: int | None, shape: str) -> dict[str, Any]:
     requests = [sample(i) for i in range(count)]
-    delay_ms = CLOSED_LOOP_DELAY_MS if shape == "closed loop" and batch > 1 else 0.0
+    delay_ms = CLOSED_LOOP_DELAY_MS if shape == "closed loop" and batch is not None and batch > 1 else 0.0
     with Engine(engine_args(tp), deployment(name, batch, delay_ms)) as engine:
         run = (lambda reqs: fleet(engine, reqs, clients)) if shape == "fleet" else \
             (lambda reqs: closed_loop(engine.step, reqs, clients))
@@ -152,8 +157,10 @@ def bench_engine(name: str, tp: int, count: int, clients: int, batch: int, shape
         wall, lat, results = run(requests)
         rate = one_request_rate(engine, requests)
         want = engine.step(as_one(requests[:8]))
+        size = engine.batch_stats()[0]["max_batch_size"]
     error = max(float((results[i][0] - want[i]).abs().max() / want[i].abs().max()) for i in range(8))
-    return {"rate": count / wall, "one": rate, "p50": statistics.median(lat), "p99": p99(lat), "error": error}
+    return {"rate": count / wall, "one": rate, "p50": statistics.median(lat), "p99": p99(lat), "error": error,
+            "max_batch_size": size}
 
 
 def hand_off_child(mode: str, count: int) -> float:
@@ -278,7 +285,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--unbatched-requests", type=int, default=200)
     parser.add_argument("--skip-http", action="store_true")
-    parser.add_argument("--only", choices=("engine", "hand-off", "http"), help="run one part only")
+    parser.add_argument("--default-requests", type=int, default=256)
+    parser.add_argument("--only", choices=("engine", "hand-off", "http", "defaults"), help="run one part only")
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--hand-off-child", choices=("seq", "conc", "mixed"))
     opts = parser.parse_args()
@@ -305,6 +313,13 @@ def main() -> None:
                 else:
                     lines.append(f"  {name + ', closed loop: batched / one request':<58} {on['rate'] / on['one']:6.2f}x")
                 lines.append(f"  {name + ', ' + shape + ': unbatched / one request':<58} {off['rate'] / off['one']:6.2f}x")
+        for name, tp in DEPLOYMENTS.items() if opts.only in (None, "defaults") else ():
+            r = bench_engine(name, tp, opts.default_requests, opts.clients, None, "fleet")
+            print(f"{name:9s} defaults (max_batch_size {r['max_batch_size']}) {r['rate']:6.0f} samples/s  p50 "
+                  f"{r['p50'] * 1e3:7.2f} ms  p99 {r['p99'] * 1e3:7.2f} ms | as one request {r['one']:6.0f} samples/s  "
+                  f"(max rel err {r['error']:.1e})", flush=True)
+            lines.append(verdict(f"{name}, defaults, {opts.default_requests} one-sample / one request",
+                                 r["rate"] / r["one"], 0.4, True))
         hand = bench_hand_off(256) if opts.only in (None, "hand-off") else None
         if hand:
             print(f"inline, batching off, per request: sequential step() {hand['seq'] * 1e3:.2f} ms, concurrent submit() "
