@@ -55,8 +55,25 @@ _BUFFER_BYTES = 1 << 20  # initial size of each channel buffer; a larger message
 _STOP = object()
 
 
+BY_REFERENCE_BYTES = 1 << 20  # requests with more tensor bytes than this go as one ray.put reference
+
+
 class CompiledLane(BoundedLane):
     """Send `LaneRequest`s to every rank of one replica and read their replies, in order."""
+
+    name = "compiled"
+    max_batch_weight = None
+
+    def prepare(self, payload: Any) -> Any:
+        """Small payloads go by value through the channel (written once for every rank); large ones as one
+        `ray.put` reference, put here, in the caller's thread."""
+        return ray.put(payload) if _tensor_bytes(payload) > BY_REFERENCE_BYTES else payload
+
+    def weight(self, payload: Any) -> int:
+        return 0
+
+    def batch(self, payloads: list) -> list:
+        return list(payloads)
 
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str,
                  on_replies: Callable[[Any, list], None], on_broken: Callable[[BaseException], None],
@@ -126,3 +143,14 @@ class CompiledLane(BoundedLane):
             self._dag.teardown()
         except Exception as exc:  # already torn down by Ray's monitor after a rank died
             logger.debug("compiled graph teardown: %s", exc)
+
+
+def _tensor_bytes(payload: Any) -> int:
+    """Bytes of the tensors in `payload` and in the values of its top-level dict / list / tuple."""
+    items = payload.values() if isinstance(payload, dict) else payload if isinstance(payload, (list, tuple)) else ()
+    total = 0
+    for value in (payload, *items):
+        nbytes = getattr(value, "nbytes", None)
+        if isinstance(nbytes, int):
+            total += nbytes
+    return total

@@ -37,7 +37,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from actors import peer
-from actors.ipc_codec import SUPPORTED, Encoded, close_fds, decode, encode, join
+from actors.ipc_codec import MAX_BATCH_FDS, SUPPORTED, Encoded, close_fds, decode, encode, join
 from actors.ipc_wire import cuda_visible, frame, poll_writable, recv_frame, send_some
 from actors.lane import BoundedLane
 from actors.protocol import LaneRequest
@@ -69,6 +69,16 @@ class _Message:
 
 class IpcLane(BoundedLane):
     """Send `LaneRequest`s to every rank of one replica over its sockets and read their replies."""
+
+    name = "ipc"
+    max_batch_weight = MAX_BATCH_FDS  # tensor files one batch message may carry
+
+    def weight(self, payload: Any) -> int:
+        """Tensor files a prepared payload carries (counted against max_batch_weight)."""
+        return len(payload.fds) if isinstance(payload, Encoded) else 0
+
+    def batch(self, payloads: list) -> Encoded:
+        return self.join(payloads)
 
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str, timeout_s: float,
                  on_reply: Callable[[Any, int, Any], None], on_broken: Callable[[int, BaseException], None],

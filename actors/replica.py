@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors import ipc, ipc_codec, peer
+from actors import ipc, peer
 from actors.compiled import CompiledLane
+from actors.lane import ActorCallLane
 from actors.ipc import IpcLane
 from actors.placement_groups import create_replica_group, remove_group
 from actors.protocol import ERROR, MISSING, ActorInfo, LaneRequest, RankReply, RankSpec
@@ -55,8 +54,6 @@ from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
 RemoteRank = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RankActor)
-_STOP = object()
-_BY_REFERENCE_BYTES = 1 << 20  # compiled lane: requests with more tensor bytes go as one ray.put reference
 _CONTROL_HEADROOM = 8  # compiled graph slots beyond max_ongoing_requests, for collective_rpc calls
 
 
@@ -87,8 +84,7 @@ class RayReplicaExecutor(ReplicaExecutor):
         self._owned_pg = True  # False when the ranks run in a placement group someone else owns
         self._torn_down = False
         self._stop = threading.Event()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lane: IpcLane | CompiledLane | None = None
+        self._lane: IpcLane | CompiledLane | ActorCallLane | None = None  # set once the ranks are up
         try:
             self._start(plan, entry, args, deployment, device_type, target_node, deadline)
             self._lane = self._request_lane(deadline)
@@ -97,17 +93,13 @@ class RayReplicaExecutor(ReplicaExecutor):
             raise
         self.enable_batching(deployment.batching, self._batchable)
         self.enable_iterations(entry, deployment.batching, self._iterative)
-        loops = [(self._liveness_loop, "liveness")] + ([] if self._lane else [(self._reply_loop, "replies")])
-        for target, what in loops:
-            threading.Thread(target=target, name=f"phyai-replica-{plan.index}-{what}", daemon=True).start()
+        threading.Thread(target=self._liveness_loop, name=f"phyai-replica-{plan.index}-liveness", daemon=True).start()
 
     @property
     def transport(self) -> str:
         """How requests reach the ranks: "ipc" (same-node sockets), "compiled" (a Ray Compiled Graph)
-        or "actor_calls"."""
-        if isinstance(self._lane, IpcLane):
-            return "ipc"
-        return "compiled" if self._lane is not None else "actor_calls"
+        or "actor_calls" (actors/lane.py)."""
+        return self._lane.name
 
     # -- startup ----------------------------------------------------------------------------
     def _start(self, plan: ReplicaPlan, entry: Any, args: Any, deployment: Any, device_type: str,
@@ -160,8 +152,8 @@ class RayReplicaExecutor(ReplicaExecutor):
                         engine_node=ray.get_runtime_context().get_node_id(),
                         launcher_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
-    def _request_lane(self, deadline: float) -> IpcLane | CompiledLane | None:
-        """This replica's request lane, or None for actor calls (see `request_transport`)."""
+    def _request_lane(self, deadline: float) -> IpcLane | CompiledLane | ActorCallLane:
+        """This replica's request lane (see `request_transport`)."""
         choice = self._proc.request_transport
         here = ray.get_runtime_context().get_node_id()
         local = all(i.node_id == here for i in self._infos)
@@ -183,35 +175,32 @@ class RayReplicaExecutor(ReplicaExecutor):
                     raise
                 logger.warning("replica %d: connecting its request sockets failed (%s: %s); using actor calls",
                                self.index, type(exc).__name__, exc)
-                return None
+                return self._actor_call_lane(name)
         if choice != "compiled":
-            return None
+            return self._actor_call_lane(name)
         return CompiledLane(self._actors, capacity=capacity, name=name, on_replies=self._on_compiled_replies,
                             on_broken=self._on_lane_broken, on_unsent=self._on_unsent)
+
+    def _actor_call_lane(self, name: str) -> ActorCallLane:
+        return ActorCallLane(self._actors, name=name, on_reply=self._on_lane_reply,
+                             on_rank_error=lambda rank, exc: self._fail(self._rank_error(rank, exc)),
+                             on_send_failed=lambda rank, exc: self._fail(self._send_error(rank, exc)))
 
     # -- requests ---------------------------------------------------------------------------
     def _prepare(self, payload: Any) -> Any:
         """Serialize once, in the caller's thread, before a slot or sequence number is taken (a bad
-        payload loses nothing). Sockets: pickled, large tensors copied once into shared memory.
-        Actor calls: `ray.put`. Compiled: small payloads go by value through the channel (written
-        once for every rank); large ones as one `ray.put` reference, put here."""
-        if isinstance(self._lane, IpcLane):
-            return self._lane.prepare(payload)
-        if self._lane is None or _tensor_bytes(payload) > _BY_REFERENCE_BYTES:
-            return ray.put(payload)
-        return payload
+        payload loses nothing): the lane's own form (see actors/lane.py)."""
+        return self._lane.prepare(payload)
 
     def _weight(self, payload: Any) -> int:
-        return len(payload.fds) if isinstance(payload, ipc_codec.Encoded) else 0
+        return self._lane.weight(payload)
 
     def _max_batch_weight(self) -> int | None:
-        return ipc_codec.MAX_BATCH_FDS if isinstance(self._lane, IpcLane) else None
+        return self._lane.max_batch_weight
 
     def _lane_payload(self, work: Work) -> Any:
-        """A batch's payloads as one message: joined encodings on the socket lane, a list elsewhere."""
-        if work.kind == Kind.BATCH and isinstance(self._lane, IpcLane):
-            return self._lane.join(work.payload)
-        return work.payload
+        """A batch's payloads as one message of the lane's; any other work's payload as it is."""
+        return self._lane.batch(work.payload) if work.kind == Kind.BATCH else work.payload
 
     def _launch(self, work: Work) -> None:
         """Send `work` to every rank with the next sequence number, or fail the replica at once."""
@@ -220,22 +209,10 @@ class RayReplicaExecutor(ReplicaExecutor):
         work.state = sent
         if work.launched is not None:  # a stream's reader waits for it (see _submit_stream)
             work.launched.set()
-        if self._lane is not None:
-            reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
-                frozenset((self._output_rank,))
-            window = min(self._lane.in_flight + 1, self._lane.capacity)
-            self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
-            return
-        replies = []
-        try:
-            for rank, actor in enumerate(self._actors):
-                wants = rank == self._output_rank or (work.kind == Kind.CALL and work.all_ranks)
-                replies.append(actor.execute.remote(sent.seq, work.kind, work.payload, wants))
-        except BaseException as exc:  # some ranks have it, others not: the order is broken for good
-            self._fail(self._send_error(len(replies), exc))
-            return
-        for rank, reply in enumerate(replies):
-            reply.future().add_done_callback(partial(self._post_reply, work, rank))
+        reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
+            frozenset((self._output_rank,))
+        window = min(self._lane.in_flight + 1, self._lane.capacity)
+        self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         future = self.scheduler.submit(Kind.STREAM, self._prepare((request, max_buffered)), self._step_limit_s)
@@ -245,27 +222,6 @@ class RayReplicaExecutor(ReplicaExecutor):
             work.launched.set()
         return future, RemoteReader(self, work)
 
-    def _post_reply(self, work: Work, rank: int, reply: Future) -> None:
-        self._inbox.put((work, rank, reply))  # on Ray's thread: hand over, never block or call back
-
-    def _reply_loop(self) -> None:
-        while True:
-            item = self._inbox.get()
-            if item is _STOP:
-                return
-            try:
-                self._on_reply(*item)
-            except Exception:
-                logger.exception("replica %d: handling a rank reply failed", self.index)
-
-    def _on_reply(self, work: Work, rank: int, reply: Future) -> None:
-        try:
-            envelope = reply.result()
-        except BaseException as exc:
-            self._fail(self._rank_error(rank, exc))
-            return
-        self._on_envelope(work, rank, envelope)
-
     def _on_compiled_replies(self, work: Work, replies: list) -> None:
         """Every rank's reply to one compiled-graph message (the lane's reader thread)."""
         for rank, envelope in enumerate(replies):
@@ -274,7 +230,7 @@ class RayReplicaExecutor(ReplicaExecutor):
             self._on_envelope(work, rank, envelope)
 
     def _on_lane_reply(self, work: Work, rank: int, envelope: Any) -> None:
-        """One rank's reply from its socket (the lane's reader thread)."""
+        """One rank's reply (the lane's reader thread: sockets, actor calls)."""
         if self._failure is None:
             self._on_envelope(work, rank, envelope)
 
@@ -431,7 +387,6 @@ class RayReplicaExecutor(ReplicaExecutor):
                 return
             self._torn_down = True
         self._stop.set()
-        self._inbox.put(_STOP)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -453,17 +408,6 @@ class RayReplicaExecutor(ReplicaExecutor):
 
     def _node(self, rank: int) -> str:
         return self._infos[rank].node_id if rank < len(self._infos) else "?"
-
-
-def _tensor_bytes(payload: Any) -> int:
-    """Bytes of the tensors in `payload` and in the values of its top-level dict / list / tuple."""
-    items = payload.values() if isinstance(payload, dict) else payload if isinstance(payload, (list, tuple)) else ()
-    total = 0
-    for value in (payload, *items):
-        nbytes = getattr(value, "nbytes", None)
-        if isinstance(nbytes, int):
-            total += nbytes
-    return total
 
 
 def _left(deadline: float) -> float:
