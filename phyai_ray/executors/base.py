@@ -11,7 +11,7 @@ from typing import Any
 
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.batching import BatchPolicy
-from phyai_ray.executors.control import ReplicaControl, ReplicaState
+from phyai_ray.executors.control import ReplicaControl
 from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work

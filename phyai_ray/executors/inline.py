@@ -15,7 +15,6 @@ import logging
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.base import ReplicaExecutor
 from phyai_ray.executors.scheduler import Work
 from phyai_ray.executors.serial import SerialWorker

@@ -37,9 +37,10 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestAbortedError, RequestTimeoutError
+from phyai_ray.errors import EngineUnavailableError, RequestAbortedError
 from phyai_ray.executors.futures import EngineFuture
-from phyai_ray.executors.scheduler import Counts, settle
+from phyai_ray.executors.ledger import Tally, overloaded, timed_out
+from phyai_ray.executors.scheduler import Counts
 from phyai_ray.executors.sequences import LoopRequest, LoopSequence, merge_chunks, stream_chunk
 from phyai_ray.outputs import version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
@@ -77,7 +78,7 @@ class IterationLoop:
         self._cache_dirty = False  # a sleep released the caches of running sequences
         self._refusal: Callable[[], BaseException] | None = None
         self._thread: threading.Thread | None = None
-        self._served = self._errored = 0
+        self.tally = Tally()
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
 
@@ -97,10 +98,8 @@ class IterationLoop:
                 raise self._refusal()
             queued = self._queued
             if self.max_queued is not None and queued >= self.max_queued:
-                raise EngineOverloadedError(
-                    f"replica {self.index} is full: {queued} request(s) wait for a sequence slot (max_queued_requests="
-                    f"{self.max_queued}) behind {len(self._running)} running sequence(s) (max_num_seqs="
-                    f"{self.max_seqs})", queued=queued, limit=self.max_queued)
+                raise overloaded(self.index, queued, self.max_queued, f"{len(self._running)} running sequence(s) "
+                                 f"(max_num_seqs={self.max_seqs}) for a sequence slot")
             for i, seq in enumerate(sequences):
                 req.seqs.append(LoopSequence(next(self._ids), req, i, seq.payload, max(int(seq.cost), 1)))
             req.left = len(req.seqs)
@@ -123,7 +122,7 @@ class IterationLoop:
 
     def counts(self) -> Counts:
         with self._cond:
-            return Counts(self._queued, len(self._requests) - self._queued, self._served, self._errored)
+            return Counts(self._queued, len(self._requests) - self._queued, self.tally.served, self.tally.errored)
 
     def has_room(self) -> bool:
         with self._cond:
@@ -312,11 +311,9 @@ class IterationLoop:
         expired = list(itertools.takewhile(lambda r: r.deadline <= now, self._requests))
         for req in expired:
             self._forget(req)
-        return [(req, None, RequestTimeoutError(
-            f"replica {self.index}: no result {now - req.submitted:.2f}s after submission (execution_timeout_s="
-            f"{self.limit_s}); {'its sequences were dropped at the next iteration' if req.admitted else 'it never got a sequence slot'}. "
-            "The replica keeps serving; add replicas or lower the load if this repeats",
-            replica=self.index, waited_s=now - req.submitted, dispatched=req.admitted)) for req in expired]
+        return [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
+                                      "its sequences were dropped at the next iteration" if req.admitted else
+                                      "it never got a sequence slot", dispatched=req.admitted)) for req in expired]
 
     def _next_deadline(self) -> float:
         return next((r.deadline for r in self._requests), float("inf"))
@@ -333,15 +330,9 @@ class IterationLoop:
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
                 req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
                                                 default=None, key=version_order)
-            settled = settle(req.future, value, error)
+            self.tally.settle(req.future, value, error)
             if req.sink is not None:
                 req.sink.close()
-            if settled:
-                with self._cond:
-                    if error is None:
-                        self._served += 1
-                    else:
-                        self._errored += 1
 
     # -- control -------------------------------------------------------------------------------
     def quiesce(self, op: str, mode: str, deadline: float) -> int:

@@ -35,11 +35,11 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+from phyai_ray.executors.ledger import Tally, overloaded, timed_out
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.futures import CallbackThread, EngineFuture
 from phyai_ray.work import REQUEST_KINDS, Kind
@@ -134,7 +134,7 @@ class ReplicaScheduler:
         self._queued: deque[Work] = deque()
         self._dispatched: deque[Work] = deque()
         self._head_since = 0.0
-        self._served = self._errored = 0
+        self.tally = Tally()
         self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
         self._timer: threading.Thread | None = None
         self._wake_at = float("inf")  # the earliest deadline the clock knows of
@@ -196,7 +196,7 @@ class ReplicaScheduler:
     def counts(self) -> Counts:
         with self._lock:
             running = sum(1 for w in self._dispatched for r in w.requests() if not r.future.done())
-            return Counts(len(self._queued), running, self._served, self._errored)
+            return Counts(len(self._queued), running, self.tally.served, self.tally.errored)
 
     def batch_snapshot(self) -> dict[str, Any]:
         """Histograms of samples per dispatched step and of each request's queue wait."""
@@ -206,9 +206,7 @@ class ReplicaScheduler:
     def carry_counts(self, other: "ReplicaScheduler") -> None:
         """Continue the served / errored totals of a replica this one replaces."""
         counts = other.counts()
-        with self._lock:
-            self._served += counts.served
-            self._errored += counts.errored
+        self.tally.carry(counts.served, counts.errored)
 
     def _free_now(self) -> bool:
         """A request submitted now would go straight to the ranks."""
@@ -218,10 +216,8 @@ class ReplicaScheduler:
         return self.max_ongoing is None or len(self._dispatched) < self.max_ongoing
 
     def _overloaded(self) -> EngineOverloadedError:
-        return EngineOverloadedError(
-            f"replica {self.index} is full: {len(self._queued)} request(s) queued (max_queued_requests="
-            f"{self.max_queued}) behind {len(self._dispatched)} at the ranks (max_ongoing_requests="
-            f"{self.max_ongoing})", queued=len(self._queued), limit=self.max_queued)
+        return overloaded(self.index, len(self._queued), self.max_queued,
+                          f"{len(self._dispatched)} at the ranks (max_ongoing_requests={self.max_ongoing})")
 
     # -- dispatch -------------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -276,12 +272,7 @@ class ReplicaScheduler:
         if work.kind == Kind.BATCH:
             self._deliver_batch(work, value, error)
             return
-        if settle(work.future, value, error) and work.kind in REQUEST_KINDS:
-            with self._lock:
-                if error is None:
-                    self._served += 1
-                else:
-                    self._errored += 1
+        self.tally.settle(work.future, value, error, counted=work.kind in REQUEST_KINDS)
 
     def _deliver_batch(self, work: Work, values: Any, error: BaseException | None) -> None:
         """`values`: the output rank's list, one per member (RankRunner.step_batch made sure of it)."""
@@ -445,25 +436,8 @@ class ReplicaScheduler:
         return min(times, default=float("inf"))
 
     def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
-        waited = now - work.submitted
         where = ("it was still queued and never reached a rank" if work.dispatched is None else
                  "it had been dispatched to the ranks, which finish it but its result is dropped")
         what = "collective_rpc timeout" if work.kind == Kind.CALL else "execution_timeout_s"
-        return RequestTimeoutError(
-            f"replica {self.index}: no result {waited:.2f}s after submission ({what}={work.limit_s}); {where}. "
-            "The replica keeps serving; add replicas or lower the load if this repeats",
-            replica=self.index, waited_s=waited, dispatched=work.dispatched is not None)
-
-
-def settle(future: Future, value: Any, error: BaseException | None) -> bool:
-    """Finish `future` unless it already is; True when this call finished it."""
-    if future.done():
-        return False
-    try:
-        if error is None:
-            future.set_result(value)
-        else:
-            future.set_exception(error)
-    except Exception:  # InvalidStateError: finished concurrently
-        return False
-    return True
+        return timed_out(self.index, now - work.submitted, work.limit_s, where, dispatched=work.dispatched is not None,
+                         what=what)

@@ -1,0 +1,73 @@
+"""What both request frontends of a replica share: outcomes, exact tallies, and the errors of a full
+queue and of a passed deadline.
+
+    ReplicaScheduler  (scheduler.py)   requests as steps or batches of steps
+    IterationLoop     (iterations.py)  requests as sequences of the continuous-batching loop
+
+    tally.settle(future, value, error)   resolve once; a request counts as served or errored once
+    overloaded(index, queued, limit, behind)          EngineOverloadedError naming the bounds
+    timed_out(index, waited_s, limit, where, ...)     RequestTimeoutError saying where it was
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+
+
+def settle(future: Future, value: Any, error: BaseException | None) -> bool:
+    """Finish `future` unless it already is; True when this call finished it."""
+    if future.done():
+        return False
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except Exception:  # InvalidStateError: finished concurrently
+        return False
+    return True
+
+
+class Tally:
+    """Served / errored totals of one replica's requests, each request counted once (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.served = self.errored = 0
+
+    def settle(self, future: Future, value: Any, error: BaseException | None, *, counted: bool = True) -> bool:
+        """`settle(future, ...)`; when it finished the future and `counted`, one more served or errored."""
+        if not settle(future, value, error):
+            return False
+        if counted:
+            with self._lock:
+                if error is None:
+                    self.served += 1
+                else:
+                    self.errored += 1
+        return True
+
+    def carry(self, served: int, errored: int) -> None:
+        """Continue the totals of a replica this one replaces."""
+        with self._lock:
+            self.served += served
+            self.errored += errored
+
+
+def overloaded(index: int, queued: int, limit: int | None, behind: str) -> EngineOverloadedError:
+    """The refusal of a full queue: `queued` waiting (max_queued_requests=`limit`) behind `behind`."""
+    return EngineOverloadedError(f"replica {index} is full: {queued} request(s) wait (max_queued_requests={limit}) "
+                                 f"behind {behind}", queued=queued, limit=limit)
+
+
+def timed_out(index: int, waited_s: float, limit_s: float, where: str, *, dispatched: bool,
+              what: str = "execution_timeout_s") -> RequestTimeoutError:
+    """A request with no result `limit_s` after submission; `where` says what became of it."""
+    return RequestTimeoutError(
+        f"replica {index}: no result {waited_s:.2f}s after submission ({what}={limit_s}); {where}. "
+        "The replica keeps serving; add replicas or lower the load if this repeats",
+        replica=index, waited_s=waited_s, dispatched=dispatched)
