@@ -229,3 +229,29 @@ def test_the_clock_dispatches_a_waiting_head_after_max_batch_delay():
     waited = time.monotonic() - arrived
     assert 0.2 <= waited < 1.0, f"dispatched {waited:.3f}s after arrival with max_batch_delay 0.2s"
     helper.join(timeout=5)
+
+
+def test_a_slow_launch_holds_no_lock_that_submit_or_counts_need():
+    """launch() sends to every rank (N actor calls, a copy of a large body): never under the scheduler's lock."""
+    entered, release = threading.Event(), threading.Event()
+    launched = []
+
+    def slow_launch(work) -> None:
+        entered.set()
+        release.wait(5)
+        launched.append(work.payload)
+    sched = ReplicaScheduler(0, max_ongoing=2, max_queued=100, launch=slow_launch, on_hung=lambda w, s: None,
+                             delivery=CallbackThread("test-callbacks"))
+    first = threading.Thread(target=sched.submit, args=("step", "a", 30.0))
+    first.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    counts = sched.counts()
+    second = sched.submit("step", "b", 30.0)  # dispatched too (max_ongoing 2); its launch is left to the sender
+    assert time.monotonic() - started < 0.5 and counts.dispatched == 1
+    release.set()
+    first.join(5)
+    deadline = time.monotonic() + 5
+    while len(launched) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert launched == ["a", "b"] and not second.done()  # in dispatch order, by the thread that was sending

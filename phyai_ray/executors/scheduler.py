@@ -22,8 +22,9 @@
   and the output rank's list of results is handed out member by member. A dispatch slot holds a
   whole batch, so with `max_ongoing` 2 the next batch forms while one runs.
 
-Pure Python, no Ray: the executor supplies `launch(work)` (send to every rank, called in dispatch
-order under the scheduler's lock) and `on_hung(work, running_s)`. One timer thread per replica
+Pure Python, no Ray: the executor supplies `launch(work)` (send to every rank: N actor calls, or a
+copy of a large body, so it is called in dispatch order but outside the scheduler's lock, by one
+thread at a time) and `on_hung(work, running_s)`. One timer thread per replica
 wakes only for the earliest deadline (of any queued or dispatched request: limits may differ, so
 the queue's head need not hold the earliest).
 """
@@ -133,6 +134,8 @@ class ReplicaScheduler:
         self._cond = threading.Condition(self._lock)
         self._queued: deque[Work] = deque()
         self._dispatched: deque[Work] = deque()
+        self._to_launch: deque[Work] = deque()  # dispatched, not yet sent (see _send_launches)
+        self._launching = threading.Lock()
         self._head_since = 0.0
         self.tally = Tally()
         self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
@@ -179,6 +182,7 @@ class ReplicaScheduler:
                 self._queued.append(work)
                 self._pump()
             self._arm(work.deadline)
+        self._send_launches()
         return future
 
     def _quiet(self) -> bool:
@@ -261,7 +265,22 @@ class ReplicaScheduler:
             self._head_since = work.dispatched
             self._arm(work.dispatched + work.limit_s)
         if not work.here:
-            self._launch(work)
+            self._to_launch.append(work)
+
+    def _send_launches(self) -> None:
+        """Send dispatched work to the ranks in dispatch order, outside the lock. One thread sends at a
+        time; one that finds another sending leaves its work to it (the sender looks again after it
+        lets go, so nothing is left behind)."""
+        while self._to_launch:
+            if not self._launching.acquire(blocking=False):
+                return
+            try:
+                while self._to_launch:
+                    work = self._to_launch.popleft()
+                    if self._refusal is None:  # stopped meanwhile: stop() fails (or keeps) what it dispatched
+                        self._launch(work)
+            finally:
+                self._launching.release()
 
     # -- completion -----------------------------------------------------------------------------
     def deliver(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
@@ -288,25 +307,30 @@ class ReplicaScheduler:
     def finished(self, work: Work) -> None:
         """Every rank is done with `work`: free its slot, start the next one's running clock."""
         with self._lock:
-            was_head = bool(self._dispatched) and self._dispatched[0] is work
-            try:
-                self._dispatched.remove(work)
-            except ValueError:
-                return  # already failed out by a group failure or close
-            self._last_finish = time.monotonic()
-            if was_head and self._dispatched:
-                self._head_since = time.monotonic()
-                self._arm(self._head_since + self._dispatched[0].limit_s)
-            self._pump()
-            if not self._dispatched:
-                self._cond.notify_all()  # wake drain()
+            self._finish_locked(work)
+        self._send_launches()
+
+    def _finish_locked(self, work: Work) -> None:
+        was_head = bool(self._dispatched) and self._dispatched[0] is work
+        try:
+            self._dispatched.remove(work)
+        except ValueError:
+            return  # already failed out by a group failure or close
+        self._last_finish = time.monotonic()
+        if was_head and self._dispatched:
+            self._head_since = time.monotonic()
+            self._arm(self._head_since + self._dispatched[0].limit_s)
+        self._pump()
+        if not self._dispatched:
+            self._cond.notify_all()  # wake drain()
 
     def complete(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
         """`deliver` and `finished` in one lock hold (one rank: its reply is its finish). The slot is
         free before the caller wakes, so its next submit does not queue behind this bookkeeping."""
         with self._lock:
             self.deliver(work, value, error)
-            self.finished(work)
+            self._finish_locked(work)
+        self._send_launches()
 
     def _cancelled(self, future: EngineFuture) -> None:
         """A queued future was cancelled by its caller: it leaves the queue, nothing reaches a rank."""
@@ -327,6 +351,7 @@ class ReplicaScheduler:
         with self._lock:
             self._held = False
             self._pump()
+        self._send_launches()
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until nothing is at the ranks (call after `hold`); False when `timeout_s` ran out."""
@@ -400,6 +425,7 @@ class ReplicaScheduler:
                 if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
                     self._flush_at = float("inf")
                     self._pump()
+            self._send_launches()
             self.expire(time.monotonic())
 
     def expire(self, now: float) -> None:
