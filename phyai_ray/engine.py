@@ -116,9 +116,9 @@ class Engine:
         iteration protocol, of sequences per iteration and each sequence's wait for a slot, plus the
         running and waiting sequences now."""
         size = self.deployment.batching.max_batch_size or 1
-        return [{"replica": e.index, "batching": e.batching or e.iterations is not None,
+        return [{"replica": e.index, "batching": e.batching or e.frontend.iterative,
                  "max_batch_size": size if e.batching else 1,
-                 **e.scheduler.batch_snapshot(), **(e.iterations.snapshot() if e.iterations is not None else {})}
+                 **e.scheduler.batch_snapshot(), **e.frontend.snapshot()}
                 for e in list(self._executors)]
 
     def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
@@ -155,7 +155,7 @@ class Engine:
     @property
     def batches_per_iteration(self) -> bool:
         """Whether the replicas run the plugin's iteration protocol (continuous batching)."""
-        return bool(self._executors) and all(e.iterations is not None for e in self._executors)
+        return bool(self._executors) and all(e.frontend.iterative for e in self._executors)
 
     def open_stream(self, request: Any, *, session: Any = None,
                     max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:

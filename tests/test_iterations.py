@@ -287,7 +287,7 @@ def test_a_slow_gather_holds_no_lock_that_status_or_submit_need(inline_probe):
 
 def test_requests_that_leave_while_the_replica_is_held_leave_nothing_queued(inline_probe):
     """Paused: nothing plans, so requests cancelled meanwhile must not pile up in the waiting line."""
-    loop = inline_probe._executors[0].iterations
+    loop = inline_probe._executors[0].frontend
     inline_probe.pause(mode="keep")
     try:
         kept = inline_probe.submit({"prompts": [[7]], "max_tokens": 2})

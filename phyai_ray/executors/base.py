@@ -13,6 +13,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.batching import BatchPolicy
 from phyai_ray.executors.control import ReplicaControl
 from phyai_ray.executors.futures import CallbackThread
+from phyai_ray.executors.frontends import StepQueue
 from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
 from phyai_ray.work import Kind
@@ -64,7 +65,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self.scheduler = ReplicaScheduler(index, max_ongoing=max_ongoing, max_queued=max_queued,
                                           launch=self._launch, on_hung=self._on_hung,
                                           delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
-        self.iterations: IterationLoop | None = None  # continuous batching (the iteration protocol)
+        self.frontend: StepQueue | IterationLoop = StepQueue(self)  # where requests wait (frontends.py)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
@@ -77,11 +78,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         (the plugin's `batch_key` / `request_size`) place the request in a batch when batching is on.
         """
         self._check_healthy()
-        if self.iterations is not None:
-            return self.iterations.submit(request)
-        payload = self._prepare(request)
-        return self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, key=key, size=size,
-                                     weight=self._weight(payload))
+        return self.frontend.submit(request, key=key, size=size)
 
     def enable_iterations(self, entry: Any, batching: Any, iterative: bool) -> None:
         """Batch per iteration when the plugin splits requests into sequences and every rank's model
@@ -93,8 +90,8 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
                         "iteration protocol (admit, drop, recompute, iterate); every request runs as a step of its "
                         "own", self.index, entry.display_name())
             return
-        self.iterations = IterationLoop(self, entry, batching, limit_s=self._step_limit_s,
-                                        max_queued=self.scheduler.max_queued)
+        self.frontend = IterationLoop(self, entry, batching, limit_s=self._step_limit_s,
+                                      max_queued=self.scheduler.max_queued)
         logger.info("replica %d: continuous batching, up to %d sequences and %d tokens per iteration", self.index,
                     batching.max_num_seqs, batching.max_num_batched_tokens)
 
@@ -130,9 +127,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         """Queue a streamed request; returns its future (the final result) and a chunk reader."""
         self._check_healthy()
-        if self.iterations is not None:
-            return self.iterations.submit_stream(request, max_buffered)
-        return self._submit_stream(request, max_buffered)
+        return self.frontend.submit_stream(request, max_buffered)
 
     def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         raise TypeError(f"{type(self).__name__} cannot stream")
@@ -147,23 +142,20 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
             return self.scheduler.submit(Kind.CALL, payload, timeout_s, all_ranks=all_ranks, bypass_queue=True)
 
     def counts(self) -> Counts:
-        if self.iterations is None:
-            return self.scheduler.counts()
-        mine, loop = self.scheduler.counts(), self.iterations.counts()
-        return Counts(mine.queued + loop.queued, mine.dispatched + loop.dispatched, mine.served + loop.served,
-                      mine.errored + loop.errored)
+        mine, held = self.scheduler.counts(), self.frontend.counts()
+        return Counts(mine.queued + held.queued, mine.dispatched + held.dispatched, mine.served + held.served,
+                      mine.errored + held.errored)
 
     def has_room(self) -> bool:
-        if self.iterations is not None:
-            return self.healthy and self.iterations.has_room()
-        return self.healthy and self.scheduler.has_room()
+        return self.healthy and self.frontend.has_room()
 
     def _prepare(self, payload: Any) -> Any:
         return payload
 
     @abc.abstractmethod
     def _launch(self, work: Work) -> None:
-        """Send dispatched `work` to every rank (called in dispatch order, under the scheduler lock)."""
+        """Send dispatched `work` to every rank (called in dispatch order, outside the scheduler's lock,
+        by one thread at a time)."""
 
     @abc.abstractmethod
     def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
@@ -184,8 +176,7 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self._teardown_after_failure()
 
     def _stop_iterations(self, cancel_waiting: bool = False) -> None:
-        if self.iterations is not None:
-            self.iterations.stop(self.unavailable_error, cancel_waiting=cancel_waiting)
+        self.frontend.stop(self.unavailable_error, cancel_waiting=cancel_waiting)
 
     def _teardown_after_failure(self) -> None:
         threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()

@@ -179,8 +179,7 @@ class ReplicaControl(WeightUpdates):
         if op == "resume":
             return 0
         aborted = 0
-        if self.iterations is not None:  # first: no iteration starts once the scheduler holds
-            aborted = self.iterations.quiesce(op, mode, deadline)
+        aborted = self.frontend.quiesce(op, mode, deadline)  # first: no iteration starts once the scheduler holds
         self.scheduler.hold()
         if op == "pause" and mode == "abort":
             aborted += self.scheduler.abort_queued(lambda: RequestAbortedError(
@@ -240,5 +239,4 @@ class ReplicaControl(WeightUpdates):
     def _restore_dispatch(self) -> None:
         if self._life.state is ReplicaState.SERVING and self.failure is None:
             self.scheduler.release()
-            if self.iterations is not None:
-                self.iterations.release(self.scheduler.weight_version)
+            self.frontend.release(self.scheduler.weight_version)

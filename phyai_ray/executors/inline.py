@@ -63,7 +63,7 @@ class InlineExecutor(ReplicaExecutor):
         this call runs past its limit: the other callers get the error; this thread is in the
         plugin and returns when it does.
         """
-        if not caller_runs or self.iterations is not None:
+        if not caller_runs or self.frontend.iterative:
             return super().submit(request, key=key, size=size)
         self._check_healthy()
         future = self.scheduler.submit(Kind.STEP, request, self._step_limit_s, here=True, key=key, size=size)

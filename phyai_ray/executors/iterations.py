@@ -56,7 +56,10 @@ GATHER = object()  # a settled request whose result is still to be gathered (out
 
 
 class IterationLoop:
-    """Waiting and running sequences of one replica, and the thread that iterates them."""
+    """Waiting and running sequences of one replica, and the thread that iterates them (a request
+    frontend: see frontends.py)."""
+
+    iterative = True
 
     def __init__(self, executor: Any, entry: Any, batching: Any, *, limit_s: float, max_queued: int | None) -> None:
         self._executor, self._entry = executor, entry
@@ -83,7 +86,7 @@ class IterationLoop:
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: Any, sink: ChunkSink | None = None) -> EngineFuture:
+    def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1) -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
