@@ -46,7 +46,7 @@ from actors.remote_streams import RemoteReader
 from actors.startup import gather_within
 from phyai_ray.errors import EngineUnavailableError, StartupError
 from phyai_ray.executors.base import ReplicaExecutor
-from phyai_ray.executors.scheduler import Work
+from phyai_ray.work import Work
 from phyai_ray.work import Kind
 from placement.bundles import ReplicaPlan
 from placement.spread import physical_device

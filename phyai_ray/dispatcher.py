@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError
 from phyai_ray.executors.base import ReplicaExecutor
-from phyai_ray.executors.scheduler import Counts
+from phyai_ray.executors.ledger import Counts
 
 
 class RequestDispatcher:

@@ -1,4 +1,5 @@
-"""`Kind`: what one unit of work a replica sends to its ranks is, and the one place each kind runs.
+"""`Kind`: what one unit of work a replica sends to its ranks is, and the one place each kind runs;
+`Work`: one such unit in a replica's pipeline (its payload, deadline, future, batch members).
 
     Kind.STEP     one request: `model.step(request)`
     Kind.BATCH    several requests as one step: `model.step_batch(requests)` (one result each)
@@ -13,7 +14,14 @@ everywhere. A `str` enum: a kind travels (pickled, in a lane frame) as its plain
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phyai_ray.executors.futures import EngineFuture
 
 
 class Kind(str, Enum):
@@ -28,3 +36,57 @@ class Kind(str, Enum):
 
 
 REQUEST_KINDS = frozenset({Kind.STEP, Kind.STREAM})  # counted as requests; a CALL (collective_rpc) is not
+_ids = itertools.count()
+
+
+class Work:
+    """One request ("step", "stream"), collective_rpc ("call"), batch of requests ("batch") or iteration
+    of the continuous-batching loop ("iterate") of one replica.
+
+    `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
+    without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
+    `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
+    its `payload` is the list of their payloads.
+    """
+
+    __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
+                 "ident", "state", "here", "key", "size", "weight", "members", "launched")
+
+    def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
+                 all_ranks: bool = False) -> None:
+        self.kind, self.payload, self.limit_s, self.future, self.all_ranks = kind, payload, limit_s, future, all_ranks
+        self.submitted = time.monotonic()
+        self.dispatched: float | None = None
+        self.ident = next(_ids)
+        self.state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
+        self.here = False
+        self.key: Any = None
+        self.size, self.weight = 1, 0
+        self.members: list[Work] = []
+        self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
+
+    @classmethod
+    def batch(cls, members: list["Work"]) -> "Work":
+        """One step of several requests; its deadline is its earliest member's."""
+        first = min(members, key=lambda m: m.deadline)
+        work = cls(Kind.BATCH, [m.payload for m in members], first.limit_s, None)
+        work.submitted, work.members = first.submitted, members
+        work.size = sum(m.size for m in members)
+        return work
+
+    @property
+    def deadline(self) -> float:
+        return self.submitted + self.limit_s
+
+    @property
+    def unfinished(self) -> bool:
+        """Some future of this work (its own, or a member's) has no outcome yet."""
+        if self.kind == Kind.BATCH:
+            return any(not m.future.done() for m in self.members)
+        return not self.future.done()
+
+    def requests(self) -> list["Work"]:
+        """The requests this work carries: its members, itself, or none (a collective_rpc)."""
+        if self.kind == Kind.BATCH:
+            return self.members
+        return [self] if self.kind in REQUEST_KINDS else []

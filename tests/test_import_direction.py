@@ -5,7 +5,8 @@
   `phyai_ray.backends` entry point (phyai_ray/executors/backends.py), loaded only when a Ray mode is
   asked for, so Ray is imported only when a Ray-backed engine is built.
 
-Read from the source with `ast`, so a lazy import inside a function counts too.
+Read from the source with `ast`, so a lazy import inside a function counts too. Also: no module of
+the three packages grows past MAX_MODULE_LINES.
 
 Run: .venv/bin/pytest tests/test_import_direction.py -q
 """
@@ -51,3 +52,12 @@ def test_the_check_sees_lazy_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from actors.launch import start_replicas\n    import ray.util\n")
     assert _imports(probe) == {"actors", "ray"}
+
+
+MAX_MODULE_LINES = 450  # about 400 is the aim; generated gRPC stubs are exempt
+
+
+def test_no_module_of_the_packages_grows_past_the_limit():
+    long = {str(p.relative_to(ROOT)): n for package in ("phyai_ray", "actors", "placement") for p in _modules(package)
+            if "grpc_v2" not in p.parts and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by what they do): {long}"

@@ -15,7 +15,9 @@ from phyai_ray.executors.control import ReplicaControl
 from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.frontends import StepQueue
 from phyai_ray.executors.iterations import IterationLoop
-from phyai_ray.executors.scheduler import Counts, ReplicaScheduler, Work
+from phyai_ray.executors.ledger import Counts
+from phyai_ray.executors.scheduler import ReplicaScheduler
+from phyai_ray.work import Work
 from phyai_ray.work import Kind
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from phyai_ray.executors.scheduler import Counts
+from phyai_ray.executors.ledger import Counts
 from phyai_ray.work import Kind
 
 _NONE = Counts(0, 0, 0, 0)

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from phyai_ray.executors.base import ReplicaExecutor
-from phyai_ray.executors.scheduler import Work
+from phyai_ray.work import Work
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
 from phyai_ray.work import Kind

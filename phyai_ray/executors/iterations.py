@@ -40,7 +40,7 @@ from typing import Any, Callable
 from phyai_ray.errors import EngineUnavailableError, RequestAbortedError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.ledger import Tally, overloaded, timed_out
-from phyai_ray.executors.scheduler import Counts
+from phyai_ray.executors.ledger import Counts
 from phyai_ray.executors.sequences import LoopRequest, LoopSequence, merge_chunks, stream_chunk
 from phyai_ray.outputs import version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan

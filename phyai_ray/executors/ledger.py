@@ -4,6 +4,7 @@ queue and of a passed deadline.
     ReplicaScheduler  (scheduler.py)   requests as steps or batches of steps
     IterationLoop     (iterations.py)  requests as sequences of the continuous-batching loop
 
+    Counts                               queued / dispatched / served / errored of one replica
     tally.settle(future, value, error)   resolve once; a request counts as served or errored once
     overloaded(index, queued, limit, behind)          EngineOverloadedError naming the bounds
     timed_out(index, waited_s, limit, where, ...)     RequestTimeoutError saying where it was
@@ -13,9 +14,28 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Exact accounting of one replica's requests (collective_rpc calls and iterations are not counted).
+
+    `dispatched` counts requests at the ranks whose future is unfinished, so a result in hand is
+    never still in flight; `in_flight` (queued + dispatched) is what routing compares.
+    """
+
+    queued: int
+    dispatched: int
+    served: int
+    errored: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.queued + self.dispatched
 
 
 def settle(future: Future, value: Any, error: BaseException | None) -> bool:

@@ -31,95 +31,21 @@ the queue's head need not hold the earliest).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
-from phyai_ray.executors.ledger import Tally, overloaded, timed_out
+from phyai_ray.executors.ledger import Counts, Tally, overloaded, timed_out
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.futures import CallbackThread, EngineFuture
-from phyai_ray.work import REQUEST_KINDS, Kind
+from phyai_ray.work import REQUEST_KINDS, Kind, Work
 
 logger = logging.getLogger(__name__)
 
-_ids = itertools.count()
 _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
-
-
-class Work:
-    """One request ("step", "stream"), collective_rpc ("call"), batch of requests ("batch") or iteration
-    of the continuous-batching loop ("iterate") of one replica.
-
-    `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
-    without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
-    `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
-    its `payload` is the list of their payloads.
-    """
-
-    __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here", "key", "size", "weight", "members", "launched")
-
-    def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
-                 all_ranks: bool = False) -> None:
-        self.kind, self.payload, self.limit_s, self.future, self.all_ranks = kind, payload, limit_s, future, all_ranks
-        self.submitted = time.monotonic()
-        self.dispatched: float | None = None
-        self.ident = next(_ids)
-        self.state: Any = None  # the executor's per-dispatch record (e.g. which ranks replied)
-        self.here = False
-        self.key: Any = None
-        self.size, self.weight = 1, 0
-        self.members: list[Work] = []
-        self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
-
-    @classmethod
-    def batch(cls, members: list["Work"]) -> "Work":
-        """One step of several requests; its deadline is its earliest member's."""
-        first = min(members, key=lambda m: m.deadline)
-        work = cls(Kind.BATCH, [m.payload for m in members], first.limit_s, None)
-        work.submitted, work.members = first.submitted, members
-        work.size = sum(m.size for m in members)
-        return work
-
-    @property
-    def deadline(self) -> float:
-        return self.submitted + self.limit_s
-
-    @property
-    def unfinished(self) -> bool:
-        """Some future of this work (its own, or a member's) has no outcome yet."""
-        if self.kind == Kind.BATCH:
-            return any(not m.future.done() for m in self.members)
-        return not self.future.done()
-
-    def requests(self) -> list["Work"]:
-        """The requests this work carries: its members, itself, or none (a collective_rpc)."""
-        if self.kind == Kind.BATCH:
-            return self.members
-        return [self] if self.kind in REQUEST_KINDS else []
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Exact accounting of one replica's requests (collective_rpc calls and iterations are not counted).
-
-    `dispatched` counts requests at the ranks whose future is unfinished, so a result in hand is
-    never still in flight; `in_flight` (queued + dispatched) is what routing compares.
-    """
-
-    queued: int
-    dispatched: int
-    served: int
-    errored: int
-
-    @property
-    def in_flight(self) -> int:
-        return self.queued + self.dispatched
 
 
 class ReplicaScheduler:
