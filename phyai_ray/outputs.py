@@ -81,3 +81,45 @@ def version_order(version: Any) -> Any:
     if version is None:
         return (0, 0)
     return (1, version) if isinstance(version, (int, float)) else (2, str(version))
+
+
+# -- the token chunk: one streamed step of a token request ----------------------------------------
+#   {"index": k, "token_ids": [entry per sequence], "log_probs": [entry per sequence],
+#    "top_logprobs": [entry per sequence] (only when asked for)}
+# An entry is None (that sequence had no token this step), one value (one token), or a list (several:
+# a slow reader's folded steps, or an iteration that gave more). Built and read only here.
+
+def token_chunk(index: int, deltas: list[Any]) -> dict[str, Any]:
+    """The chunk of one step from each sequence's Delta (None: no token this step), in sequence order."""
+    def entry(values: list) -> Any:
+        return values[-1] if len(values) == 1 else list(values)
+    chunk: dict[str, Any] = {
+        "index": index,
+        "token_ids": [entry(d.token_ids) if d is not None and d.token_ids else None for d in deltas],
+        "log_probs": [entry(d.log_probs) if d is not None and d.token_ids else None for d in deltas]}
+    tops = [(d.top_logprobs or None) if d is not None else None for d in deltas]
+    if any(t is not None for t in tops):
+        chunk["top_logprobs"] = tops  # per sequence: a list of {id: log-prob}, one per token of this chunk
+    return chunk
+
+
+def merge_token_chunks(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive chunks of one stream as one (each sequence's tokens, in order)."""
+    def joined(a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return b if a is None else a
+        return entry_values(a) + entry_values(b)
+    out = {"index": first["index"], "token_ids": [joined(a, b) for a, b in zip(first["token_ids"], then["token_ids"])],
+           "log_probs": [joined(a, b) for a, b in zip(first["log_probs"], then["log_probs"])]}
+    if "top_logprobs" in first or "top_logprobs" in then:
+        n = len(first["token_ids"])
+        out["top_logprobs"] = [joined(a, b) for a, b in zip(first.get("top_logprobs") or [None] * n,
+                                                             then.get("top_logprobs") or [None] * n)]
+    return out
+
+
+def entry_values(entry: Any) -> list:
+    """A chunk entry as the list of its values ([] for None)."""
+    if entry is None:
+        return []
+    return list(entry) if isinstance(entry, (list, tuple)) else [entry]

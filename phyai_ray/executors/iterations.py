@@ -41,8 +41,8 @@ from phyai_ray.errors import EngineUnavailableError, RequestAbortedError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.ledger import Tally, overloaded, timed_out
 from phyai_ray.executors.ledger import Counts
-from phyai_ray.executors.sequences import LoopRequest, LoopSequence, merge_chunks, stream_chunk
-from phyai_ray.outputs import version_order
+from phyai_ray.executors.sequences import LoopRequest, LoopSequence, stream_chunk
+from phyai_ray.outputs import merge_token_chunks, version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
 
@@ -119,7 +119,7 @@ class IterationLoop:
         waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
         (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
         sequence and the buffer stays `max_buffered` chunks long."""
-        sink = ChunkSink(max_buffered=max_buffered, merge=merge_chunks)
+        sink = ChunkSink(max_buffered=max_buffered, merge=merge_token_chunks)
         future = self.submit(request, sink)
         return future, LocalReader(sink, future)
 

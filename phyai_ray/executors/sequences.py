@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from phyai_ray.executors.futures import EngineFuture
-from phyai_ray.outputs import TokenOutput
+from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Delta
 from phyai_ray.streams import ChunkSink
 
@@ -54,33 +54,10 @@ class LoopSequence:
                            weight_versions=self.versions, top_logprobs=self.tops)
 
 
-def merge_chunks(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
-    """Two consecutive chunks of one request's stream as one (each sequence's tokens, in order)."""
-    def joined(a: Any, b: Any) -> Any:
-        if a is None or b is None:
-            return b if a is None else a
-        return (a if isinstance(a, list) else [a]) + (b if isinstance(b, list) else [b])
-    out = {"index": first["index"], "token_ids": [joined(a, b) for a, b in zip(first["token_ids"], then["token_ids"])],
-           "log_probs": [joined(a, b) for a, b in zip(first["log_probs"], then["log_probs"])]}
-    if "top_logprobs" in first or "top_logprobs" in then:
-        n = len(first["token_ids"])
-        out["top_logprobs"] = [joined(a, b) for a, b in zip(first.get("top_logprobs") or [None] * n,
-                                                             then.get("top_logprobs") or [None] * n)]
-    return out
-
-
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
     """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
-    ids: list[Any] = [None] * len(req.seqs)
-    lps: list[Any] = [None] * len(req.seqs)
-    tops: list[Any] = [None] * len(req.seqs)
+    deltas: list[Any] = [None] * len(req.seqs)
     for seq, delta in changed:
-        ids[seq.index] = delta.token_ids[-1] if len(delta.token_ids) == 1 else list(delta.token_ids)
-        lps[seq.index] = delta.log_probs[-1] if len(delta.log_probs) == 1 else list(delta.log_probs)
-        tops[seq.index] = delta.top_logprobs or None
-    chunk = {"index": req.chunks, "token_ids": ids, "log_probs": lps}
-    if any(t is not None for t in tops):
-        chunk["top_logprobs"] = tops  # per sequence: a list of {id: log-prob}, one per token of this chunk
-    req.sink.put(chunk)
+        deltas[seq.index] = delta
+    req.sink.put(token_chunk(req.chunks, deltas))
     req.chunks += 1
-

@@ -31,6 +31,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
+from phyai_ray.outputs import entry_values
 from phyai_ray.serve.errors import classify
 from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
@@ -248,7 +249,7 @@ async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 
                     final, ended = value or [], True
                     break
                 tops = value.get("top_logprobs") or [None] * len(value["token_ids"])
-                step = [(b, _listed(t), _listed(lp), top) for b, (t, lp, top)
+                step = [(b, entry_values(t), entry_values(lp), top) for b, (t, lp, top)
                         in enumerate(zip(value["token_ids"], value["log_probs"], tops)) if t is not None]
                 rendered = chunks.tokens(step)
                 events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
@@ -275,11 +276,6 @@ class _Stopped:
     """The output of a choice that a stop string ended (its generation was cancelled)."""
 
     stop_reason = "completed"
-
-
-def _listed(value: Any) -> list:
-    """A chunk's entry for one prompt: one token (an int), or several (a list) when an iteration gave more."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error"}  # every other server kind: server_error

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from phyai_ray.models.reference_lm.slots import Batch, Slots, alternatives, sample
-from phyai_ray.outputs import TokenOutput
+from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Delta
 
 
@@ -85,7 +85,7 @@ class SlotDecoder:
         index = 0
         while slots.rows:
             deltas = self.run_iteration(slots)
-            if emit is not None and emit(chunk(index, deltas, len(seqs))) is False:
+            if emit is not None and emit(token_chunk(index, [deltas.get(i) for i in range(len(seqs))])) is False:
                 break
             index += 1
         return [TokenOutput(s.tokens, s.log_probs, stop_reason=s.stop_reason or "aborted",
@@ -98,10 +98,3 @@ class SlotDecoder:
         logits = self.logits(batch, slots)
         chosen, log_probs = sample(logits, slots.rows)
         return slots.advance(chosen, log_probs, alternatives(logits, slots.rows))
-
-
-def chunk(index: int, deltas: dict[int, Delta], prompts: int) -> dict[str, Any]:
-    """One streamed chunk of a whole-request generation: per prompt its token of this iteration, or None."""
-    got = [deltas.get(i) for i in range(prompts)]
-    return {"index": index, "token_ids": [d.token_ids[0] if d is not None else None for d in got],
-            "log_probs": [d.log_probs[0] if d is not None else None for d in got]}
