@@ -29,6 +29,31 @@ def test_callback_thread_keeps_order_and_moves_on_past_a_stalled_callback():
     assert out == [0, 1, 2, 3, 4, 5] and time.monotonic() - posted < 0.2 + 1.0
 
 
+def test_an_awaiting_coroutine_never_waits_behind_a_blocked_callback_and_its_cancel_reaches_the_future():
+    """Pure: an EngineFuture whose delivery thread is held by a user callback; `awaitable` still wakes at once."""
+    thread, release = delivery.CallbackThread("test-callbacks", stall_s=30.0), threading.Event()
+    thread.post(lambda _: release.wait(10), None)  # the delivery thread is busy for 10 s
+    cancelled = []
+    future = delivery.EngineFuture(thread, lambda f: cancelled.append(f))
+    other = delivery.EngineFuture(thread, lambda f: cancelled.append(f))
+
+    async def main() -> tuple[float, bool]:
+        waiting = delivery.awaitable(future)
+        threading.Timer(0.05, future.set_result, args=("done",)).start()
+        start = time.monotonic()
+        assert await asyncio.wait_for(waiting, 5) == "done"
+        late = time.monotonic() - start
+        pending = delivery.awaitable(other)
+        pending.cancel()
+        await asyncio.sleep(0.05)
+        return late, other.cancelled()
+    try:
+        late, other_cancelled = asyncio.run(main())
+    finally:
+        release.set()
+    assert late < 1.0 and other_cancelled and cancelled == [other]
+
+
 def _engine():
     from tests.test_transport import _engine
 
@@ -51,7 +76,7 @@ def _delivered(engine, request: dict) -> tuple[float, threading.Event]:
 def _awaited(future, timeout_s: float):
     """The result of `future` awaited on an asyncio loop, as Serve and `EngineActor` wait for it."""
     async def waiter():
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        return await asyncio.wait_for(delivery.awaitable(future), timeout_s)
     return asyncio.run(waiter())
 
 
@@ -83,8 +108,10 @@ def test_a_blocking_callback_delays_others_at_most_the_stall_bound_and_asyncio_w
         try:
             engine.submit({"sleep": 0}).add_done_callback(block)
             assert started.wait(10)
-            # an asyncio waiter never waits behind user callbacks
+            # an asyncio waiter never waits behind user callbacks (the blocked one holds delivery for 60 s)
+            asked = time.monotonic()
             assert _awaited(engine.submit({"sleep": 0.05}), 5).tolist() == [3.0] * 2
+            assert time.monotonic() - asked < _stall_s(), "the waiter waited behind the blocked callback"
             finished, ran = _delivered(engine, {"sleep": 0})
             assert ran.wait(_stall_s() + 5), "a blocking callback stalled every later callback of its replica"
             assert time.monotonic() - finished < _stall_s() + 2.0

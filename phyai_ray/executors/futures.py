@@ -8,13 +8,14 @@ the reply it waits for is set by another thread, never by the one the callback o
 Isolation: a callback that raises anything (`SystemExit` included) is logged and delivery goes
 on. A callback that runs longer than `STALL_S` keeps its thread, and the callbacks after it move
 to a fresh one, so one blocking callback delays the others of its replica by at most `STALL_S`.
-asyncio waiters (`asyncio.wrap_future`, as Serve and `EngineActor` wait) do not queue behind user
-callbacks at all: their hand-off only schedules the loop (`call_soon_threadsafe`), so it runs on the
-setting thread.
+asyncio waiters that use `awaitable(future)` (Serve's group runner and `EngineActor` do) do not
+queue behind user callbacks at all: their hand-off only schedules the loop (`call_soon_threadsafe`),
+so it runs on the setting thread. A plain `asyncio.wrap_future` is a user callback like any other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -96,10 +97,34 @@ class CallbackThread:
             self._watching = False
 
 
-def _hands_to_a_loop(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` is asyncio's `wrap_future` hand-off (it only schedules the waiting loop)."""
-    return getattr(fn, "__module__", None) == "asyncio.futures" and \
-        getattr(fn, "__qualname__", "").startswith("_chain_future.")
+def awaitable(future: Future) -> asyncio.Future:
+    """`future` awaited on the running loop. An EngineFuture hands its outcome to the loop from the thread
+    that sets it (it only schedules the loop), never behind user done-callbacks; cancelling the
+    asyncio future cancels `future` (as `asyncio.wrap_future` does)."""
+    loop = asyncio.get_running_loop()
+    out = loop.create_future()
+
+    def copy(done: Future) -> None:  # on the loop
+        if out.cancelled():
+            return
+        if done.cancelled():
+            out.cancel()
+        elif done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    def hand_off(done: Future) -> None:  # on the thread that finished `future`: never blocks
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the loop is closed: nobody awaits any more
+            pass
+    out.add_done_callback(lambda o: future.cancel() if o.cancelled() else None)
+    if isinstance(future, EngineFuture):
+        future.add_loop_callback(hand_off)
+    else:
+        future.add_done_callback(hand_off)
+    return out
 
 
 class EngineFuture(Future):
@@ -120,10 +145,14 @@ class EngineFuture(Future):
         self.weight_version: Any = None
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
-        if self.done() or _hands_to_a_loop(fn):  # at once, here / on the setting thread (never blocks)
+        if self.done():  # at once, here
             super().add_done_callback(fn)
         else:
             super().add_done_callback(lambda f: self._delivery.post(fn, f))
+
+    def add_loop_callback(self, fn: Callable[[Future], Any]) -> None:
+        """`fn` on the thread that finishes this future: it must never block (`awaitable`'s hand-off)."""
+        super().add_done_callback(fn)
 
     def cancel(self) -> bool:
         if not super().cancel():

@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 
+from phyai_ray.executors.futures import awaitable
+
 CONTROL = {"concurrency_group": "control"}
 
 
@@ -44,7 +46,7 @@ class _EngineActor:
 
     async def submit(self, request: Any, session: Any = None) -> StepResult:
         future = self.engine.submit(request, session)
-        value = await asyncio.wrap_future(future)
+        value = await awaitable(future)
         return StepResult(value, future.replica, future.weight_version)
 
     async def stream(self, request: Any, session: Any = None, max_buffered: int = 64) -> Any:

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
                               RequestTimeoutError)
 from phyai_ray.async_streams import stream_items
+from phyai_ray.executors.futures import awaitable
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.registry import GroupReport, note_failed, set_failed
 
@@ -85,7 +86,7 @@ class GroupRunner:
             if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
             return await self._forwarded(request, hops + 1, (*failed, self.group))
-        return await self._within(asyncio.wrap_future(future), "; the request keeps running on its group")
+        return await self._within(awaitable(future), "; the request keeps running on its group")
 
     async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (),
                      forward: bool = True) -> AsyncIterator[list[tuple[str, Any]]]:
