@@ -141,17 +141,20 @@ class IpcLane(BoundedLane):
             encoded.close()
         return encoded
 
-    def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
-        """Lock held. Returns the error of a request that did not serialize (nothing was written)."""
+    def _pack(self, request: LaneRequest) -> tuple[memoryview, list[int], Encoded]:
+        """No lock held: the framed bytes (a large body copied into its memfd here) and descriptors."""
+        payload = request.payload if isinstance(request.payload, Encoded) else \
+            encode(request.payload, cuda_ipc=self.cuda_ipc)
+        meta = pickle.dumps((request.seq, request.kind, request.reply_ranks, request.window))
+        data, fds = frame(meta, payload)
+        return data, fds, payload
+
+    def _write(self, tag: Any, packed: tuple[memoryview, list[int], Encoded]) -> BaseException | None:
+        """Lock held: queue the framed message for every rank and write what each socket takes now."""
+        data, fds, payload = packed
         if self._closed:
+            close_fds([fd for fd in fds if fd not in payload.fds])
             return None
-        try:
-            payload = request.payload if isinstance(request.payload, Encoded) else \
-                encode(request.payload, cuda_ipc=self.cuda_ipc)
-            meta = pickle.dumps((request.seq, request.kind, request.reply_ranks, request.window))
-            data, fds = frame(meta, payload)
-        except Exception as exc:
-            return exc
         message = _Message(tag, data, fds, payload, len(self._socks))
         self._in_flight += 1
         for rank, sock in enumerate(self._socks):

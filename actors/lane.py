@@ -21,9 +21,9 @@ which lane it has.
 `BoundedLane`: what the socket and compiled lanes share on the sending side.
 
 A lane holds at most `capacity` messages at the ranks; a message sent beyond that waits in the
-backlog, in order, until a reply frees a slot, so `send` never blocks the caller (it runs under the
-replica scheduler's lock). Subclasses write a message with `_write` (lock held; it returns the
-error of a message that did not serialize, so that request fails alone) and report `in_flight`.
+backlog, in order, until a reply frees a slot, so `send` never blocks the caller. Subclasses make a
+message with `_pack` (no lock held), write it with `_write` (lock held; it returns the error of a
+message that could not be written, so that request fails alone) and report `in_flight`.
 """
 
 from __future__ import annotations
@@ -57,16 +57,26 @@ class BoundedLane:
     def in_flight(self) -> int:
         raise NotImplementedError
 
-    def _write(self, tag: Any, request: LaneRequest) -> BaseException | None:
+    def _pack(self, request: LaneRequest) -> Any:
+        """The message of `request`, made before the lane's lock is taken (serializing, or copying a large
+        body, never holds the writer end); raising fails that request alone."""
+        return request
+
+    def _write(self, tag: Any, packed: Any) -> BaseException | None:
         raise NotImplementedError
 
     def send(self, tag: Any, request: LaneRequest) -> None:
         """Write `request` (or keep it, in order, until there is room); never blocks."""
+        try:
+            packed = self._pack(request)
+        except Exception as exc:
+            self._on_unsent(tag, exc)
+            return
         with self._lock:
             if self._backlog or self.in_flight >= self.capacity:
-                self._backlog.append((tag, request))
+                self._backlog.append((tag, packed))
                 return
-            error = self._write(tag, request)
+            error = self._write(tag, packed)
         if error is not None:
             self._on_unsent(tag, error)
 
