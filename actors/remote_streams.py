@@ -34,6 +34,9 @@ class RemoteReader:
         except Exception:  # the replica failed: the future says why
             return [], self.work.future.done()
 
+    def subscribe(self, wake: Any) -> bool:
+        return False  # its chunks are pulled from the rank: a consumer reads from a thread of its own
+
     def cancel(self) -> None:
         if self.work.future.cancel():
             return

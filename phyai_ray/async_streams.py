@@ -14,10 +14,10 @@ is the only one that ever touches it: `close()` only raises a flag, and the pump
 generator (cancelling the stream on every rank) as soon as its pull in progress returns, at most
 one chunk later. The pump runs at most `ahead` chunks ahead of the reader.
 
-`stream_items(engine, request)` is what a route iterates: for a replica that batches per
-iteration (its reader's sink calls back after every chunk) it needs no thread at all, so dozens
-of open streams do not put dozens of threads on the GIL beside the engine; for the others it is a
-`StreamPump`. It opens the stream before its first item: a stream the engine refuses (no healthy
+`stream_items(engine, request)` is what a route iterates: for a stream whose reader can wake it
+(`reader.subscribe(wake)`: a stream produced in this process, by the iteration loop or an inline
+rank) it needs no thread at all, so dozens of open streams do not put dozens of threads on the GIL
+beside the engine; for the others (a Ray replica's output rank) it is a `StreamPump`. It opens the stream before its first item: a stream the engine refuses (no healthy
 replica, a full queue) raises from the first `__anext__` and never appears as an item, so a caller
 can tell "refused, nothing ran" (safe to send elsewhere) from a failure of a stream that started.
 
@@ -90,7 +90,7 @@ class StreamPump:
 async def stream_items(engine: Any, request: Any, *, session: Any = None,
                        max_buffered: int = 64) -> AsyncIterator[list[tuple[str, Any]]]:
     """Every item of `engine`'s stream of `request`, in lists of those ready together; leaving early
-    (closing the generator) cancels the stream. Threadless when the replica batches per iteration."""
+    (closing the generator) cancels the stream. Threadless when its reader can wake us (`subscribe`)."""
     opening = asyncio.ensure_future(asyncio.to_thread(
         lambda: engine.open_stream(request, session=session, max_buffered=max_buffered)))
     try:
@@ -98,11 +98,6 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
     except asyncio.CancelledError:  # the reader left while the stream opened: cancel it once it is open
         opening.add_done_callback(lambda t: None if t.cancelled() or t.exception() else t.result()[1].cancel())
         raise
-    if not engine.batches_per_iteration:  # its readers only block: a pump with a thread of its own
-        async for items in _pumped(engine.read_stream(future, reader)):
-            yield items
-        return
-    sink = reader.sink
     loop, woken, done = asyncio.get_running_loop(), asyncio.Event(), False
 
     def poke() -> None:  # on the engine's thread
@@ -110,11 +105,15 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
             loop.call_soon_threadsafe(woken.set)
         except RuntimeError:  # the loop is closed: nobody reads any more
             pass
-    sink.on_change = poke
+    if not reader.subscribe(poke):  # a reader that only blocks: a pump with a thread of its own
+        async for items in _pumped(engine.read_stream(future, reader)):
+            yield items
+        return
     try:
         while True:
             woken.clear()
             chunks, done = reader.read(0.0)
+            done = done and future.done()  # its outcome is what ends the stream (it wakes us when set)
             items: list[tuple[str, Any]] = [("chunk", c) for c in chunks]
             if done:
                 if future.cancelled():

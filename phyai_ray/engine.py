@@ -160,9 +160,10 @@ class Engine:
     def open_stream(self, request: Any, *, session: Any = None,
                     max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:
         """The parts `stream` is built on, for consumers with a loop of their own: the request's future
-        and a reader, `read(timeout_s) -> (chunks, done)` and `cancel()`. A reader with a `sink` (the
-        iteration protocol) calls `reader.sink.on_change()` after every chunk and at the end, so an
-        asyncio consumer needs no thread per stream (`phyai_ray.async_streams.stream_items`)."""
+        and a reader (`phyai_ray.streams.LocalReader` describes the protocol): `read(timeout_s) ->
+        (chunks, done)`, `cancel()`, and `subscribe(wake)`, True when the reader calls `wake()` after
+        every chunk and at the end, so an asyncio consumer needs no thread per stream
+        (`phyai_ray.async_streams.stream_items`)."""
         self._check_open()
         self.entry.validate_request(request)
         return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)

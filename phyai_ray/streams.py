@@ -91,11 +91,25 @@ class ChunkSink:
 
 
 class LocalReader:
-    """The consumer's end of a stream produced in this process (an inline rank, or the iteration loop):
-    `read` chunks; `cancel` drops the request (a cancelled future), else stops the producer at its next put."""
+    """The consumer's end of a stream produced in this process (an inline rank, or the iteration loop).
+
+    Every reader (this one, and `actors.remote_streams.RemoteReader` for a Ray replica) answers:
+        read(timeout_s) -> (chunks, done)   what is there, waiting up to timeout_s for the first
+        subscribe(wake) -> bool             call `wake()` (no lock held, never blocking) after each chunk,
+                                            at the end and when the request settles; False: it cannot,
+                                            so a consumer pulls from a thread of its own
+        cancel()                            drop the request (a cancelled future), else stop the producer
+                                            at its next put
+    """
 
     def __init__(self, sink: ChunkSink, future: Any) -> None:
         self.sink, self.future = sink, future
+
+    def subscribe(self, wake: Callable[[], None]) -> bool:
+        self.sink.on_change = wake
+        hand_off = getattr(self.future, "add_loop_callback", self.future.add_done_callback)
+        hand_off(lambda _: wake())  # the sink may close before the future settles (an inline rank)
+        return True
 
     def read(self, timeout_s: float) -> tuple[list, bool]:
         if self.future.cancelled():
