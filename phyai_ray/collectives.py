@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from phyai_ray.groups import active
+from phyai_ray.process_groups import active
 
 _REDUCE_OPS = ("sum", "max", "min", "avg")
 

@@ -11,7 +11,7 @@ import datetime
 import logging
 from typing import Any
 
-from phyai_ray.groups import GroupSet
+from phyai_ray.process_groups import GroupSet
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.work import Kind

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phyai_ray import P
-from phyai_ray.groups import GroupSet
+from phyai_ray.process_groups import GroupSet
 from placement.topology import GROUP_NAMES
 from tests.scripts.collectives_check import SPLITS_IN, rank_input, splits_out
 from tests.scripts.launch import torchrun_json

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
                        EngineArgs, EngineConfig, MoeParallelConfig, OuterParallelConfig, ParallelConfig)
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.groups import GroupSet
+from phyai_ray.process_groups import GroupSet
 from phyai_ray.models.reference_dit import ReferenceDiTConfig, ReferenceDiTEntry, ReferenceDiTRequest
 from phyai_ray.models.reference_dit import weights as W
 from phyai_ray.models.reference_dit.layouts import LAYOUTS, sample_requests

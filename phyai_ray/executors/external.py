@@ -89,7 +89,7 @@ class ExternalExecutor(InlineExecutor):
         runner = getattr(self, "_runner", None)
         if runner is not None and not getattr(self, "_destroyed", False):
             self._destroyed = True
-            from phyai_ray.groups import uninstall
+            from phyai_ray.process_groups import uninstall
             uninstall()
             runner.ctx.groups.destroy()
 

@@ -167,7 +167,7 @@ def build_inline_runner(entry: Any, plugin_args: dict[str, Any], parallel: Any, 
     """The single rank of an inline replica: a world of one, no torch.distributed."""
     import torch
 
-    from phyai_ray.groups import GroupSet
+    from phyai_ray.process_groups import GroupSet
     from phyai_ray.worker import make_context
     from placement.topology import Topology
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from phyai_ray.groups import GroupSet
+from phyai_ray.process_groups import GroupSet
 
 
 @dataclass(frozen=True)
