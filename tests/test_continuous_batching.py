@@ -103,7 +103,13 @@ def test_a_short_request_beside_a_long_one_finishes_first_and_both_equal_their_r
     [short_alone] = lm.step({"prompts": [SHORT], "max_tokens": 4})
     long = lm.submit({"prompts": [LONG], "max_tokens": 200})
     wait_running(lm, 1)
-    [short] = lm.submit({"prompts": [SHORT], "max_tokens": 4}).result(timeout=60)
+    lm.pause(mode="keep")  # frozen mid-flight, so a starved test thread cannot let it run out meanwhile
+    try:
+        assert lm.batch_stats()[0]["running_sequences"] == 1 and not long.done()
+        later = lm.submit({"prompts": [SHORT], "max_tokens": 4})
+    finally:
+        lm.resume()  # the short one joins at the next iteration: 5 iterations to the long one's ~190
+    [short] = later.result(timeout=60)
     assert not long.done(), "the short request waited for the long one"
     [long_out] = long.result(timeout=60)
     assert short.token_ids == short_alone.token_ids and long_out.token_ids == long_alone.token_ids
