@@ -255,3 +255,25 @@ def test_a_slow_launch_holds_no_lock_that_submit_or_counts_need():
     while len(launched) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
     assert launched == ["a", "b"] and not second.done()  # in dispatch order, by the thread that was sending
+    sched.stop(lambda: RuntimeError("the test is over"), cancel_queued=True)
+
+
+def test_a_head_reported_hung_is_reported_once_and_the_clock_then_sleeps():
+    """An on_hung that does not stop the replica (a test's) must not make the clock spin on the same head."""
+    reports = []
+    rec = Recorder()
+    sched = ReplicaScheduler(0, max_ongoing=1, max_queued=100, launch=rec.launch,
+                             on_hung=lambda work, s: reports.append(work.payload),
+                             delivery=CallbackThread("test-callbacks"))
+    rec.scheduler = sched
+    stuck = sched.submit("step", "stuck", 0.2)
+    with pytest.raises(RequestTimeoutError):
+        stuck.result(timeout=5)
+    deadline = time.monotonic() + 5
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.process_time()
+    time.sleep(1.0)
+    assert reports == ["stuck"], reports  # once, not once per clock turn
+    assert time.process_time() - started < 0.5, "the clock thread spun on a head it had already reported"
+    sched.stop(lambda: RuntimeError("the test is over"), cancel_queued=True)

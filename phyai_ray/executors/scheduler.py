@@ -63,6 +63,7 @@ class ReplicaScheduler:
         self._to_launch: deque[Work] = deque()  # dispatched, not yet sent (see _send_launches)
         self._launching = threading.Lock()
         self._head_since = 0.0
+        self._reported_hung: Work | None = None  # a head reported hung once is not reported (or waited for) again
         self.tally = Tally()
         self._refusal: Callable[[], BaseException] | None = None  # set once the replica stops
         self._timer: threading.Thread | None = None
@@ -364,12 +365,14 @@ class ReplicaScheduler:
         for work in expired:
             self.deliver(work, error=self._timeout_error(work, now))
         if hung is not None:
+            with self._lock:
+                self._reported_hung = hung
             self._on_hung(hung, running_s)
 
     def _expired(self, now: float) -> tuple[list[Work], Work | None]:
         """Requests past their deadline (queued ones leave the queue), and the hung head if any."""
         head = self._dispatched[0] if self._dispatched else None
-        if head is not None and now - self._head_since >= head.limit_s:
+        if head is not None and head is not self._reported_hung and now - self._head_since >= head.limit_s:
             return [], head
         expired = [w for w in self._queued if w.deadline <= now]
         if expired:
@@ -383,7 +386,7 @@ class ReplicaScheduler:
                  if not r.future.done()]
         times.append(self._flush_at)
         times += [w.deadline for w in self._queued]
-        if self._dispatched:
+        if self._dispatched and self._dispatched[0] is not self._reported_hung:
             times.append(self._head_since + self._dispatched[0].limit_s)
         return min(times, default=float("inf"))
 
