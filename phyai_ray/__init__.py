@@ -39,6 +39,7 @@ _EXPORTS = {
     "EngineUnavailableError": "phyai_ray.errors",
     "EngineOverloadedError": "phyai_ray.errors",
     "RequestTimeoutError": "phyai_ray.errors",
+    "DeadlineMissedError": "phyai_ray.errors",
     "RequestAbortedError": "phyai_ray.errors",
     "ReplicaStateError": "phyai_ray.errors",
     "WeightUpdateRefusedError": "phyai_ray.errors",

@@ -37,18 +37,18 @@ class RequestDispatcher:
         self.max_sessions = 65536
 
     def submit(self, request: Any, session: Any = None, *, caller_runs: bool = False, key: Any = None,
-               size: int = 1) -> Future:
+               size: int = 1, due: float | None = None) -> Future:
         """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
 
         With a `session` key, the request goes to the replica the session last used while that
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
         the session follows it. The map is a bounded LRU of `max_sessions` keys. `caller_runs` is
         passed on to the chosen executor (see `ReplicaExecutor.submit`), and so are the batch `key`
-        and `size` of the request.
+        and `size` of the request, and its own deadline `due` (monotonic seconds).
         """
         if len(self.executors) == 1 and session is None:
-            return self._submit_single(request, caller_runs, key, size)
-        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size), session)
+            return self._submit_single(request, caller_runs, key, size, due)
+        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, due=due), session)
 
     def route(self, send: Any, session: Any = None) -> Any:
         """`send(executor)` on the replica `submit` would choose (retrying refusals); its return value."""
@@ -92,11 +92,11 @@ class RequestDispatcher:
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
 
-    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int) -> Future:
+    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int, due: float | None) -> Future:
         """One replica: nothing to choose, the same errors as the general path (no lock, no lists)."""
         executor = self.executors[0]
         try:
-            return executor.submit(request, caller_runs=caller_runs, key=key, size=size)
+            return executor.submit(request, caller_runs=caller_runs, key=key, size=size, due=due)
         except EngineOverloadedError:
             raise self._overloaded_error(1) from None
         except EngineUnavailableError:

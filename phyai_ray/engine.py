@@ -58,7 +58,7 @@ class Engine:
         self._batching = self.deployment.batching.enabled and self.mode != "external"
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any, session: Any = None) -> Future:
+    def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None) -> Future:
         """Validate `request` (the plugin's validator raises here), queue it on one replica, return its future.
 
         Raises at once, losing nothing: the validator's error; `EngineOverloadedError` when every
@@ -68,23 +68,29 @@ class Engine:
         carries `replica` (where it was queued) and `weight_version` (of that replica when the
         request reached its ranks). Requests with the same `session` key go to the same replica
         while it serves (see `RequestDispatcher.submit`).
+
+        `deadline_s` (seconds from now): the request's own deadline. It orders the replica's queue
+        (BatchingConfig.scheduling "deadline": earliest first), and a request that has not started by
+        then fails with `DeadlineMissedError` without running. `future.timing()` says whether it was met.
         """
         self._check_open()
         self.entry.validate_request(request)
         key, size = self._batch_tags(request)
-        return self._dispatcher.submit(request, session, key=key, size=size)
+        return self._dispatcher.submit(request, session, key=key, size=size, due=_due(deadline_s))
 
-    def step(self, request: Any, timeout: float | None = None, session: Any = None) -> Any:
+    def step(self, request: Any, timeout: float | None = None, session: Any = None, *,
+             deadline_s: float | None = None) -> Any:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
 
         An inline replica with nothing queued or running runs the request on this thread (no
         hand-off); it still counts as running, so other threads queue behind it and the hang clock
         fails it (and them) past execution_timeout_s even though this thread stays in the plugin.
+        `deadline_s` as for `submit`.
         """
         self._check_open()
         self.entry.validate_request(request)
         key, size = self._batch_tags(request)
-        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size)
+        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size, due=_due(deadline_s))
         if future.done():
             return future.result()
         limit = timeout if timeout is not None else self._default_wait_s()
@@ -408,3 +414,12 @@ def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def _due(deadline_s: float | None) -> float | None:
+    """A request's own deadline, `deadline_s` seconds from now, as a monotonic time (checked here)."""
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s={deadline_s!r} must be a number of seconds > 0 (or None for no deadline)")
+    return time.monotonic() + float(deadline_s)

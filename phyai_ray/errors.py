@@ -14,7 +14,9 @@ like, so callers may catch either:
     │                                     every healthy replica's queue is full; the request was
     │                                     not admitted (nothing else is affected): retry later
     ├── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
-    │                                     from submission); the replica keeps serving
+    │   │                                 from submission); the replica keeps serving
+    │   └── DeadlineMissedError           its own deadline (submit(deadline_s=)) passed before it
+    │                                     started: answered at once, never run
     ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
     ├── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
     └── WeightUpdateRefusedError(ValueError)
@@ -104,6 +106,24 @@ class RequestTimeoutError(PhyAIError, TimeoutError):
 
     def __reduce__(self):
         return (_rebuild_request_timeout, (str(self), self.replica, self.waited_s, self.dispatched))
+
+
+class DeadlineMissedError(RequestTimeoutError):
+    """A request's own deadline (`Engine.submit(request, deadline_s=)`, `X-Request-Deadline-Ms`, ...)
+    passed before it started; it never ran, and the replica keeps serving. `deadline_s` is the
+    deadline it was given, `waited_s` how long it waited."""
+
+    def __init__(self, message: str, *, replica: int | None = None, waited_s: float | None = None,
+                 deadline_s: float | None = None) -> None:
+        super().__init__(message, replica=replica, waited_s=waited_s, dispatched=False)
+        self.deadline_s = deadline_s
+
+    def __reduce__(self):
+        return (_rebuild_deadline_missed, (str(self), self.replica, self.waited_s, self.deadline_s))
+
+
+def _rebuild_deadline_missed(message, replica, waited_s, deadline_s) -> DeadlineMissedError:
+    return DeadlineMissedError(message, replica=replica, waited_s=waited_s, deadline_s=deadline_s)
 
 
 def _rebuild_overloaded(message, queued, limit) -> EngineOverloadedError:

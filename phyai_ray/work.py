@@ -46,11 +46,13 @@ class Work:
     `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
     without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
     `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
-    its `payload` is the list of their payloads.
+    its `payload` is the list of their payloads. `due` is the request's own deadline (monotonic
+    seconds; None: none given): past it, a request that has not started is answered with
+    DeadlineMissedError. `order` is what earliest-deadline-first scheduling sorts by.
     """
 
     __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here", "key", "size", "weight", "members", "launched")
+                 "ident", "state", "here", "key", "size", "weight", "members", "launched", "due")
 
     def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
                  all_ranks: bool = False) -> None:
@@ -64,6 +66,7 @@ class Work:
         self.size, self.weight = 1, 0
         self.members: list[Work] = []
         self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
+        self.due: float | None = None
 
     @classmethod
     def batch(cls, members: list["Work"]) -> "Work":
@@ -77,6 +80,15 @@ class Work:
     @property
     def deadline(self) -> float:
         return self.submitted + self.limit_s
+
+    @property
+    def order(self) -> float:
+        """Earliest-deadline-first key: the request's own deadline, else its execution deadline."""
+        return self.due if self.due is not None else self.submitted + self.limit_s
+
+    def missed(self, now: float) -> bool:
+        """Its own deadline passed (only meaningful before it starts)."""
+        return self.due is not None and self.due <= now
 
     @property
     def unfinished(self) -> bool:

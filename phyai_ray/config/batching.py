@@ -19,6 +19,9 @@ Plugins with the iteration protocol (`phyai_ray.plugins.iteration`, e.g. `refere
 batched per iteration instead, always: up to `max_num_seqs` sequences run at once, each iteration
 processes at most `max_num_batched_tokens` tokens, and `cache_after_update` says what a running
 sequence's cache becomes when the weights change under it (vLLM's knobs, same names).
+
+`scheduling` orders both kinds of queue: "deadline" (the default) serves the earliest deadline
+first, "fifo" the earliest arrival. Without per-request deadlines the two are the same order.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ class BatchingConfig(ConfigModel):
         (), description="Batch sizes to dispatch as soon as they are reached (e.g. the sizes a CUDA graph was "
         "captured for): a batch that can end exactly at one is cut there and dispatched without waiting.")
 
+    scheduling: Literal["deadline", "fifo"] = Field(
+        "deadline", description="Which queued request runs (or joins a batch, or gets a sequence slot) next: "
+        "'deadline' (earliest deadline first: a request's own deadline, from Engine.submit(deadline_s=), "
+        "X-Request-Deadline-Ms, OIP parameters.deadline_ms or openpi's deadline_ms, else its arrival plus "
+        "execution_timeout_s) or 'fifo' (arrival order). Either way a request whose own deadline passes "
+        "before it starts is answered at once with DeadlineMissedError and never runs.")
     max_num_seqs: int = Field(
         256, ge=1, le=1 << 16, description="Iteration protocol: most sequences running at once in one replica; "
         "the others wait (first come, first served) and join as slots free up.")

@@ -70,17 +70,19 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
         self.frontend: StepQueue | IterationLoop = StepQueue(self)  # where requests wait (frontends.py)
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
+               due: float | None = None) -> Future:
         """Queue `request` for every rank; the future resolves to the output rank's result.
 
         Raises EngineUnavailableError when the replica failed, EngineOverloadedError when its
         queue is full (nothing was queued in either case). `caller_runs` is a hint from a caller
         that is about to wait anyway (`Engine.step`): an executor whose rank lives in this process
         may then run the request on the calling thread; the others ignore it. `key` and `size`
-        (the plugin's `batch_key` / `request_size`) place the request in a batch when batching is on.
+        (the plugin's `batch_key` / `request_size`) place the request in a batch when batching is on;
+        `due` is its own deadline (monotonic seconds), which orders the queue and bounds its wait.
         """
         self._check_healthy()
-        return self.frontend.submit(request, key=key, size=size)
+        return self.frontend.submit(request, key=key, size=size, due=due)
 
     def enable_iterations(self, entry: Any, batching: Any, iterative: bool) -> None:
         """Batch per iteration when the plugin splits requests into sequences and every rank's model
@@ -104,6 +106,8 @@ class ReplicaExecutor(ReplicaControl, abc.ABC):
 
     def enable_batching(self, batching: Any, batchable: bool) -> None:
         """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
+        if batching is not None:
+            self.scheduler.edf = batching.scheduling == "deadline"
         if batching is None or not batching.enabled:
             return
         if not batchable:

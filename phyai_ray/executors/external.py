@@ -74,12 +74,14 @@ class ExternalExecutor(InlineExecutor):
                          startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
                          max_queued=None, max_ongoing=None)
 
-    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Any:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
+               due: float | None = None) -> Any:
         """Always on the engine's thread, the one that built the process groups: running steps of a
         launcher world on the caller's thread while that thread owns none of its groups made torchrun
         ranks abort at teardown ("terminate called without an active exception"). No batching here:
         each rank's engine would form batches from its own timing, and ranks that share collectives
-        must run the same steps."""
+        must run the same steps; for that reason a request's own deadline (`due`) is not applied either:
+        a rank that skipped a late request would leave the others in a collective."""
         return super().submit(request)
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ One per replica, chosen once when the executor is built (`ReplicaExecutor.enable
 
 Both answer the same calls, so nothing else asks which one a replica has:
 
-    submit(request, key=, size=) -> future         submit_stream(request, max_buffered) -> (future, reader)
+    submit(request, key=, size=, due=) -> future         submit_stream(request, max_buffered) -> (future, reader)
     counts()        requests it holds beyond the scheduler's own (a StepQueue's are the scheduler's)
     has_room()      snapshot()      iterative
     quiesce(op, mode, deadline) -> aborted          release(weight_version)          stop(refusal, cancel_waiting=)
@@ -34,11 +34,11 @@ class StepQueue:
     def __init__(self, executor: Any) -> None:
         self._executor = executor
 
-    def submit(self, request: Any, *, key: Any = None, size: int = 1) -> Any:
+    def submit(self, request: Any, *, key: Any = None, size: int = 1, due: float | None = None) -> Any:
         executor = self._executor
         payload = executor._prepare(request)  # serialized once, here, before it takes a slot
         return executor.scheduler.submit(Kind.STEP, payload, executor._step_limit_s, key=key, size=size,
-                                         weight=executor._weight(payload))
+                                         weight=executor._weight(payload), due=due)
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]:
         return self._executor._submit_stream(request, max_buffered)

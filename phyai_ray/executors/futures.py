@@ -135,6 +135,7 @@ class EngineFuture(Future):
     `weight_version` the weight version of that replica when the request was dispatched to its
     ranks (weights change only while nothing is dispatched, so it is the version that produced
     the result; None before dispatch and for replicas that never had a versioned update).
+    `timing()` says how long it queued and ran, in how large a batch, and whether it met its deadline.
     """
 
     def __init__(self, delivery: CallbackThread, on_cancel: Callable[["EngineFuture"], None]) -> None:
@@ -143,6 +144,23 @@ class EngineFuture(Future):
         self.work: Any = None
         self.replica: int | None = None
         self.weight_version: Any = None
+        self.submitted = time.monotonic()
+        self.started: float | None = None  # dispatched to the ranks (iteration protocol: first admitted)
+        self.finished: float | None = None  # its outcome was set
+        self.batch_size = 0  # samples of the step (sequences of the iteration) it started in
+        self.due: float | None = None  # its own deadline, if it was given one
+
+    def timing(self) -> dict[str, Any]:
+        """{queue_ms, infer_ms (dispatch to outcome: the model's share, with the ranks' transport),
+        batch_size, deadline_ms (as given; None), deadline_met (outcome by the deadline; None without one)}."""
+        def ms(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round((b - a) * 1e3, 3)
+        end = self.finished
+        return {"queue_ms": ms(self.submitted, self.started if self.started is not None else end),
+                "infer_ms": ms(self.started, end), "batch_size": self.batch_size,
+                "deadline_ms": ms(self.submitted, self.due),
+                "deadline_met": None if self.due is None or end is None else
+                (end <= self.due and self.started is not None)}
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         if self.done():  # at once, here

@@ -55,7 +55,8 @@ class InlineExecutor(ReplicaExecutor):
         if self.worker_idle_exit_s is not None:
             self._worker.retire()  # the plugin was built; the first step may run on the caller's thread
 
-    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1) -> Future:
+    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
+               due: float | None = None) -> Future:
         """As every replica; with `caller_runs` and nothing queued or running, run it on this thread.
 
         The scheduler counts it as dispatched while it runs, so a request from another thread
@@ -64,9 +65,9 @@ class InlineExecutor(ReplicaExecutor):
         plugin and returns when it does.
         """
         if not caller_runs or self.frontend.iterative:
-            return super().submit(request, key=key, size=size)
+            return super().submit(request, key=key, size=size, due=due)
         self._check_healthy()
-        future = self.scheduler.submit(Kind.STEP, request, self._step_limit_s, here=True, key=key, size=size)
+        future = self.scheduler.submit(Kind.STEP, request, self._step_limit_s, here=True, key=key, size=size, due=due)
         work = future.work
         if work.here:
             if self._device_guard is None:

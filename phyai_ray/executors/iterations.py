@@ -7,7 +7,10 @@
            when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
 A sequence joins at the next iteration and leaves the one it ends in, so a short request
-admitted beside a long one finishes first. Requests keep the engine's contract: a future per
+admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
+(`scheduling="deadline"`: a request's own deadline, else its execution deadline) or in arrival
+order ("fifo"); a request none of whose sequences got a slot by its own deadline is answered
+with DeadlineMissedError and never runs. Requests keep the engine's contract: a future per
 request (`cancel()` drops its sequences at the next iteration and frees their slots, whenever it
 is called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
 (`queued`: no sequence admitted yet; `dispatched`: some running).
@@ -30,6 +33,7 @@ collective_rpc and failure path apply to iterations as to steps.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -39,8 +43,7 @@ from typing import Any, Callable
 
 from phyai_ray.errors import EngineUnavailableError, RequestAbortedError
 from phyai_ray.executors.futures import EngineFuture
-from phyai_ray.executors.ledger import Tally, overloaded, timed_out
-from phyai_ray.executors.ledger import Counts
+from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
 from phyai_ray.executors.sequences import LoopRequest, LoopSequence, stream_chunk
 from phyai_ray.outputs import merge_token_chunks, version_order
 from phyai_ray.plugins.iteration import Delta, IterationPlan
@@ -66,13 +69,15 @@ class IterationLoop:
         self.index = executor.index
         self.max_seqs, self.max_tokens = batching.max_num_seqs, batching.max_num_batched_tokens
         self.recompute_after_update = batching.cache_after_update == "recompute"
+        self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
         self._cond = threading.Condition()
         self._waiting: deque[LoopSequence] = deque()  # first come first served; a left request's stay, as "done"
         self._n_waiting = 0  # sequences in `_waiting` still waiting
         self._running: dict[int, LoopSequence] = {}
         self._to_drop: list[int] = []
-        self._requests: dict[LoopRequest, None] = {}  # in submission order, so in deadline order
+        self._requests: dict[LoopRequest, None] = {}  # in submission order, so in execution-deadline order
+        self._dues: list[tuple[float, int, LoopRequest]] = []  # heap of the requests' own deadlines
         self._queued = 0  # requests none of whose sequences was admitted yet
         self._ids = itertools.count(1)
         self._held = False  # no iteration starts (pause, sleep, weight update)
@@ -86,15 +91,17 @@ class IterationLoop:
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1) -> EngineFuture:
-        """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`."""
+    def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
+               due: float | None = None) -> EngineFuture:
+        """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
+        `due`: its own deadline (monotonic), by which one of its sequences must have a slot."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
         scheduler = self._executor.scheduler
         future = EngineFuture(scheduler._delivery, self._cancelled)
-        future.replica = self.index
-        req = LoopRequest(request, future, self.limit_s, sink)
+        future.replica, future.due = self.index, due
+        req = LoopRequest(request, future, self.limit_s, sink, due)
         future.work = req
         with self._cond:
             if self._refusal is not None:
@@ -108,19 +115,23 @@ class IterationLoop:
             req.left = len(req.seqs)
             self._requests[req] = None
             self._queued += 1
-            self._waiting.extend(req.seqs)
+            for seq in req.seqs:
+                enqueue(self._waiting, seq, self.edf)
+            if due is not None:
+                heapq.heappush(self._dues, (due, id(req), req))
             self._n_waiting += len(req.seqs)
             self._wake()
         return future
 
-    def submit_stream(self, request: Any, max_buffered: int) -> tuple[EngineFuture, LocalReader]:
+    def submit_stream(self, request: Any, max_buffered: int, due: float | None = None
+                      ) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
         {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. The loop never
         waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
         (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
         sequence and the buffer stays `max_buffered` chunks long."""
         sink = ChunkSink(max_buffered=max_buffered, merge=merge_token_chunks)
-        future = self.submit(request, sink)
+        future = self.submit(request, sink, due=due)
         return future, LocalReader(sink, future)
 
     def counts(self) -> Counts:
@@ -236,7 +247,10 @@ class IterationLoop:
             if not seq.request.admitted:
                 seq.request.admitted = True
                 self._queued -= 1
+                seq.request.future.started = time.monotonic()
             admitted.append(seq)
+        for seq in admitted:
+            seq.request.future.batch_size = len(self._running)
         plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
                              recompute=tuple(s.ident for s in rebuild))
         return plan, admitted, rebuild
@@ -278,6 +292,8 @@ class IterationLoop:
             seq.log_probs += delta.log_probs
             seq.versions += [version] * len(delta.token_ids)
             seq.tops += delta.top_logprobs
+            if delta.value is not None:
+                seq.value = delta.value
             if seq.request.sink is not None and delta.token_ids:
                 touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
             if delta.stop_reason is not None:
@@ -310,16 +326,25 @@ class IterationLoop:
         return [(req, None, error) for req in failed.values()]
 
     def _expire(self, now: float) -> list:
-        """Lock held: requests past their deadline leave (running sequences are dropped next iteration)."""
+        """Lock held: requests past their deadline leave (running sequences are dropped next iteration);
+        requests past their own deadline with no slot yet are answered without running."""
+        missed = []
+        while self._dues and self._dues[0][0] <= now:
+            _, _, req = heapq.heappop(self._dues)
+            if req in self._requests and not req.admitted:
+                self._forget(req)
+                missed.append((req, None, deadline_missed(self.index, now - req.submitted, req.due - req.submitted)))
         expired = list(itertools.takewhile(lambda r: r.deadline <= now, self._requests))
         for req in expired:
             self._forget(req)
-        return [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
-                                      "its sequences were dropped at the next iteration" if req.admitted else
-                                      "it never got a sequence slot", dispatched=req.admitted)) for req in expired]
+        return missed + [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
+                                               "its sequences were dropped at the next iteration" if req.admitted
+                                               else "it never got a sequence slot", dispatched=req.admitted))
+                         for req in expired]
 
     def _next_deadline(self) -> float:
-        return next((r.deadline for r in self._requests), float("inf"))
+        due = self._dues[0][0] if self._dues else float("inf")
+        return min(next((r.deadline for r in self._requests), float("inf")), due)
 
     def _settle(self, items: list) -> None:
         """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread);
@@ -410,6 +435,7 @@ class IterationLoop:
             self._waiting.clear()
             self._n_waiting = 0
             self._running.clear()
+            self._dues.clear()
             self._cond.notify_all()
         for req in left:
             if cancel_waiting and not req.admitted and req.future.cancel():

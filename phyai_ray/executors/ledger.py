@@ -8,16 +8,20 @@ queue and of a passed deadline.
     tally.settle(future, value, error)   resolve once; a request counts as served or errored once
     overloaded(index, queued, limit, behind)          EngineOverloadedError naming the bounds
     timed_out(index, waited_s, limit, where, ...)     RequestTimeoutError saying where it was
+    deadline_missed(index, waited_s, given_s)         DeadlineMissedError: its own deadline passed first
+    enqueue(queue, item, edf)                         arrival order, or earliest deadline first
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
+from phyai_ray.errors import DeadlineMissedError, EngineOverloadedError, RequestTimeoutError
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,10 @@ class Counts:
 
 
 def settle(future: Future, value: Any, error: BaseException | None) -> bool:
-    """Finish `future` unless it already is; True when this call finished it."""
+    """Finish `future` unless it already is (stamping when, for its timing); True when this call finished it."""
     if future.done():
         return False
+    future.finished = time.monotonic()  # before the outcome: a waiter that wakes reads it
     try:
         if error is None:
             future.set_result(value)
@@ -58,6 +63,7 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.served = self.errored = 0
+        self.missed = 0  # of the errored: answered DeadlineMissedError (never ran)
 
     def settle(self, future: Future, value: Any, error: BaseException | None, *, counted: bool = True) -> bool:
         """`settle(future, ...)`; when it finished the future and `counted`, one more served or errored."""
@@ -69,13 +75,15 @@ class Tally:
                     self.served += 1
                 else:
                     self.errored += 1
+                    self.missed += isinstance(error, DeadlineMissedError)
         return True
 
-    def carry(self, served: int, errored: int) -> None:
+    def carry(self, other: "Tally") -> None:
         """Continue the totals of a replica this one replaces."""
         with self._lock:
-            self.served += served
-            self.errored += errored
+            self.served += other.served
+            self.errored += other.errored
+            self.missed += other.missed
 
 
 def overloaded(index: int, queued: int, limit: int | None, behind: str) -> EngineOverloadedError:
@@ -91,3 +99,24 @@ def timed_out(index: int, waited_s: float, limit_s: float, where: str, *, dispat
         f"replica {index}: no result {waited_s:.2f}s after submission ({what}={limit_s}); {where}. "
         "The replica keeps serving; add replicas or lower the load if this repeats",
         replica=index, waited_s=waited_s, dispatched=dispatched)
+
+
+def deadline_missed(index: int, waited_s: float, given_s: float | None) -> DeadlineMissedError:
+    """The answer to a request whose own deadline passed before it started (it never runs)."""
+    given = f"{given_s * 1e3:.1f} ms" if given_s is not None else "its deadline"
+    return DeadlineMissedError(
+        f"replica {index}: the request's deadline ({given}) passed after {waited_s * 1e3:.1f} ms of waiting, "
+        "before it started; it was not run. Give it a later deadline, or add replicas or lower the load",
+        replica=index, waited_s=waited_s, deadline_s=given_s)
+
+
+def enqueue(queue: deque, item: Any, edf: bool) -> None:
+    """Append `item`, or with `edf` insert it after every item of no later `order` (earliest deadline
+    first, arrival order among equals). Deadlines mostly arrive in order, so the scan is short."""
+    if not edf or not queue or queue[-1].order <= item.order:
+        queue.append(item)
+        return
+    i = len(queue) - 1
+    while i > 0 and queue[i - 1].order > item.order:
+        i -= 1
+    queue.insert(i, item)

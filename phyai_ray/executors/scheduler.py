@@ -8,6 +8,9 @@
   queue refuses at once with `EngineOverloadedError`; the dispatcher then tries another replica.
 * `collective_rpc` calls and iterations skip the queue (`bypass_queue`): dispatched at once, they run on the
   ranks right after the requests already dispatched, in the same order on every rank.
+* Order: `edf` (BatchingConfig.scheduling "deadline", the default) keeps the queue in earliest-
+  deadline-first order (a request's own `due`, else `submitted + limit`); else arrival order. A
+  request whose own `due` passes before it is dispatched fails with DeadlineMissedError, unrun.
 * Two clocks. A request's deadline is `submitted + limit`: past it the future fails with
   `RequestTimeoutError` (a queued request is dropped and never reaches a rank; a dispatched one still
   runs, because ranks that share collectives cannot skip it one-sidedly). The replica is judged
@@ -38,7 +41,7 @@ from collections import deque
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
-from phyai_ray.executors.ledger import Counts, Tally, overloaded, timed_out
+from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.futures import CallbackThread, EngineFuture
 from phyai_ray.work import REQUEST_KINDS, Kind, Work
@@ -72,6 +75,7 @@ class ReplicaScheduler:
         self._held = False  # paused, asleep or updating: requests queue but nothing is dispatched
         self.weight_version: Any = None  # stamped on every future at dispatch
         self.policy: BatchPolicy | None = None  # batching on: every dispatch takes a batch
+        self.edf = True  # earliest deadline first (BatchingConfig.scheduling "deadline"); False: arrival order
         self._flush_at = float("inf")  # a batch head waits for more requests until then
         self._last_finish = float("-inf")  # when the ranks last finished a step
         self.stats = BatchStats()
@@ -79,7 +83,7 @@ class ReplicaScheduler:
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
                bypass_queue: bool = False, here: bool = False, key: Any = None, size: int = 1,
-               weight: int = 0) -> EngineFuture:
+               weight: int = 0, due: float | None = None) -> EngineFuture:
         """Queue a request, or with `bypass_queue` dispatch at once (a collective_rpc, an iteration:
         they run right after what is already at the ranks, in the same order on every rank); returns
         its future.
@@ -87,11 +91,12 @@ class ReplicaScheduler:
         `here=True`: when nothing is queued or dispatched, the request is dispatched without
         `launch` and `future.work.here` is set: the caller must run it now, then call `finished`.
         It counts as dispatched meanwhile, so the hang clock and the accounting see it as usual.
+        `due`: the request's own deadline (monotonic); see the module docstring.
         """
         future = EngineFuture(self._delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
-        work.key, work.size, work.weight = key, size, weight
-        future.work, future.replica = work, self.index
+        work.key, work.size, work.weight, work.due = key, size, weight, due
+        future.work, future.replica, future.due = work, self.index, due
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
@@ -106,9 +111,9 @@ class ReplicaScheduler:
             else:
                 if self.max_queued is not None and len(self._queued) >= self.max_queued and not self._free_now():
                     raise self._overloaded()
-                self._queued.append(work)
+                enqueue(self._queued, work, self.edf)
                 self._pump()
-            self._arm(work.deadline)
+            self._arm(min(work.deadline, work.due or work.deadline))
         self._send_launches()
         return future
 
@@ -136,8 +141,7 @@ class ReplicaScheduler:
 
     def carry_counts(self, other: "ReplicaScheduler") -> None:
         """Continue the served / errored totals of a replica this one replaces."""
-        counts = other.counts()
-        self.tally.carry(counts.served, counts.errored)
+        self.tally.carry(other.tally)
 
     def _free_now(self) -> bool:
         """A request submitted now would go straight to the ranks."""
@@ -159,15 +163,19 @@ class ReplicaScheduler:
                     return
                 continue
             work = self._queued.popleft()
-            if work.future.start():  # False: cancelled while queued
+            if work.missed(time.monotonic()):
+                self.deliver(work, error=self._missed_error(work, time.monotonic()))
+            elif work.future.start():  # False: cancelled while queued
                 self._dispatch(work)
 
     def _pump_batch(self) -> bool:
         """Dispatch the next batch; False when the head waits for a fuller one (the clock wakes it)."""
         now = time.monotonic()
-        formed = form_batch(self._queued, self.policy, now, lambda w: not w.future.done() and w.deadline > now)
+        formed = form_batch(self._queued, self.policy, now,
+                            lambda w: not w.future.done() and w.deadline > now and not w.missed(now))
         for work in formed.dead:  # never dispatched: expired ones fail, cancelled ones are already done
-            self.deliver(work, error=self._timeout_error(work, now))
+            self.deliver(work, error=self._missed_error(work, now) if work.missed(now) else
+                         self._timeout_error(work, now))
         if formed.wait_until is not None:
             self._flush_at = formed.wait_until
             self._arm(formed.wait_until)
@@ -182,9 +190,11 @@ class ReplicaScheduler:
         if work.kind == Kind.BATCH:
             for member in work.members:
                 member.future.weight_version, member.dispatched = self.weight_version, now
+                member.future.started, member.future.batch_size = now, work.size
             self.stats.record(work.size, [now - m.submitted for m in work.members])
         else:
             work.future.weight_version = self.weight_version
+            work.future.started, work.future.batch_size = now, work.size
             if work.kind in REQUEST_KINDS:  # an iteration records its own sequences (IterationLoop)
                 self.stats.record_one(work.size, now - work.submitted)
         self._dispatched.append(work)
@@ -363,7 +373,8 @@ class ReplicaScheduler:
             expired, hung = self._expired(now)
             running_s = now - self._head_since
         for work in expired:
-            self.deliver(work, error=self._timeout_error(work, now))
+            self.deliver(work, error=self._missed_error(work, now) if work.dispatched is None and work.missed(now)
+                         else self._timeout_error(work, now))
         if hung is not None:
             with self._lock:
                 self._reported_hung = hung
@@ -374,9 +385,9 @@ class ReplicaScheduler:
         head = self._dispatched[0] if self._dispatched else None
         if head is not None and head is not self._reported_hung and now - self._head_since >= head.limit_s:
             return [], head
-        expired = [w for w in self._queued if w.deadline <= now]
+        expired = [w for w in self._queued if w.deadline <= now or w.missed(now)]
         if expired:
-            self._queued = deque(w for w in self._queued if w.deadline > now)
+            self._queued = deque(w for w in self._queued if w.deadline > now and not w.missed(now))
         expired += [r for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
                     if r.deadline <= now and not r.future.done()]
         return expired, None
@@ -385,10 +396,13 @@ class ReplicaScheduler:
         times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
                  if not r.future.done()]
         times.append(self._flush_at)
-        times += [w.deadline for w in self._queued]
+        times += [w.deadline if w.due is None else min(w.deadline, w.due) for w in self._queued]
         if self._dispatched and self._dispatched[0] is not self._reported_hung:
             times.append(self._head_since + self._dispatched[0].limit_s)
         return min(times, default=float("inf"))
+
+    def _missed_error(self, work: Work, now: float) -> RequestTimeoutError:
+        return deadline_missed(self.index, now - work.submitted, work.due - work.submitted)
 
     def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
         where = ("it was still queued and never reached a rank" if work.dispatched is None else

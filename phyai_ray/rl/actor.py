@@ -5,6 +5,7 @@
     out = await rollout.step.remote(request)              # or ray.get(...); from any actor or task
     for ref in rollout.stream.remote(request): chunk = await ref        # token plugins: partial outputs
     info = await rollout.submit.remote(request, session="episode-7")   # StepResult(value, replica, weight_version)
+    info = await rollout.submit.remote(frame, deadline_s=0.1)   # its own deadline, from its arrival; info.timing
     ray.get(rollout.pause.remote(mode="wait"))            # control calls: their own concurrency group
 
 Data methods (`step`, `submit`) run on the actor's event loop and await the engine's futures, so
@@ -28,11 +29,13 @@ CONTROL = {"concurrency_group": "control"}
 
 @dataclass(frozen=True)
 class StepResult:
-    """A result with where it came from: the replica and the weight version that produced it."""
+    """A result with where it came from: the replica and the weight version that produced it, and its
+    timing (`EngineFuture.timing()`: queue_ms, infer_ms, batch_size, deadline_ms, deadline_met)."""
 
     value: Any
     replica: int | None
     weight_version: Any
+    timing: dict | None = None
 
 
 class _EngineActor:
@@ -41,13 +44,14 @@ class _EngineActor:
 
         self.engine = Engine(args, deployment)
 
-    async def step(self, request: Any, session: Any = None) -> Any:
-        return (await self.submit(request, session)).value
+    async def step(self, request: Any, session: Any = None, deadline_s: float | None = None) -> Any:
+        return (await self.submit(request, session, deadline_s)).value
 
-    async def submit(self, request: Any, session: Any = None) -> StepResult:
-        future = self.engine.submit(request, session)
+    async def submit(self, request: Any, session: Any = None, deadline_s: float | None = None) -> StepResult:
+        """`deadline_s` counts from when the call reached the actor (`Engine.submit`'s deadline)."""
+        future = self.engine.submit(request, session, deadline_s=deadline_s)
         value = await awaitable(future)
-        return StepResult(value, future.replica, future.weight_version)
+        return StepResult(value, future.replica, future.weight_version, future.timing())
 
     async def stream(self, request: Any, session: Any = None, max_buffered: int = 64) -> Any:
         """Async generator of the output rank's chunks (`engine.stream`); `ray.cancel` it to stop early:
