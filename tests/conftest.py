@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, Iterator
 
 import pytest
 
@@ -96,6 +97,17 @@ def wait_for_no_leaks(timeout_s: float = 15.0) -> tuple[list, list]:
         if (not actors and not pgs) or time.monotonic() > deadline:
             return actors, pgs
         time.sleep(0.2)
+
+
+def closed_without_leaks(value: Any, close: Any = None) -> Iterator[Any]:
+    """In a module fixture (`yield from`): yield `value` (an engine), then `close()` (default:
+    `value.close()`) and assert that no actor or placement group of ours is left."""
+    try:
+        yield value
+    finally:
+        (close or value.close)()
+        actors, groups = wait_for_no_leaks(30)
+        assert not actors and not groups, f"left behind: {actors} {groups}"
 
 
 @pytest.fixture(autouse=True)

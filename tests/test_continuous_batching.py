@@ -20,7 +20,7 @@ import torch
 from phyai_ray import (AttentionParallelConfig, BatchingConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                        Engine, EngineArgs, EngineConfig, ParallelConfig, WeightSender, WorkerSupervisorConfig)
 from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
-from tests.conftest import init_local_ray, wait_for_no_leaks
+from tests.conftest import closed_without_leaks, init_local_ray
 from tests.helpers import wait_until
 
 CPU = DeviceConfig(target="cpu")
@@ -51,12 +51,7 @@ def ray_lm():
     if not ray.is_initialized():
         init_local_ray()
     engine = lm_engine(tp=2)
-    try:
-        yield engine
-    finally:
-        engine.close()
-        actors, groups = wait_for_no_leaks(30)
-        assert not actors and not groups, f"left behind: {actors} {groups}"
+    yield from closed_without_leaks(engine)
 
 
 @pytest.fixture(params=["inline", "ray_tp2"])

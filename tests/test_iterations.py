@@ -22,7 +22,7 @@ import torch
 from phyai_ray import (BatchingConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs,
                        EngineConfig, EngineOverloadedError, ParallelConfig, RequestAbortedError, RequestTimeoutError,
                        WeightSender, WorkerSupervisorConfig)
-from tests.conftest import init_local_ray, wait_for_no_leaks
+from tests.conftest import closed_without_leaks, init_local_ray
 from tests.helpers import wait_until
 from tests.plugins.iterating import IterProbeEntry
 
@@ -50,12 +50,7 @@ def ray_probe():
     if not ray.is_initialized():
         init_local_ray()
     engine = probe_engine(2, timeout_s=60.0)
-    try:
-        yield engine
-    finally:
-        engine.close()
-        actors, groups = wait_for_no_leaks(30)
-        assert not actors and not groups, f"left behind: {actors} {groups}"
+    yield from closed_without_leaks(engine)
 
 
 @pytest.fixture(scope="module")

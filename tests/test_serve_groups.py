@@ -20,7 +20,7 @@ import torch
 from phyai_ray import DeploymentConfig, EngineArgs, EngineConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.conftest import RAY_CPUS, closed_without_leaks
 from tests.helpers import free_port, post_step, wait_until
 
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
@@ -37,12 +37,7 @@ def port() -> int:
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield port
-    finally:
-        serve.shutdown()
-        actors, groups = wait_for_no_leaks(30)
-        assert not actors and not groups, f"left behind: {actors} {groups}"
+    yield from closed_without_leaks(port, serve.shutdown)
 
 
 def running_groups(app: str) -> int:

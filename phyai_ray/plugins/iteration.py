@@ -41,12 +41,15 @@ class Delta:
     `stop_reason` is None while the sequence runs, else "completed" or "length" (its slot is free).
     A chunked prefill may return an empty delta. `top_logprobs`, when the sequence asked for k of
     them, holds per token its k most likely tokens {token id: log-prob}; empty otherwise.
+    `value`: a sequence whose output is not tokens (a denoised action chunk) gives it with its last
+    delta; `Entry.gather` then receives that value for the sequence instead of a `TokenOutput`.
     """
 
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    value: Any = None
 
 
 @dataclass(frozen=True)

@@ -34,24 +34,40 @@ class PolicyConfig:
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "PolicyConfig":
-        args = dict(args or {})
-        unknown = sorted(set(args) - set(cls.__dataclass_fields__))
-        if unknown:
-            known = sorted(cls.__dataclass_fields__)
-            raise ValueError(f"unknown reference_policy plugin_args {unknown}; known: {known}")
-        cfg = cls(**args)
-        bad = {k: v for k, v in vars(cfg).items() if not isinstance(v, int) or (v < 1 and k != "seed")}
-        if bad:
-            raise ValueError(f"reference_policy plugin_args must be positive ints (seed: any int), got {bad}")
-        return cfg
+        return policy_args(cls, args, "reference_policy")
 
 
-def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+def policy_args(cls: type, args: dict[str, Any] | None, plugin: str, flags: tuple[str, ...] = ()) -> Any:
+    """`cls(**args)` of a policy's plugin_args: known names only, positive ints (seed: any int), `flags` bools."""
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown {plugin} plugin_args {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+    cfg = cls(**args)
+    bad = {k: v for k, v in vars(cfg).items() if (not isinstance(v, bool) if k in flags else
+                                                   isinstance(v, bool) or not isinstance(v, int) or (v < 1 and k != "seed"))}
+    if bad:
+        raise ValueError(f"{plugin} plugin_args must be positive ints (seed: any int"
+                         f"{'; ' + ', '.join(flags) + ': bool' if flags else ''}), got {bad}")
+    return cfg
+
+
+def seeded_draw(seed: int) -> Any:
+    """draw(*shape, scale=None): seeded normal tensors, scaled by 1/sqrt(fan-in) unless `scale` is given."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def draw(*shape: int, scale: float | None = None) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * (scale if scale is not None else shape[-1] ** -0.5)
+    return draw
 
+
+def mlp_blocks(w: dict[str, torch.Tensor], blocks: int, ctx: Any, to: dict) -> list[DenseMLP]:
+    """The policy's residual MLP blocks ("{b}.w1" ... "{b}.b2"), each rank keeping its dense_tp shard."""
+    return [DenseMLP(None, {k: w[f"{b}.{k}"] for k in ("w1", "b1", "w2", "b2")}, ctx, to) for b in range(blocks)]
+
+
+def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
+    draw = seeded_draw(cfg.seed)
     w = {"embed": draw(cfg.dim, cfg.state_dim), "offset": draw(cfg.state_dim, scale=0.5),
          "head": draw(cfg.horizon * cfg.action_dim, cfg.dim, scale=0.5 / cfg.dim ** 0.5)}
     for b in range(cfg.blocks):
@@ -60,7 +76,16 @@ def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
     return w
 
 
-class ReferencePolicy:
+class StepsInBatches:
+    """`step(frame)` as a batch of one (`step_batch`): {"actions": ...} on the output rank, None elsewhere."""
+
+    @torch.inference_mode()
+    def step(self, request: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        out = self.step_batch([request])
+        return None if out is None else out[0]
+
+
+class ReferencePolicy(StepsInBatches):
     """One rank of the policy: every rank runs the same frames; dense_tp splits each MLP."""
 
     def __init__(self, cfg: PolicyConfig, ctx: Any) -> None:
@@ -69,14 +94,7 @@ class ReferencePolicy:
         self.cfg, self.ctx = cfg, ctx
         w, to = _weights(cfg), {"device": ctx.device, "dtype": torch.float32}
         self.embed, self.head, self.offset = (w[k].to(**to) for k in ("embed", "head", "offset"))
-        self.blocks = [DenseMLP(None, {k: w[f"{b}.{k}"] for k in ("w1", "b1", "w2", "b2")}, ctx, to)
-                       for b in range(cfg.blocks)]
-
-    @torch.inference_mode()
-    def step(self, request: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """{"actions": [horizon, action_dim] float32} on the output rank, None elsewhere."""
-        out = self.step_batch([request])
-        return None if out is None else out[0]
+        self.blocks = mlp_blocks(w, cfg.blocks, ctx, to)
 
     @torch.inference_mode()
     def step_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]] | None:
