@@ -15,6 +15,8 @@ never reported as 4xx.
 | CodecError, request_model ValidationError                    | 422        | invalid_request        |
 | the plugin's validate_request raised (no rank touched)       | 422        | rejected               |
 | EngineOverloadedError: every healthy replica's queue is full | 503 or 429 | overloaded    (*)      |
+| DeadlineMissedError: its own deadline passed before it       | 504        | deadline_missed        |
+|   started; it never ran (the replica keeps serving)          |            |                        |
 | RequestTimeoutError: no result execution_timeout_s after it  | 504        | timeout                |
 |   was submitted (the replica keeps serving)                  |            |                        |
 | EngineUnavailableError "timeout": its group hung on a request| 504        | timeout                |
@@ -26,7 +28,9 @@ never reported as 4xx.
 
 (*) with `Retry-After: 1`.
 503 vs 429 for overload is `ServeOptions.overload_status` (`--overload-status`, `overload_status=`).
-`reason` is EngineUnavailableError.reason, or "request_timeout" for a RequestTimeoutError.
+`reason` is EngineUnavailableError.reason, "request_timeout" for a RequestTimeoutError, or
+"deadline_missed". A request's own deadline arrives as `X-Request-Deadline-Ms` (the JSON route
+`/v1/step`), OIP `parameters.deadline_ms`, or openpi `deadline_ms` (`deadline_ms(value, where)` checks it).
 
 `classify(exc)` is the one place a failure gets its row; every protocol renders that `Failure` in
 its own shape: this JSON API (`HttpError.of`), OpenAI (`openai_api.openai_error`), OIP over HTTP
@@ -43,7 +47,9 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+import math
+
+from phyai_ray.errors import DeadlineMissedError, EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
 from phyai_ray.serve.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
@@ -73,6 +79,8 @@ def classify(exc: BaseException, *, overload_status: int = 503) -> Failure:
         return Failure(exc.status_code, exc.type, str(exc.detail), exc.reason, "Retry-After" in (exc.headers or {}))
     if isinstance(exc, EngineOverloadedError):
         return Failure(overload_status, "overloaded", f"overloaded, retry later: {exc}", retry_after=True)
+    if isinstance(exc, DeadlineMissedError):
+        return Failure(504, "deadline_missed", str(exc), "deadline_missed")
     if isinstance(exc, RequestTimeoutError):
         return Failure(504, "timeout", str(exc), "request_timeout")
     if isinstance(exc, EngineUnavailableError):
@@ -86,11 +94,12 @@ def classify(exc: BaseException, *, overload_status: int = 503) -> Failure:
     return Failure(500, "execution_error", f"the plugin failed on this request: {describe(exc)}")
 
 
-async def run_request(runner: Any, request: Any, *, overload_status: int = 503) -> Any:
+async def run_request(runner: Any, request: Any, *, overload_status: int = 503, deadline_s: float | None = None,
+                      timing: dict | None = None) -> Any:
     """The group runner's result for an already validated request, or `HttpError` of its failure's row;
-    the request is never cancelled."""
+    the request is never cancelled. `deadline_s` and `timing` as `GroupRunner.run` takes them."""
     try:
-        return await runner.run(request, validate=False)
+        return await runner.run(request, validate=False, deadline_s=deadline_s, timing=timing)
     except Exception as exc:
         raise HttpError.of(classify(exc, overload_status=overload_status)) from None
 
@@ -154,3 +163,32 @@ def describe(exc: BaseException) -> str:
     """`Type: message`, one line, for error bodies."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+DEADLINE_HEADER = "x-request-deadline-ms"
+MAX_DEADLINE_MS = 24 * 3600 * 1e3
+
+
+def deadline_ms(value: Any, where: str) -> float | None:
+    """A request's own deadline given in milliseconds from its arrival (`where` names the field) as
+    seconds; None when absent. Anything but a number in (0, 1 day] is a ValueError saying so."""
+    if value is None:
+        return None
+    number = value
+    if isinstance(value, (bytes, str)):
+        try:
+            number = float(value.decode() if isinstance(value, bytes) else value)
+        except (UnicodeDecodeError, ValueError):
+            number = None
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) \
+            or not 0 < number <= MAX_DEADLINE_MS:
+        raise ValueError(f"{where}={value!r:.40} must be a number of milliseconds in (0, {MAX_DEADLINE_MS:.0f}], "
+                         "counted from when the request arrives")
+    return float(number) / 1e3
+
+
+def timing_fields(timing: dict, deadline_s: float | None) -> dict[str, Any]:
+    """A request's `EngineFuture.timing()` for a reply, its deadline as the client gave it."""
+    out = dict(timing)
+    out["deadline_ms"] = None if deadline_s is None else round(deadline_s * 1e3, 3)
+    return out

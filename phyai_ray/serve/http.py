@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray import __version__
 from phyai_ray.serve import codec
-from phyai_ray.serve.errors import (RETRY_AFTER, HttpError, describe, error_response, from_http_exception,
+from phyai_ray.serve.errors import (DEADLINE_HEADER, RETRY_AFTER, HttpError, deadline_ms, describe, error_response, from_http_exception,
                                     from_validation_errors, run_request)
 from phyai_ray.serve.guard import EdgeGuard
 from phyai_ray.serve.metrics import EdgeMetrics
@@ -54,6 +54,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     api = FastAPI(title=f"phyai-ray: {runner.entry.display_name()}", version=__version__,
                   description=__doc__.split("\n\n")[1] + _auth_note(options))
     metrics = EdgeMetrics(runner.groups, own=lambda: [runner.report()], batches=lambda: runner.engine.batch_stats())
+    runner.on_timing = metrics.observe_timing
     _add_error_handlers(api)
     _add_probe_routes(api, runner, metrics)
     _add_step_route(api, runner, options)
@@ -131,22 +132,46 @@ def _add_probe_routes(api: FastAPI, runner: GroupRunner, metrics: EdgeMetrics) -
 
 
 def _add_step_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
-    async def step(body: Any) -> JSONResponse:
+    async def step(http: Request, body: Any) -> JSONResponse:
+        deadline_s = header_deadline(http)
         raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
         request = await asyncio.to_thread(_decode_and_validate, runner.entry, raw, options)
-        result = await run_request(runner, request, overload_status=options.overload_status)
-        return JSONResponse({"result": await asyncio.to_thread(_encode, result)})
+        timing: dict[str, Any] = {}
+        result = await run_request(runner, request, overload_status=options.overload_status, deadline_s=deadline_s,
+                                   timing=timing)
+        return JSONResponse({"result": await asyncio.to_thread(_encode, result)}, headers=server_timing(timing))
 
     model = runner.entry.request_model
     annotation = model if model is not None else Any
     docs = "The plugin's request" + ("" if model is not None else " (any JSON object)") + \
         "; tensors as {\"__tensor__\": {\"dtype\", \"shape\", \"data\"}}."
     step.__signature__ = inspect.Signature(  # the plugin's model becomes the typed, documented body
-        [inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
+        [inspect.Parameter("http", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+         inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
                            default=Body(..., description=docs))])
-    step.__annotations__ = {"body": annotation, "return": JSONResponse}
+    step.__annotations__ = {"http": Request, "body": annotation, "return": JSONResponse}
     api.add_api_route("/v1/step", step, methods=["POST"], tags=["inference"], summary="Run one request",
                       responses={200: {"model": StepResponse}, **ERRORS}, response_class=JSONResponse)
+
+
+def header_deadline(http: Request) -> float | None:
+    """`X-Request-Deadline-Ms` in seconds (None without it); a bad value is a 400 saying why."""
+    try:
+        return deadline_ms(http.headers.get(DEADLINE_HEADER), "X-Request-Deadline-Ms")
+    except ValueError as exc:
+        raise HttpError(400, str(exc), type="bad_request") from None
+
+
+def server_timing(timing: dict[str, Any]) -> dict[str, str] | None:
+    """The W3C `Server-Timing` header of a request's timing (queue and infer, milliseconds)."""
+    if not timing:
+        return None
+    parts = [f"{name};dur={timing[key]}" for name, key in (("queue", "queue_ms"), ("infer", "infer_ms"))
+             if timing.get(key) is not None]
+    parts.append(f"batch;desc={timing.get('batch_size', 0)}")
+    if timing.get("deadline_met") is not None:
+        parts.append(f"deadline;desc={'met' if timing['deadline_met'] else 'missed'}")
+    return {"Server-Timing": ", ".join(parts)}
 
 
 def _decode_and_validate(entry: Any, raw: Any, options: ServeOptions) -> Any:

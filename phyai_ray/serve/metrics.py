@@ -25,6 +25,11 @@ group's Serve replica id):
                                                    group's engine queue before its step was dispatched)
     phyai_replica_max_batch_size{engine_replica}   gauge (the batching in effect: samples one step may
                                                    run; 1: off; the plugin's default unless set)
+    phyai_request_queue_seconds                    histogram (each request of any protocol: submission
+    phyai_request_infer_seconds                    to start, start to outcome, and the samples of the
+    phyai_request_batch_size                       step or iteration it started in: EngineFuture.timing)
+    phyai_request_deadlines_total{outcome}         counter of requests given a deadline: met, late (ran,
+                                                   finished after it), missed (never ran: DeadlineMissedError)
 
 The two batching histograms are the answering group's (like the latency histogram), read from its
 engine's scheduler at scrape time; they are filled with batching off too (every step then has 1).
@@ -40,6 +45,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 logger = logging.getLogger(__name__)
 
+TIMING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DEADLINE_OUTCOMES = ("met", "late", "missed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 REPLICA_SERIES = (("healthy", "1 when the replica group can serve"), ("in_flight", "requests queued or running"),
                   ("served", "requests that returned a result"), ("failures", "requests that ended in an error"))
@@ -129,6 +137,16 @@ class EdgeMetrics:
         self.in_flight = Gauge("phyai_requests_in_flight", "HTTP requests being handled", registry=self.registry)
         self.rebuilds = Counter("phyai_replica_restarts", "replica groups restarted in place", registry=self.registry)
         self.latency.labels(route="/v1/step")  # the series exists before the first request
+        self.queue_time = Histogram("phyai_request_queue_seconds", "time a request waited in its group before it "
+                                    "started", buckets=TIMING_BUCKETS, registry=self.registry)
+        self.infer_time = Histogram("phyai_request_infer_seconds", "time from a request's start to its outcome",
+                                    buckets=TIMING_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram("phyai_request_batch_size", "samples (sequences) of the step (iteration) a "
+                                    "request started in", buckets=BATCH_BUCKETS, registry=self.registry)
+        self.deadlines = Counter("phyai_request_deadlines", "requests given a deadline, by outcome: met, late, "
+                                 "missed (never ran)", ["outcome"], registry=self.registry)
+        for outcome in DEADLINE_OUTCOMES:
+            self.deadlines.labels(outcome=outcome)
         self.registry.register(_GroupCollector(self.statuses))
         if batches is not None:
             self.registry.register(_BatchCollector(lambda: group_label(next(iter(own()))), batches))
@@ -141,6 +159,17 @@ class EdgeMetrics:
         self.latency.labels(route=route).observe(seconds)
         if self.ray is not None:
             self.ray.observe(route, status, seconds)
+
+    def observe_timing(self, timing: dict[str, Any]) -> None:
+        """One request's `EngineFuture.timing()` (any protocol: the group runner reports each)."""
+        if timing.get("queue_ms") is not None:
+            self.queue_time.observe(timing["queue_ms"] / 1e3)
+        if timing.get("infer_ms") is not None:
+            self.infer_time.observe(timing["infer_ms"] / 1e3)
+            self.batch_size.observe(timing.get("batch_size") or 0)
+        if timing.get("deadline_ms") is not None:
+            outcome = "missed" if timing.get("infer_ms") is None else "met" if timing.get("deadline_met") else "late"
+            self.deadlines.labels(outcome=outcome).inc()
 
     def request_counts(self) -> tuple[tuple[str, str, int], ...]:
         """HTTP requests this group answered, by (route, status): what it reports to the registry."""

@@ -35,7 +35,8 @@ from phyai_ray import __version__
 from phyai_ray.serve import oip_codec as oc
 from phyai_ray.serve.errors import describe, run_request
 from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, model_metadata,
-                                       missing_outputs, model_name, named_outputs, unknown_model)
+                                       missing_outputs, model_name, named_outputs, reply_parameters,
+                                       request_deadline, unknown_model)
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 
@@ -87,7 +88,8 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
             body = await request.body()
             parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
                                              options)
-            result = await run_request(runner, parsed.request, overload_status=options.overload_status)
+            result = await run_request(runner, parsed.request, overload_status=options.overload_status,
+                                       deadline_s=parsed.deadline_s, timing=parsed.timing)
             return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
         except (oc.OipError, HTTPException) as exc:
             status = getattr(exc, "status", None) or getattr(exc, "status_code", 500)
@@ -125,8 +127,10 @@ class Parsed:
     """A checked infer request: the plugin's request, the outputs asked for and how to send them."""
 
     def __init__(self, request: dict[str, Any], id: str | None, outputs: dict[str, bool] | None,
-                 binary: bool) -> None:
+                 binary: bool, deadline_s: float | None = None) -> None:
         self.request, self.id, self.outputs, self.binary = request, id, outputs, binary
+        self.deadline_s = deadline_s
+        self.timing: dict[str, Any] = {}
 
 
 def parse_infer(body: bytes, header_length: str | None, entry: Any, options: ServeOptions) -> Parsed:
@@ -141,9 +145,10 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
     params = header.get("parameters") or {}
     if not isinstance(params, dict):
         raise oc.OipError(f"'parameters' must be an object, got {type(params).__name__}")
+    deadline_s = request_deadline(params)
     finish_request(request, params, entry)
     return Parsed(request, header.get("id"), _requested(header.get("outputs")),
-                  bool(params.get("binary_data_output", False)))
+                  bool(params.get("binary_data_output", False)), deadline_s)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
@@ -218,6 +223,9 @@ def respond(parsed: Parsed, result: Any, model: str, rid: str, runner: GroupRunn
         if raw is not None:
             chunks.append(raw)
     body = {"model_name": model, "model_version": VERSION, "id": parsed.id or rid, "outputs": outputs}
+    params = reply_parameters(parsed.timing, parsed.deadline_s)
+    if params:
+        body["parameters"] = params
     header = json.dumps(body).encode()
     if not chunks:
         return Response(header, media_type="application/json")

@@ -28,7 +28,8 @@ from phyai_ray import __version__
 from phyai_ray.serve import oip_codec as oc
 from phyai_ray.serve.errors import classify, key_matches, run_request
 from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, missing_outputs,
-                                       model_name, model_metadata, named_outputs, unknown_model)
+                                       model_name, model_metadata, named_outputs, reply_parameters,
+                                       request_deadline, unknown_model)
 
 SERVICER_FUNCTION = "phyai_ray.serve.grpc_v2.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -58,6 +59,18 @@ def parameter(value: Any) -> Any:
     """An InferParameter's value as a plain Python value."""
     choice = value.WhichOneof("parameter_choice")
     return None if choice is None else getattr(value, choice)
+
+
+def _set_parameter(target: Any, value: Any) -> None:
+    """An InferParameter holding `value` (bool, int, float or text)."""
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        target.int64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = str(value)
 
 
 def decode_inputs(request: Any, max_bytes: int) -> dict[str, Any]:
@@ -146,9 +159,14 @@ class OipGrpcMethods:
                                                                grpc_context):
             return messages.ModelInferResponse()
         try:
-            plugin_request = await asyncio.to_thread(self._decode, request)
-            result = await run_request(self.runner, plugin_request, overload_status=self.options.overload_status)
-            return await asyncio.to_thread(self._encode, request, result)
+            plugin_request, deadline_s = await asyncio.to_thread(self._decode, request)
+            timing: dict[str, Any] = {}
+            result = await run_request(self.runner, plugin_request, overload_status=self.options.overload_status,
+                                       deadline_s=deadline_s, timing=timing)
+            response = await asyncio.to_thread(self._encode, request, result)
+            for name, value in reply_parameters(timing, deadline_s).items():
+                _set_parameter(response.parameters[name], value)
+            return response
         except oc.OipError as exc:
             fail(grpc_context, exc.status, str(exc))
         except Exception as exc:  # an engine error (its row of the failure table), or a server fault
@@ -156,12 +174,14 @@ class OipGrpcMethods:
             fail(grpc_context, failure.status, failure.message)
         return messages.ModelInferResponse()
 
-    def _decode(self, request: Any) -> dict[str, Any]:
+    def _decode(self, request: Any) -> tuple[dict[str, Any], float | None]:
         entry = self.runner.entry
         check_signature(entry, {t.name: (t.datatype, list(t.shape)) for t in request.inputs})
         plugin_request = decode_inputs(request, self.options.max_tensor_bytes)
-        finish_request(plugin_request, {k: parameter(v) for k, v in request.parameters.items()}, entry)
-        return plugin_request
+        params = {k: parameter(v) for k, v in request.parameters.items()}
+        deadline_s = request_deadline(params)
+        finish_request(plugin_request, params, entry)
+        return plugin_request, deadline_s
 
     def _encode(self, request: Any, result: Any) -> Any:
         messages = pb()

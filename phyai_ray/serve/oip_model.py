@@ -4,6 +4,8 @@
     unknown_model(name, version, model)   None, or the error text of a name / version this server does not serve
     check_signature(entry, given)         inputs' names, datatypes and shapes against `Entry.inputs`
     finish_request(request, params, entry)  request parameters (not the reserved ones) in, the plugin's validator run
+    request_deadline(params)              parameters.deadline_ms (the request's own deadline) in seconds, or None
+    reply_parameters(timing)              the response parameters: queue_ms, infer_ms, batch_size, deadline_ms, deadline_met
     named_outputs(result, entry)          the plugin's result as output name -> value
 
 Every error is an `OipError` (400 unless it says otherwise); each transport renders it in its own shape.
@@ -14,11 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from phyai_ray.plugins.signature import SignatureError, check_inputs
-from phyai_ray.serve.errors import describe
+from phyai_ray.serve.errors import deadline_ms, describe, timing_fields
 from phyai_ray.serve.oip_codec import OipError
 
 RESERVED = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
-                      "binary_data_output"})
+                      "binary_data_output", "deadline_ms"})
 VERSION = "1"
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -59,6 +61,18 @@ def finish_request(request: dict[str, Any], params: dict[str, Any], entry: Any) 
         entry.validate_request(request)
     except Exception as exc:
         raise OipError(f"the model rejected the request: {describe(exc)}") from None
+
+
+def request_deadline(params: dict[str, Any]) -> float | None:
+    try:
+        return deadline_ms(params.get("deadline_ms"), "parameters.deadline_ms")
+    except ValueError as exc:
+        raise OipError(str(exc)) from None
+
+
+def reply_parameters(timing: dict[str, Any], deadline_s: float | None) -> dict[str, Any]:
+    """The request's timing as response parameters (a field without a value is left out)."""
+    return {k: v for k, v in timing_fields(timing, deadline_s).items() if v is not None} if timing else {}
 
 
 def named_outputs(result: Any, entry: Any) -> dict[str, Any]:

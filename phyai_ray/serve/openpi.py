@@ -8,8 +8,14 @@
 The protocol, as openpi's policy server speaks it: the client connects (`Authorization: Api-Key
 <key>`; `Bearer <key>` works too), the server sends its metadata frame, then every binary frame
 from the client is one observation (msgpack, NumPy arrays as `{__ndarray__, data, dtype, shape}`)
-and gets one binary reply: the plugin's result dict plus `server_timing` (`infer_ms`, `total_ms`,
-`weight_version`, `group`, `request_id`). An error is a text frame.
+and gets one binary reply: the plugin's result dict plus `server_timing` (`queue_ms`, `infer_ms`,
+`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `request_id`).
+An error is a text frame.
+
+Deadlines: `deadline_ms` in the connection URL's query (`ws://host/v1/openpi?deadline_ms=100`) is
+every frame's default; `deadline_ms` in an observation is that frame's (it is not passed to the
+policy). A frame is scheduled earliest deadline first, and one whose deadline passes before it
+starts is answered at once with a "deadline_missed" error frame; the session goes on.
 
 One connection is one session on ONE replica group: Serve's proxy hands the connection to one
 group's Serve replica, and every frame of it runs on that group (batched with other robots'
@@ -36,7 +42,7 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.serve.errors import classify, describe, key_matches
+from phyai_ray.serve.errors import classify, deadline_ms, describe, key_matches, timing_fields
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 
@@ -129,20 +135,27 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
         if not authorized(websocket, options.api_key):
             await websocket.close(code=1008, reason="missing or wrong API key; Authorization: Api-Key <key>")
             return
+        try:
+            default_deadline = deadline_ms(websocket.query_params.get("deadline_ms"), "deadline_ms (the URL's query)")
+        except ValueError as exc:  # accepted first, so the client reads why
+            await websocket.accept()
+            await websocket.close(code=1008, reason=str(exc)[:120])
+            return
         await websocket.accept()
         session = websocket.headers.get("x-request-id") or uuid.uuid4().hex
         logger.info("openpi session %s opened on group %s", session, runner.group)
         try:
             with runner.session():  # open as long as the connection: the group's count, as the router's
                 await websocket.send_bytes(pack(runner.entry.policy_metadata()))
-                await _serve_frames(websocket, runner, options, session)
+                await _serve_frames(websocket, runner, options, session, default_deadline)
         except WebSocketDisconnect:
             pass
         finally:
             logger.info("openpi session %s on group %s ended", session, runner.group)
 
 
-async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: ServeOptions, session: str) -> None:
+async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: ServeOptions, session: str,
+                        default_deadline: float | None) -> None:
     frames = 0
     while True:
         try:
@@ -154,7 +167,7 @@ async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: Serv
             return
         frames += 1
         rid = f"{session}-{frames}"
-        reply, fatal = await _answer(message.get("bytes"), runner, options, rid)
+        reply, fatal = await _answer(message.get("bytes"), runner, options, rid, default_deadline)
         if isinstance(reply, str):
             logger.warning("openpi frame %s: %s", rid, reply)
             await websocket.send_text(reply)
@@ -170,7 +183,8 @@ async def _off_loop(size: int, work: Any, *args: Any) -> Any:
     return work(*args) if size < INLINE_CODEC_BYTES else await asyncio.to_thread(work, *args)
 
 
-async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str) -> tuple[Any, bool]:
+async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str,
+                  default_deadline: float | None = None) -> tuple[Any, bool]:
     """(reply frame, False), or (error text, whether the session must end)."""
     start = time.perf_counter()
     if frame is None:
@@ -180,12 +194,14 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
         if not isinstance(request, dict):
             raise FrameError(f"an observation is a dict, got {type(request).__name__}")
         request = {k.decode() if isinstance(k, bytes) else k: v for k, v in request.items()}
+        deadline_s = deadline_ms(request.pop("deadline_ms", None), "the observation's deadline_ms")
+        deadline_s = default_deadline if deadline_s is None else deadline_s
         runner.entry.validate_request(request)
     except Exception as exc:
         return f"request {rid}: bad observation: {describe(exc)}", False
-    began = time.perf_counter()
-    try:
-        result = await runner.run(request, validate=False, forward=False)  # the session stays on this group
+    timing: dict[str, Any] = {}
+    try:  # the session stays on this group (no forwarding)
+        result = await runner.run(request, validate=False, forward=False, deadline_s=deadline_s, timing=timing)
     except Exception as exc:
         fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
         again = "; connect again to reach a healthy group" if fatal else ""
@@ -194,8 +210,7 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
                 f"{failure.message}{again}", fatal)
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
     status = runner.engine.replica_status()[0]
-    reply["server_timing"] = {"infer_ms": (time.perf_counter() - began) * 1e3,
-                              "total_ms": (time.perf_counter() - start) * 1e3,
+    reply["server_timing"] = {**timing_fields(timing, deadline_s), "total_ms": (time.perf_counter() - start) * 1e3,
                               "weight_version": status.weight_version, "group": runner.group, "request_id": rid}
     try:
         return await _off_loop(len(frame), pack, reply), False

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
@@ -55,6 +56,7 @@ class GroupRunner:
         self.view: list[GroupReport] = []
         self.routable = True  # False from a Serve replica's start until Serve first checks its health
         self.sessions = 0  # long-lived sessions open on this group: openpi WebSockets, streamed responses
+        self.on_timing: Callable[[dict], None] | None = None  # each request's timing (the edge's metrics)
 
     @property
     def engine(self) -> Any:
@@ -74,19 +76,30 @@ class GroupRunner:
             self.sessions -= 1
 
     async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True,
-                  forward: bool = True) -> Any:
+                  forward: bool = True, deadline_s: float | None = None, timing: dict | None = None) -> Any:
         """The result of `request`, or the engine's error; forwarded when this group has failed.
 
         `forward=False` keeps the request on this group (a session bound to it): it fails instead.
+        `deadline_s` counts from this call (the request's arrival): `Engine.submit`'s deadline. A
+        `timing` dict is filled with the request's `EngineFuture.timing()` when it ran on this group.
         """
         note_failed(tuple(failed))
+        received = time.monotonic()
         try:
-            future = await asyncio.to_thread(self._submit, request, validate)
+            future = await asyncio.to_thread(self._submit, request, validate, deadline_s, received)
         except EngineUnavailableError:
             if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
             return await self._forwarded(request, hops + 1, (*failed, self.group))
-        return await self._within(awaitable(future), "; the request keeps running on its group")
+        try:
+            return await self._within(awaitable(future), "; the request keeps running on its group")
+        finally:
+            if future.done():
+                measured = future.timing()
+                if timing is not None:
+                    timing.update(measured)
+                if self.on_timing is not None:
+                    self.on_timing(measured)
 
     async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (),
                      forward: bool = True) -> AsyncIterator[list[tuple[str, Any]]]:
@@ -152,11 +165,14 @@ class GroupRunner:
             raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} "
                                          f"within {limit:.0f}s; retry later", reason="no_healthy_replica") from None
 
-    def _submit(self, request: Any, validate: bool) -> Any:
+    def _submit(self, request: Any, validate: bool, deadline_s: float | None = None,
+                received: float | None = None) -> Any:
         if validate:
             self.entry.validate_request(request)  # its error is the caller's to see, as it is
+        if deadline_s is not None and received is not None:  # what is left of it (the engine answers a spent one)
+            deadline_s = max(deadline_s - (time.monotonic() - received), 1e-6)
         try:
-            return self.engine.submit(request)
+            return self.engine.submit(request, deadline_s=deadline_s)
         except _ENGINE_ERRORS:
             raise
         except Exception as exc:
