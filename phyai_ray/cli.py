@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="do not serve the Open Inference Protocol over HTTP (/v2/...)")
     protocols.add_argument("--no-openpi", dest="openpi", action="store_false",
                            help="do not serve openpi's robot-policy WebSocket (/v1/openpi)")
+    protocols.add_argument("--direct-ingress", action="store_true",
+                           help="every replica group's Serve replica also listens on a port of its own (Ray Serve's "
+                           "direct ingress; printed once serving): a robot's frames skip the proxy hop. Applies to the "
+                           "Ray instance this command starts; a cluster must be started with "
+                           "RAY_SERVE_ENABLE_DIRECT_INGRESS=1")
     add_config_flags(serve)
     return parser
 
@@ -162,7 +167,7 @@ def _is_loopback(host: str) -> bool:
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
+               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status, direct_ingress=ns.direct_ingress,
                **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
                **{name: getattr(ns, name) for name in ("model_name", "grpc_port", "stream_interval",
                                                        *(n for n, _ in SCALING_FLAGS))

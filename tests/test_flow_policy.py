@@ -55,7 +55,7 @@ def test_frames_batched_per_denoising_step_equal_each_frame_alone(engine):
 
 
 def test_whole_frame_batching_gives_the_same_actions_as_per_step(engine):
-    frames = [frame(i, rtc=i % 2 == 0) for i in range(8)]
+    frames = [frame(i, rtc=i % 2 == 0) for i in range(8)] + [{"state": [0.5] * 8, "step": 3}]  # derived noise seed
     per_step = [engine.step(f)["actions"] for f in frames]
     deployment = DeploymentConfig(batching=BatchingConfig(max_batch_size=8))
     with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={**ARGS, "per_step": False}),

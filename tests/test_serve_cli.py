@@ -182,6 +182,30 @@ def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path
         _cleanup(proc, started, log)
 
 
+def test_direct_ingress_gives_the_group_a_port_of_its_own_with_the_same_key_check(tmp_path: Path) -> None:
+    """`--direct-ingress`: the group's Serve replica answers on its own port (no proxy hop), with the
+    same API key check, and the proxy's port keeps working."""
+    import re
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = start_server(tmp_path, port, "--direct-ingress")
+    started: set[int] = set()
+    try:
+        wait_ready(proc, url, 150, log)
+        wait_for_log(log, "direct port:", 60)
+        direct = re.search(r"direct port: (http://127\.0\.0\.1:\d+)", log.read_text()).group(1)
+        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+        for where in (direct, url):
+            reply = post_step(where, {"x": x}, key="cli-key")
+            assert reply.status_code == 200, (where, reply.text)
+            assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
+        assert post_step(direct, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
+        stop_and_check(proc, started)
+    finally:
+        _cleanup(proc, started, log)
+
+
 def test_sigterm_while_the_app_starts_still_shuts_down_cleanly(tmp_path: Path) -> None:
     proc, log = start_server(tmp_path, free_port())
     started: set[int] = set()

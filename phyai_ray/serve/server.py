@@ -12,8 +12,10 @@ instance with at least as many CPUs as the plan reserves (2 groups x TP=2 -> 4, 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,11 +75,14 @@ class Server:
 
 def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = None, *, host: str = "127.0.0.1",
                port: int = 8000, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               blocking: bool = True, **option_values: Any) -> Server | None:
+               blocking: bool = True, direct_ingress: bool = False, **option_values: Any) -> Server | None:
     """Serve `engine_args` at http://host:port; block until a signal unless `blocking=False`.
 
     `option_values` are further `ServeOptions` fields (rebuild_failed=..., health_check_period_s=...).
     With `blocking=False` the running `Server` is returned; call its `shutdown()`.
+    `direct_ingress`: every group's Serve replica also listens on a port of its own (Ray Serve's
+    direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1, set for the Ray instance started here), so a
+    robot's frames skip the proxy; the ports are printed once serving (`direct_ports`).
     """
     from phyai_ray.serve.app import create_app
 
@@ -86,6 +91,8 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
                            "pass blocking=False and call server.shutdown() yourself")
     deployment = deployment or DeploymentConfig()
     options = ServeOptions(api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
+    if direct_ingress:
+        os.environ[DIRECT_INGRESS_ENV] = "1"  # read by Serve's controller and replicas: before Ray starts
     server = Server(url=f"http://{host}:{port}", owns_ray=_join_ray(engine_args, deployment, options.max_replicas))
     if blocking:
         server.handle_signals()
@@ -102,6 +109,10 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     print(f"phyai-ray: serving {engine_args.plugin} at {server.url} (docs: {server.url}/docs)", flush=True)
     if options.grpc_port is not None:
         print(f"phyai-ray: Open Inference Protocol gRPC at {host}:{options.grpc_port}", flush=True)
+    if direct_ingress:
+        for direct in direct_ports():
+            print(f"phyai-ray: a replica group's direct port: http://{host}:{direct} (ws://{host}:{direct}/v1/openpi)",
+                  flush=True)
     if not blocking:
         return server
     try:
@@ -117,6 +128,29 @@ def _deploy(app: Any, host: str, port: int, grpc_port: int | None = None) -> Non
 
     serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options(grpc_port))
     serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def direct_ports(host: str = "127.0.0.1", timeout_s: float = 30.0) -> list[int]:
+    """The ports Serve's direct ingress gave this node's groups (its HTTP range, from
+    RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, 30000 by default): those that accept a connection once
+    the first does, or none after `timeout_s`."""
+    import socket
+
+    low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for port in range(low, low + 64):
+            with socket.socket() as sock:
+                sock.settimeout(0.05)
+                if sock.connect_ex((host, port)) == 0:
+                    found.append(port)
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def grpc_options(port: int | None) -> dict[str, Any] | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from phyai_ray.models.reference_dit.layers import norm
-from phyai_ray.models.reference_flow_policy.config import FlowPolicyConfig, rtc_weights
+from phyai_ray.models.reference_flow_policy.config import FlowPolicyConfig, Frame, rtc_weights
 from phyai_ray.models.reference_policy.model import StepsInBatches, mlp_blocks, seeded_draw
 from phyai_ray.plugins.iteration import Delta
 
@@ -112,7 +112,7 @@ class ReferenceFlowPolicy(StepsInBatches):
     @torch.inference_mode()
     def step_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]] | None:
         """Every Euler step of several frames, batched as whole requests (the same math as per step)."""
-        frames = [self._start(r) for r in requests]
+        frames = [self._start(Frame.parse(r, self.cfg).to_payload()) for r in requests]  # defaults as per step
         for _ in range(self.cfg.num_steps):
             self._advance(frames)
         return [{"actions": f.x.cpu()} for f in frames] if self.ctx.is_output_rank else None
