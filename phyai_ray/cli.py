@@ -167,7 +167,8 @@ def _is_loopback(host: str) -> bool:
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
-               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status, direct_ingress=ns.direct_ingress,
+               max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
+               **({"direct_ingress": True} if ns.direct_ingress else {}),
                **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
                **{name: getattr(ns, name) for name in ("model_name", "grpc_port", "stream_interval",
                                                        *(n for n, _ in SCALING_FLAGS))
