@@ -82,8 +82,8 @@ class Engine:
              deadline_s: float | None = None) -> Any:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
 
-        An inline replica with nothing queued or running runs the request on this thread (no
-        hand-off); it still counts as running, so other threads queue behind it and the hang clock
+        An inline replica with nothing queued or running and batching off runs the request on this
+        thread (no hand-off); it still counts as running, so other threads queue behind it and the hang clock
         fails it (and them) past execution_timeout_s even though this thread stays in the plugin.
         `deadline_s` as for `submit`.
         """

@@ -63,3 +63,25 @@ def test_a_frame_past_its_deadline_on_a_held_group_never_runs(tp2):
     tp2.resume()
     assert tp2.step(frame(1), timeout=60)["actions"].shape == (16, 7)
     assert tp2.replica_status()[0].healthy
+
+
+def test_a_real_group_dispatches_earliest_deadline_first():
+    """reference_policy on a TP=2 group, one request per step (max_batch_size 1), held while three
+    requests queue: they reach the ranks tight, loose, then the one without a deadline."""
+    from phyai_ray import BatchingConfig
+
+    engine = Engine(EngineArgs(plugin="reference_policy", config=EngineConfig(
+        device=CPU, parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2)))),
+        DeploymentConfig(mode="local", cpus_per_rank=0.5, batching=BatchingConfig(max_batch_size=1),
+                         process_config=WorkerSupervisorConfig(execution_timeout_s=60, max_ongoing_requests=1)))
+    try:
+        engine.step({"state": [0.0] * 8}, timeout=60)
+        engine.pause(mode="keep")
+        futures = {"none": engine.submit({"state": [0.1] * 8}), "loose": engine.submit({"state": [0.2] * 8}, deadline_s=50),
+                   "tight": engine.submit({"state": [0.3] * 8}, deadline_s=20)}
+        engine.resume()
+        wait(list(futures.values()), timeout=60)
+        assert sorted(futures, key=lambda k: futures[k].started) == ["tight", "loose", "none"]
+        assert all(f.timing()["deadline_met"] in (True, None) for f in futures.values())
+    finally:
+        engine.close()  # the module's tp2 fixture checks for leaks once it closes too
