@@ -22,3 +22,8 @@ def lazy_exports(package: str, exports: dict[str, str],
         return sorted(set(namespace) | set(exports))
 
     return __getattr__, __dir__
+
+
+def by_module(table: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """{module: (name, ...)} as {name: module}, the form `lazy_exports` takes."""
+    return {name: module for module, names in table.items() for name in names}

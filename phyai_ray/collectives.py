@@ -7,7 +7,7 @@ runs inline, under torchrun and in Ray rank actors. Ranks passed to `broadcast`,
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -52,8 +52,7 @@ class P:
     @staticmethod
     def all_gather(x: torch.Tensor, group: str, dim: int = 0) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim`, in group-rank order."""
-        groups = active()
-        n = groups.size(group)
+        groups, n = _peers(group)
         if n == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(n)]
@@ -63,8 +62,7 @@ class P:
     @staticmethod
     def reduce_scatter(x: torch.Tensor, group: str, dim: int = 0) -> torch.Tensor:
         """Sum over `group`, then keep this rank's chunk of `dim` (size must divide evenly)."""
-        groups = active()
-        n = groups.size(group)
+        groups, n = _peers(group)
         if n == 1:
             return x
         if x.shape[dim] % n:
@@ -123,3 +121,9 @@ class P:
         groups = active()
         if groups.size(group) > 1:
             _dist().barrier(group=groups.handle(group))
+
+
+def _peers(group: str) -> tuple[Any, int]:
+    """The active group set and the size of `group` in it."""
+    groups = active()
+    return groups, groups.size(group)

@@ -10,17 +10,14 @@
 
 from __future__ import annotations
 
-from phyai_ray._lazy import lazy_exports
+from phyai_ray._lazy import by_module, lazy_exports
 
-_EXPORTS = {
-    "build_app": "phyai_ray.serve.app",
-    "create_app": "phyai_ray.serve.app",
-    "group_handle": "phyai_ray.serve.app",
-    "run_server": "phyai_ray.serve.server",
-    "Server": "phyai_ray.serve.server",
-    "ServeOptions": "phyai_ray.serve.options",
-    "EncodedTensor": "phyai_ray.serve.schema",
-}
+_EXPORTS = by_module({
+    "phyai_ray.serve.app": ("build_app", "create_app", "group_handle"),
+    "phyai_ray.serve.server": ("run_server", "Server"),
+    "phyai_ray.serve.options": ("ServeOptions",),
+    "phyai_ray.serve.schema": ("EncodedTensor",),
+})
 
 __all__ = sorted(_EXPORTS)
 
