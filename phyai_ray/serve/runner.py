@@ -94,7 +94,7 @@ class GroupRunner:
         try:
             return await self._within(awaitable(future), "; the request keeps running on its group")
         finally:
-            if future.done():
+            if future.done() and callable(getattr(future, "timing", None)):  # an EngineFuture
                 measured = future.timing()
                 if timing is not None:
                     timing.update(measured)
@@ -172,6 +172,8 @@ class GroupRunner:
         if deadline_s is not None and received is not None:  # what is left of it (the engine answers a spent one)
             deadline_s = max(deadline_s - (time.monotonic() - received), 1e-6)
         try:
+            if deadline_s is None:  # anything with Engine.submit(request) serves here
+                return self.engine.submit(request)
             return self.engine.submit(request, deadline_s=deadline_s)
         except _ENGINE_ERRORS:
             raise
