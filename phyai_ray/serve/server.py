@@ -93,6 +93,9 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     options = ServeOptions(api_key=api_key, max_body_bytes=max_body_bytes, **option_values)
     if direct_ingress:
         os.environ[DIRECT_INGRESS_ENV] = "1"  # read by Serve's controller and replicas: before Ray starts
+        # Serve holds a stopping direct-ingress replica open 30 s so a load balancer can deregister it;
+        # no balancer stands in front of this command's ports, so a stop takes 2 s unless set otherwise
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
     server = Server(url=f"http://{host}:{port}", owns_ray=_join_ray(engine_args, deployment, options.max_replicas))
     if blocking:
         server.handle_signals()
