@@ -1,6 +1,6 @@
 """`IterationLoop`: continuous batching of one replica, for plugins with the iteration protocol.
 
-    submit(request) -> Entry.sequences -> [waiting, first come first served]
+    submit(request) -> Entry.sequences -> [waiting: earliest deadline first, or fifo]
         every iteration: admit while slots and tokens allow (max_num_seqs, max_num_batched_tokens),
         ONE plan (admit, drop, recompute) to every rank, one forward, the output rank's deltas
         -> each sequence's tokens, log-probs and per-token weight versions -> the request resolves
@@ -72,7 +72,7 @@ class IterationLoop:
         self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
         self._cond = threading.Condition()
-        self._waiting: deque[LoopSequence] = deque()  # first come first served; a left request's stay, as "done"
+        self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); a left request's stay, as "done"
         self._n_waiting = 0  # sequences in `_waiting` still waiting
         self._running: dict[int, LoopSequence] = {}
         self._to_drop: list[int] = []
