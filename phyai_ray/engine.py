@@ -83,8 +83,9 @@ class Engine:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
 
         An inline replica with nothing queued or running and batching off runs the request on this
-        thread (no hand-off; with batching on its worker thread does, at once); it still counts as running, so other threads queue behind it and the hang clock
-        fails it (and them) past execution_timeout_s even though this thread stays in the plugin.
+        thread (no hand-off; with batching on its worker thread does, at once); it still counts as
+        running, so other threads queue behind it and the hang clock fails it (and them) past
+        execution_timeout_s even though this thread stays in the plugin.
         `deadline_s` as for `submit`.
         """
         self._check_open()

@@ -72,7 +72,7 @@ class IterationLoop:
         self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
         self._cond = threading.Condition()
-        self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); a left request's stay, as "done"
+        self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); left ones stay "done"
         self._n_waiting = 0  # sequences in `_waiting` still waiting
         self._running: dict[int, LoopSequence] = {}
         self._to_drop: list[int] = []
