@@ -1,0 +1,104 @@
+"""`Family`: the model-family side of the denoising step loop (Wan, Cosmos, ...).
+
+The per-rank model (`model.py`) owns the loop and knows nothing of any family:
+
+    job = family.start(request)         admission: encode the prompt ONCE (cond + uncond), draw the
+                                        latents as the diffusers pipeline does for one prompt, a deep
+                                        copy of the scheduler with its timesteps set
+    family.step(jobs)                   ONE denoising step of every job in `jobs` (they share a latent
+                                        shape, `job.group`): one transformer forward for all their
+                                        rows, then each job's own scheduler.step; advances job.i
+    family.decode(job)                  -> float video [frames, H, W, 3] in [0, 1] (the VAE), after the
+                                        last step (`job.done`)
+
+A family module (`wan.py`, `cosmos.py`) subclasses `Family` and is named in `FAMILIES` (`model.py`)
+by the pipeline class of the folder's model_index.json. Every rank of a replica runs the same
+calls in the same order; collectives (the CFG gather) happen inside `step`. `Branches` says which
+guidance branches this rank computes: all of them on one rank, or cond on cfg rank 0 and uncond
+on cfg rank 1 (`outer.cfg_size=2`), gathered with `Branches.gather`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Job:
+    """One request on its way through the step loop (every rank holds the same jobs)."""
+
+    request: Any  # the parsed request (request.py)
+    latents: torch.Tensor  # [1, C, F, h, w] float32, as the pipeline keeps them
+    scheduler: Any  # this job's own copy: schedulers keep per-instance state (step index, history)
+    timesteps: torch.Tensor  # the scheduler's timesteps for this job's step count
+    cond: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (embeddings, ...)
+    i: int = 0  # steps taken
+
+    @property
+    def steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.i >= self.steps
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        """Jobs whose latents share this shape are stacked into one forward."""
+        return tuple(self.latents.shape)
+
+
+@dataclass(frozen=True)
+class Branches:
+    """Which classifier-free-guidance branches this rank computes (cfg group of size 1 or 2)."""
+
+    cfg_rank: int = 0
+    cfg_size: int = 1
+
+    @property
+    def cond(self) -> bool:
+        return self.cfg_rank == 0
+
+    @property
+    def uncond(self) -> bool:
+        return self.cfg_size == 1 or self.cfg_rank == 1
+
+    def gather(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cond, uncond) predictions for every row from this rank's `local` ([2, rows, ...] on one
+        rank; [rows, ...] of its own branch over cfg 2, gathered over group "cfg")."""
+        if self.cfg_size == 1:
+            return local[0], local[1]
+        from phyai_ray.collectives import P
+
+        both = P.all_gather(local.unsqueeze(0).contiguous(), "cfg", dim=0)
+        return both[0], both[1]
+
+
+class Family:
+    """Base class of a model family's part of the loop (see the module docstring)."""
+
+    pipeline_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family serves
+
+    def __init__(self, components: dict[str, Any], index: dict[str, Any], branches: Branches,
+                 device: Any, dtype: torch.dtype) -> None:
+        self.components, self.index, self.branches = components, index, branches
+        self.device, self.dtype = device, dtype
+
+    def start(self, request: Any) -> Job:
+        raise NotImplementedError
+
+    def step(self, jobs: list[Job]) -> None:
+        raise NotImplementedError
+
+    def decode(self, job: Job) -> torch.Tensor:
+        raise NotImplementedError
+
+    def denoise(self, transformer: Any, latents: torch.Tensor, timestep: torch.Tensor,
+                embeds: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The ONE call of a transformer forward: a sharded transformer (sequence / tensor parallel)
+        plugs in here with the same signature and result."""
+        return transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
+                           return_dict=False, **kwargs)[0]

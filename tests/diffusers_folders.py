@@ -1,0 +1,98 @@
+"""Tiny random diffusers pipeline folders, built offline for the `diffusers_pipeline` tests.
+
+    folder = build_wan(tmp_path / "wan21")                      Wan 2.1 text-to-video
+    folder = build_wan(tmp_path / "wan22", two_experts=True)    Wan 2.2: transformer_2, boundary_ratio
+    folder = build_wan(tmp_path / "ti2v", ti2v=True)            Wan 2.2 TI2V layout (expand_timesteps,
+                                                                a 48-channel VAE with 16x spatial factor)
+
+Every component is built by its own library's class from a small config (diffusers'
+`WanTransformer3DModel`, `AutoencoderKLWan`, a flow-matching scheduler; transformers'
+`UMT5EncoderModel`; a word-level fast tokenizer made with `tokenizers`), seeded, then saved with
+`WanPipeline.save_pretrained`: the same folder layout as a real checkpoint, nothing downloaded.
+A transformer forward on a 9-frame 32x32 video takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = ("a robot arm picks up the red cube and places it in bin blue green box on table "
+         "camera moves left right slowly fast dog cat runs").split()
+
+
+def _tokenizer(folder: Path):
+    """A word-level fast tokenizer with T5's special tokens (pad 0, eos 1, unk 2), saved as transformers' fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(dict.fromkeys(WORDS))}}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def _text_encoder(vocab_size: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return UMT5EncoderModel(config).eval()
+
+
+def _transformer(in_channels: int, out_channels: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                 in_channels=in_channels, out_channels=out_channels, text_dim=32, freq_dim=32,
+                                 ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+
+
+def _vae(ti2v: bool):
+    from diffusers import AutoencoderKLWan
+
+    if ti2v:  # Wan 2.2's 48-channel residual VAE: 16x spatial, patchified by 2 inside
+        return AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                                out_channels=12, patch_size=2, scale_factor_spatial=16,
+                                latents_mean=[0.0] * 48, latents_std=[1.0] * 48).eval()
+    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True]).eval()
+
+
+def _perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Random weights everywhere, so no layer is an identity or a zero (diffusers zero-inits some)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def build_wan(folder: Path, *, two_experts: bool = False, ti2v: bool = False, seed: int = 0,
+              scheduler: str = "unipc") -> Path:
+    """Write a tiny random WanPipeline folder at `folder` and return it (see the module docstring)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(seed)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    tokenizer = _tokenizer(folder)
+    text_encoder = _text_encoder(len(tokenizer))
+    channels = 48 if ti2v else 16
+    transformer = _transformer(channels, channels)
+    transformer_2 = _transformer(channels, channels) if two_experts else None
+    vae = _vae(ti2v)
+    for module in (text_encoder, transformer, transformer_2, vae):
+        if module is not None:
+            _perturb(module, gen)
+    if scheduler == "unipc":
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    else:
+        sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                       transformer=transformer, transformer_2=transformer_2,
+                       boundary_ratio=0.6 if two_experts else None, expand_timesteps=ti2v)
+    pipe.save_pretrained(folder)
+    return folder
