@@ -1,52 +1,46 @@
 """`IterationLoop`: continuous batching of one replica, for plugins with the iteration protocol.
 
     submit(request) -> Entry.sequences -> [waiting: earliest deadline first, or fifo]
-        every iteration: admit while slots and tokens allow (max_num_seqs, max_num_batched_tokens),
-        ONE plan (admit, drop, recompute) to every rank, one forward, the output rank's deltas
-        -> each sequence's tokens, log-probs and per-token weight versions -> the request resolves
-           when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
+        every iteration: the plugin's admission policy admits waiting sequences (Entry.admission;
+        default TokenBudget: max_num_seqs, max_num_batched_tokens), ONE plan (admit, drop,
+        recompute) to every rank, one forward, the output rank's deltas
+        -> each sequence's tokens (log-probs, per-token weight versions) or value -> the request
+           resolves when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
 A sequence joins at the next iteration and leaves the one it ends in, so a short request
 admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
-(`scheduling="deadline"`: a request's own deadline, else its execution deadline) or in arrival
-order ("fifo"); a request none of whose sequences got a slot by its own deadline is answered
-with DeadlineMissedError and never runs. Requests keep the engine's contract: a future per
-request (`cancel()` drops its sequences at the next iteration and frees their slots, whenever it
-is called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
-(`queued`: no sequence admitted yet; `dispatched`: some running).
+(`scheduling="deadline"`: a request's own deadline, else when it expires) or in arrival order
+("fifo"); a request none of whose sequences got a slot by its own deadline is answered with
+DeadlineMissedError and never runs. Requests keep the engine's contract: a future per request
+(`cancel()` drops its sequences at the next iteration and frees their slots, whenever it is
+called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
+(`queued`: no sequence admitted yet; `dispatched`: some running). Control at iteration
+boundaries (pause, sleep, weight updates): iteration_control.py.
 
-Control at iteration boundaries (`quiesce`, `release`; called by the replica's control calls):
-    pause(mode="keep")   the loop stops between iterations; running sequences keep their caches
-    pause(mode="abort")  every request with a running sequence resolves now, each sequence with
-                         the tokens it has and stop_reason "aborted"; requests never admitted fail
-                         with RequestAbortedError (as queued requests always did)
-    pause(mode="wait"), sleep, weight updates from SERVING: admission stops, running sequences
-                         finish, then the loop stops (from a stopped loop: nothing more to wait for)
-On release, a sequence whose cache was computed under other weights (or before a sleep) is
-rebuilt from its whole history at its next iteration when `cache_after_update="recompute"` (the
-default: every later log-prob is the new weights' own); "keep" continues on the cache as computed.
-
-The loop runs on one thread of the replica; it never runs plugin code itself: each iteration goes
-through the replica's scheduler (`executor.run_iteration(plan)`), whose hang clock, ordering with
-collective_rpc and failure path apply to iterations as to steps.
+The loop is a part of its replica, with explicit collaborators: it never runs plugin code on the
+ranks itself. Each iteration goes through `run_iteration(plan)` (the replica's scheduler, whose
+hang clock, ordering with collective_rpc and failure path apply to iterations as to steps; the
+future it returns carries `weight_version`); futures deliver callbacks on `delivery`; `record(size,
+waits)` feeds the replica's histograms; `on_failure(error)` stops the replica if the loop breaks.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable
 
-from phyai_ray.errors import EngineUnavailableError, RequestAbortedError
+from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
+from phyai_ray.executors.iteration_control import GATHER, IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
-from phyai_ray.executors.sequences import LoopRequest, LoopSequence, stream_chunk
+from phyai_ray.executors.sequences import Deadlines, LoopRequest, LoopSequence, stream_chunk
 from phyai_ray.outputs import merge_token_chunks, version_order
-from phyai_ray.plugins.iteration import Delta, IterationPlan
+from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
@@ -55,53 +49,53 @@ _TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
 _REPLY_GRACE_S = 30.0  # past the step limit the scheduler's hang clock fails the replica first
 _IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
 _COMPACT_SLACK = 64  # left sequences `_waiting` may hold beyond twice the waiting ones
-GATHER = object()  # a settled request whose result is still to be gathered (outside the lock)
 
 
-class IterationLoop:
+class IterationLoop(IterationControl):
     """Waiting and running sequences of one replica, and the thread that iterates them (a request
-    frontend: see frontends.py)."""
+    queue of the replica: see frontends.py)."""
 
     iterative = True
 
-    def __init__(self, executor: Any, entry: Any, batching: Any, *, limit_s: float, max_queued: int | None) -> None:
-        self._executor, self._entry = executor, entry
-        self.index = executor.index
-        self.max_seqs, self.max_tokens = batching.max_num_seqs, batching.max_num_batched_tokens
-        self.recompute_after_update = batching.cache_after_update == "recompute"
+    def __init__(self, index: int, entry: Any, batching: Any, *, run_iteration: Callable[[IterationPlan], Future],
+                 delivery: Any, record: Callable[[int, list[float]], None],
+                 on_failure: Callable[[BaseException], None], limit_s: float, max_queued: int | None) -> None:
+        self.index, self._entry = index, entry
+        self._run_iteration, self._delivery = run_iteration, delivery
+        self._record, self._on_failure = record, on_failure
+        self.policy = entry.admission(batching)
+        if not isinstance(self.policy, AdmissionPolicy):
+            raise TypeError(f"plugin {entry.display_name()}: admission(batching) must return a policy with "
+                            f"begin(running) and admit(candidate) (phyai_ray.plugins.admission), got {self.policy!r}")
         self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
         self._cond = threading.Condition()
+        self._init_control(batching.cache_after_update == "recompute")
         self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); left ones stay "done"
         self._n_waiting = 0  # sequences in `_waiting` still waiting
         self._running: dict[int, LoopSequence] = {}
         self._to_drop: list[int] = []
-        self._requests: dict[LoopRequest, None] = {}  # in submission order, so in execution-deadline order
-        self._dues: list[tuple[float, int, LoopRequest]] = []  # heap of the requests' own deadlines
+        self._requests: dict[LoopRequest, None] = {}  # in submission order, so in the order they expire
+        self._deadlines = Deadlines()  # the requests' own deadlines
         self._queued = 0  # requests none of whose sequences was admitted yet
         self._ids = itertools.count(1)
-        self._held = False  # no iteration starts (pause, sleep, weight update)
-        self._admitting = True  # False while pause(mode="wait") lets the running sequences finish
-        self._in_flight = False  # an iteration is at the ranks
-        self._cache_dirty = False  # a sleep released the caches of running sequences
-        self._refusal: Callable[[], BaseException] | None = None
         self._thread: threading.Thread | None = None
         self.tally = Tally()
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
+        logger.info("replica %d: continuous batching, admission %r", index, self.policy)
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
-               due: float | None = None) -> EngineFuture:
+               deadline: float | None = None) -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
-        `due`: its own deadline (monotonic), by which one of its sequences must have a slot."""
+        `deadline`: its own (monotonic), by which one of its sequences must have a slot."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
-        scheduler = self._executor.scheduler
-        future = EngineFuture(scheduler._delivery, self._cancelled)
-        future.replica, future.due = self.index, due
-        req = LoopRequest(request, future, self.limit_s, sink, due)
+        future = EngineFuture(self._delivery, self._cancelled)
+        future.replica, future.deadline = self.index, deadline
+        req = LoopRequest(request, future, self.limit_s, sink, deadline)
         future.work = req
         with self._cond:
             if self._refusal is not None:
@@ -109,21 +103,21 @@ class IterationLoop:
             queued = self._queued
             if self.max_queued is not None and queued >= self.max_queued:
                 raise overloaded(self.index, queued, self.max_queued, f"{len(self._running)} running sequence(s) "
-                                 f"(max_num_seqs={self.max_seqs}) for a sequence slot")
-            for i, seq in enumerate(sequences):
-                req.seqs.append(LoopSequence(next(self._ids), req, i, seq.payload, max(int(seq.cost), 1)))
+                                 f"(admission {self.policy!r}) for a sequence slot")
+            req.seqs = [LoopSequence(next(self._ids), req, i, s.payload, max(int(s.cost), 1), getattr(s, "group", None))
+                        for i, s in enumerate(sequences)]
             req.left = len(req.seqs)
             self._requests[req] = None
             self._queued += 1
             for seq in req.seqs:
                 enqueue(self._waiting, seq, self.edf)
-            if due is not None:
-                heapq.heappush(self._dues, (due, id(req), req))
+            if deadline is not None:
+                self._deadlines.push(req)
             self._n_waiting += len(req.seqs)
             self._wake()
         return future
 
-    def submit_stream(self, request: Any, max_buffered: int, due: float | None = None
+    def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None
                       ) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
         {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. The loop never
@@ -131,7 +125,7 @@ class IterationLoop:
         (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
         sequence and the buffer stays `max_buffered` chunks long."""
         sink = ChunkSink(max_buffered=max_buffered, merge=merge_token_chunks)
-        future = self.submit(request, sink, due=due)
+        future = self.submit(request, sink, deadline=deadline)
         return future, LocalReader(sink, future)
 
     def counts(self) -> Counts:
@@ -167,6 +161,7 @@ class IterationLoop:
         """Lock held: remove the request's sequences; running ones are dropped at the ranks next iteration."""
         if self._requests.pop(req, 0) is None and not req.admitted:
             self._queued -= 1
+        self._deadlines.discard(req)
         for seq in req.seqs:
             if seq.state == "running":
                 del self._running[seq.ident]
@@ -193,7 +188,7 @@ class IterationLoop:
             logger.exception("replica %d: the iteration loop failed", self.index)
             with self._cond:
                 self._thread = None
-            self._executor._fail(EngineUnavailableError(
+            self._on_failure(EngineUnavailableError(
                 f"replica {self.index}: its iteration loop failed ({type(exc).__name__}: {exc}); the replica was "
                 "stopped and the requests it held were failed", reason="exception", replica=self.index))
 
@@ -212,7 +207,7 @@ class IterationLoop:
                     if not self._requests and not self._to_drop and now - idle_since >= _IDLE_EXIT_S:
                         self._thread = None
                         return
-                    self._cond.wait(timeout=max(min(self._next_deadline() - now, _TICK_S), 0.001))
+                    self._cond.wait(timeout=max(min(self._next_wake() - now, _TICK_S), 0.001))
                     continue
                 if plan is not None:
                     self._in_flight = True
@@ -227,39 +222,45 @@ class IterationLoop:
         return bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
 
     def _plan(self) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
-        """Lock held: this iteration's drops, rebuilds and admissions (first come, first served)."""
+        """Lock held: this iteration's drops, rebuilds and admissions."""
         drop, self._to_drop = tuple(self._to_drop), []
         rebuild = [s for s in self._running.values() if s.stale]
-        budget = self.max_tokens - (len(self._running) - len(rebuild)) - sum(s.cost + len(s.tokens) for s in rebuild)
-        admitted: list[LoopSequence] = []
-        while self._waiting and self._admitting and len(self._running) < self.max_seqs:
-            seq = self._waiting[0]
-            if seq.state != "waiting":  # its request left (cancelled, expired, aborted)
-                self._waiting.popleft()
-                continue
-            if seq.cost > budget and self._running:
-                break  # it waits for an iteration with room (alone, at worst): nothing overtakes it
-            self._waiting.popleft()
-            self._n_waiting -= 1
-            budget -= seq.cost
-            seq.state = "running"
-            self._running[seq.ident] = seq
-            if not seq.request.admitted:
-                seq.request.admitted = True
-                self._queued -= 1
-                seq.request.future.started = time.monotonic()
-            admitted.append(seq)
+        admitted = self._admit() if self._n_waiting and self._admitting else []
         for seq in admitted:
             seq.request.future.batch_size = len(self._running)
         plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
                              recompute=tuple(s.ident for s in rebuild))
         return plan, admitted, rebuild
 
+    def _admit(self) -> list[LoopSequence]:
+        """Lock held: the waiting sequences the policy admits, head first; its first refusal ends the
+        round (nothing overtakes the sequence it refused)."""
+        self.policy.begin([s.candidate() for s in self._running.values()])
+        admitted: list[LoopSequence] = []
+        while self._waiting:
+            seq = self._waiting[0]
+            if seq.state != "waiting":  # its request left (cancelled, expired, aborted)
+                self._waiting.popleft()
+                continue
+            if not self.policy.admit(seq.candidate()):
+                break
+            self._waiting.popleft()
+            self._n_waiting -= 1
+            seq.state = "running"
+            self._running[seq.ident] = seq
+            if not seq.request.admitted:
+                seq.request.admitted = True
+                self._queued -= 1
+                self._deadlines.discard(seq.request)  # its own deadline asked for a slot: it has one
+                seq.request.future.started = time.monotonic()
+            admitted.append(seq)
+        return admitted
+
     def _iterate(self, formed: tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]) -> None:
         plan, admitted, rebuild = formed
         now = time.monotonic()
         try:
-            future = self._executor.run_iteration(plan)
+            future = self._run_iteration(plan)
             deltas = future.result(timeout=self.limit_s + _REPLY_GRACE_S)
             error = None
         except BaseException as exc:  # the replica failed (its error), or the plugin raised (inline)
@@ -272,7 +273,7 @@ class IterationLoop:
             if error is not None:
                 settle = self._fail_running(error)
             else:
-                version = future.weight_version
+                version = getattr(future, "weight_version", None)
                 for seq in (*admitted, *rebuild):
                     seq.cache_version, seq.stale = version, False
                 size = len(self._running)
@@ -282,18 +283,13 @@ class IterationLoop:
         self._settle(settle)
 
     def _apply(self, deltas: dict[int, Delta], version: Any) -> list:
-        """Lock held: add every sequence's new tokens; the requests that ended, to settle."""
+        """Lock held: add every sequence's new tokens or value; the requests that ended, to settle."""
         ended, touched = [], {}
         for ident, delta in deltas.items():
             seq = self._running.get(ident)
             if seq is None:  # cancelled or expired after the plan left: its drop is on its way
                 continue
-            seq.tokens += delta.token_ids
-            seq.log_probs += delta.log_probs
-            seq.versions += [version] * len(delta.token_ids)
-            seq.tops += delta.top_logprobs
-            if delta.value is not None:
-                seq.value = delta.value
+            seq.add(delta, version)
             if seq.request.sink is not None and delta.token_ids:
                 touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
             if delta.stop_reason is not None:
@@ -302,20 +298,11 @@ class IterationLoop:
                 seq.request.left -= 1
                 if seq.request.left == 0 and seq.request in self._requests:
                     del self._requests[seq.request]
+                    self._deadlines.discard(seq.request)
                     ended.append(seq.request)
         for req, changed in touched.values():
             stream_chunk(req, changed)
         return [(req, GATHER, None) for req in ended]
-
-    def _result(self, req: LoopRequest) -> Any:
-        """The request's result (Entry.gather: plugin code, so never called with the lock held)."""
-        return self._entry.gather(req.payload, [s.output() for s in req.seqs])
-
-    def _record(self, size: int, waits: list[float]) -> None:
-        """Lock held: sequences per iteration and the queue wait of each admitted one (the replica's histograms)."""
-        scheduler = self._executor.scheduler
-        with scheduler._lock:
-            scheduler.stats.record(size, waits)
 
     def _fail_running(self, error: BaseException) -> list:
         """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
@@ -326,15 +313,15 @@ class IterationLoop:
         return [(req, None, error) for req in failed.values()]
 
     def _expire(self, now: float) -> list:
-        """Lock held: requests past their deadline leave (running sequences are dropped next iteration);
+        """Lock held: requests past `expires` leave (running sequences are dropped next iteration);
         requests past their own deadline with no slot yet are answered without running."""
         missed = []
-        while self._dues and self._dues[0][0] <= now:
-            _, _, req = heapq.heappop(self._dues)
+        for req in self._deadlines.due(now):
             if req in self._requests and not req.admitted:
                 self._forget(req)
-                missed.append((req, None, deadline_missed(self.index, now - req.submitted, req.due - req.submitted)))
-        expired = list(itertools.takewhile(lambda r: r.deadline <= now, self._requests))
+                missed.append((req, None, deadline_missed(self.index, now - req.submitted,
+                                                          req.deadline - req.submitted)))
+        expired = list(itertools.takewhile(lambda r: r.expires <= now, self._requests))
         for req in expired:
             self._forget(req)
         return missed + [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
@@ -342,102 +329,22 @@ class IterationLoop:
                                                else "it never got a sequence slot", dispatched=req.admitted))
                          for req in expired]
 
-    def _next_deadline(self) -> float:
-        due = self._dues[0][0] if self._dues else float("inf")
-        return min(next((r.deadline for r in self._requests), float("inf")), due)
+    def _next_wake(self) -> float:
+        """When the next request expires or reaches its own deadline (monotonic)."""
+        return min(next((r.expires for r in self._requests), float("inf")), self._deadlines.next())
 
     def _settle(self, items: list) -> None:
         """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread);
-        a GATHER value is the request's result, gathered here."""
+        a GATHER value is the request's result, gathered here (Entry.gather is plugin code)."""
         for req, value, error in items:
             if value is GATHER:
                 try:
-                    value = self._result(req)
+                    value = self._entry.gather(req.payload, [s.output() for s in req.seqs])
                 except Exception as exc:  # the plugin's gather failed: this request fails with it
                     value, error = None, exc
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
-                req.future.weight_version = max((s.versions[-1] for s in req.seqs if s.versions),
+                req.future.weight_version = max((s.version for s in req.seqs if s.tokens or s.value is not None),
                                                 default=None, key=version_order)
             self.tally.settle(req.future, value, error)
             if req.sink is not None:
                 req.sink.close()
-
-    # -- control -------------------------------------------------------------------------------
-    def quiesce(self, op: str, mode: str, deadline: float) -> int:
-        """Stop iterating as control call `op` needs (see the module docstring); returns how many
-        requests pause(mode="abort") ended. Raises TimeoutError (nothing changed) past `deadline`."""
-        with self._cond:
-            if op == "pause" and mode == "keep":
-                self._held = True
-                return 0
-            if not self._held and (op != "pause" or mode == "wait"):
-                self._admitting = False
-                if not self._wait(lambda: not self._running and not self._in_flight, deadline):
-                    self._admitting = True
-                    self._cond.notify_all()
-                    raise TimeoutError(f"replica {self.index}: {op}() waited for {len(self._running)} running "
-                                       "sequence(s) to finish and ran out of time; nothing was changed (raise the "
-                                       "timeout, or pause with mode='keep' or 'abort')")
-            self._held = True
-            if not self._wait(lambda: not self._in_flight, deadline):
-                self._held = False
-                self._cond.notify_all()
-                raise TimeoutError(f"replica {self.index}: {op}() waited for the iteration at its ranks and ran out "
-                                   "of time; nothing was changed (raise the timeout)")
-            if op == "sleep":
-                self._cache_dirty = True
-            settle = self._abort() if op == "pause" and mode == "abort" else []
-        self._settle(settle)
-        return len(settle)
-
-    def _wait(self, ready: Callable[[], bool], deadline: float) -> bool:
-        while not ready():
-            left = deadline - time.monotonic()
-            if left <= 0 or self._refusal is not None:
-                return ready()
-            self._cond.wait(timeout=min(left, _TICK_S))
-        return True
-
-    def _abort(self) -> list:
-        """Lock held: every request ends now: partial outputs where a sequence ran, else RequestAbortedError."""
-        settle = []
-        for req in list(self._requests):
-            self._forget(req)
-            if req.admitted:
-                settle.append((req, GATHER, None))
-            else:
-                settle.append((req, None, RequestAbortedError(
-                    f"replica {self.index} was paused with mode='abort'; the request was dropped before any of its "
-                    "sequences reached a rank: submit it again after resume()", replica=self.index)))
-        return settle
-
-    def release(self, version: Any) -> None:
-        """Iterate again; with "recompute", sequences cached under other weights (or before a sleep) rebuild."""
-        with self._cond:
-            if self.recompute_after_update:
-                for seq in self._running.values():
-                    if seq.cache_version != version or self._cache_dirty:
-                        seq.stale = True
-            self._cache_dirty = False
-            self._held, self._admitting = False, True
-            if self._requests or self._to_drop:
-                self._wake()
-
-    def stop(self, refusal: Callable[[], BaseException], *, cancel_waiting: bool = False) -> None:
-        """Refuse new requests; fail (or cancel, never admitted ones) every request left."""
-        with self._cond:
-            if self._refusal is not None:
-                return
-            self._refusal = refusal
-            left = list(self._requests)
-            self._requests.clear()
-            self._queued = 0
-            self._waiting.clear()
-            self._n_waiting = 0
-            self._running.clear()
-            self._dues.clear()
-            self._cond.notify_all()
-        for req in left:
-            if cancel_waiting and not req.admitted and req.future.cancel():
-                continue
-            self._settle([(req, None, refusal())])

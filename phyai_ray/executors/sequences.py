@@ -1,61 +1,93 @@
 """What the iteration loop keeps per request and per sequence.
 
-    LoopRequest     a request: its future, deadline, sequences left, and stream sink if streamed
-    LoopSequence    a sequence: its payload and prefill cost, tokens / log-probs / per-token versions so far
+    LoopRequest     a request: its future, its own deadline, when it expires, sequences left, stream sink
+    LoopSequence    a sequence: payload, cost, group; its tokens (log-probs, per-token weight versions)
+                    or its value so far, and the weight version of its latest output
     stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}
+    Deadlines       the heap of the requests' own deadlines; a request leaves it when it ends
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from typing import Any
 
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.outputs import TokenOutput, token_chunk
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.plugins.iteration import Candidate, Delta
 from phyai_ray.streams import ChunkSink
+
+_HEAP_SLACK = 64  # left entries the deadline heap may hold beyond its live ones
 
 
 class LoopRequest:
-    """One request of the loop: its future, its sequences, its deadline and its stream (if any)."""
+    """One request of the loop: its future, its sequences, its deadlines and its stream (if any).
 
-    __slots__ = ("payload", "future", "seqs", "deadline", "submitted", "sink", "left", "admitted", "chunks", "due",
-                 "order")
+    `deadline`: its own deadline (monotonic; None: none), by which one of its sequences must have a
+    slot, else it is answered DeadlineMissedError. `expires`: submission + execution_timeout_s, when
+    it fails with RequestTimeoutError wherever it is."""
+
+    __slots__ = ("payload", "future", "seqs", "expires", "submitted", "sink", "left", "admitted", "chunks",
+                 "deadline", "order", "heap_entry")
 
     def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None,
-                 due: float | None = None) -> None:
+                 deadline: float | None = None) -> None:
         self.payload, self.future, self.sink = payload, future, sink
         self.submitted = time.monotonic()
-        self.deadline = self.submitted + limit_s
-        self.due = due  # its own deadline: not admitted by then, it is answered DeadlineMissedError
-        self.order = due if due is not None else self.deadline  # earliest-deadline-first key
+        self.expires = self.submitted + limit_s
+        self.deadline = deadline
+        self.order = deadline if deadline is not None else self.expires  # earliest-deadline-first key
         self.seqs: list[LoopSequence] = []
         self.left = 0  # sequences not ended yet
         self.admitted = False  # some sequence reached the ranks
         self.chunks = 0
+        self.heap_entry: list | None = None  # its entry in `Deadlines` while it waits there
 
 
 class LoopSequence:
-    """One sequence: what its rank admits, and the tokens, log-probs and weight versions it has so far."""
+    """One sequence: what its rank admits, what it costs, and its output so far (tokens or a value)."""
 
-    __slots__ = ("ident", "request", "index", "payload", "cost", "tokens", "log_probs", "versions", "stop_reason",
-                 "cache_version", "stale", "state", "tops", "value")
+    __slots__ = ("ident", "request", "index", "payload", "cost", "group", "tokens", "log_probs", "versions",
+                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version", "_candidate")
 
-    def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int) -> None:
-        self.ident, self.request, self.index, self.payload, self.cost = ident, request, index, payload, cost
+    def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int,
+                 group: Any = None) -> None:
+        self.ident, self.request, self.index, self.payload = ident, request, index, payload
+        self.cost, self.group = cost, group
         self.tokens: list[int] = []
         self.log_probs: list[float] = []
-        self.versions: list[Any] = []
+        self.versions: list[Any] = []  # the weight version of each token
         self.tops: list[dict[int, float]] = []  # per token, when the sequence asked for alternatives
         self.stop_reason: str | None = None
-        self.value: Any = None  # a non-token sequence's result (Delta.value)
+        self.value: Any = None  # a value sequence's result (Delta.value)
+        self.version: Any = None  # the weight version of the iteration that gave its latest token or value
         self.cache_version: Any = None
-        self.stale = False  # its cache must be rebuilt at its next iteration
+        self.stale = False  # its state must be rebuilt from its history at its next iteration (recompute)
         self.state = "waiting"  # -> "running" (it has a slot) -> "done" (ended, or its request left)
+        self._candidate: Candidate | None = None
 
     @property
     def order(self) -> float:
         return self.request.order
+
+    def candidate(self) -> Candidate:
+        """What the admission policy sees of it (made again only when something in it changed)."""
+        c = self._candidate
+        if c is None or c.generated != len(self.tokens) or c.rebuild != self.stale:
+            c = self._candidate = Candidate(self.cost, self.group, len(self.tokens), self.stale)
+        return c
+
+    def add(self, delta: Delta, version: Any) -> None:
+        """Take one iteration's delta, produced under weight `version`."""
+        if delta.token_ids:
+            self.tokens += delta.token_ids
+            self.log_probs += delta.log_probs
+            self.versions += [version] * len(delta.token_ids)
+            self.tops += delta.top_logprobs
+            self.version = version
+        if delta.value is not None:
+            self.value, self.version = delta.value, version
 
     def output(self) -> Any:
         """What `Entry.gather` receives for this sequence: its `Delta.value` if it gave one, else a TokenOutput."""
@@ -73,3 +105,55 @@ def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) ->
         deltas[seq.index] = delta
     req.sink.put(token_chunk(req.chunks, deltas))
     req.chunks += 1
+
+
+class Deadlines:
+    """The requests' own deadlines, earliest first. A request that ends before its deadline leaves
+    at once (`discard`: its entry is emptied, so the heap holds no ended request); emptied entries
+    are skipped when they reach the top, and the heap is rebuilt when they outnumber the live ones."""
+
+    def __init__(self) -> None:
+        self._heap: list[list] = []  # [deadline, tie-break, request or None]
+        self._live = 0
+        self._count = 0
+
+    def push(self, req: LoopRequest) -> None:
+        self._count += 1
+        req.heap_entry = [req.deadline, self._count, req]
+        heapq.heappush(self._heap, req.heap_entry)
+        self._live += 1
+
+    def discard(self, req: LoopRequest) -> None:
+        entry, req.heap_entry = req.heap_entry, None
+        if entry is None:
+            return
+        entry[2] = None
+        self._live -= 1
+        if len(self._heap) > 2 * self._live + _HEAP_SLACK:
+            self._heap = [e for e in self._heap if e[2] is not None]
+            heapq.heapify(self._heap)
+
+    def due(self, now: float) -> list[LoopRequest]:
+        """Pop the requests whose deadline is at or before `now`."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            req = heapq.heappop(self._heap)[2]
+            if req is not None:
+                req.heap_entry = None
+                self._live -= 1
+                out.append(req)
+        return out
+
+    def next(self) -> float:
+        while self._heap and self._heap[0][2] is None:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else float("inf")
+
+    def clear(self) -> None:
+        for entry in self._heap:
+            if entry[2] is not None:
+                entry[2].heap_entry = None
+        self._heap, self._live = [], 0
+
+    def __len__(self) -> int:
+        return self._live

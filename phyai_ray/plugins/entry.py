@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from phyai_ray.errors import ParallelConfigError
+from phyai_ray.plugins.admission import TokenBudget
 
 KNOWN_DOMAINS = frozenset({"dense", "attention", "moe", "pipeline", "cfg"})
 
@@ -42,8 +43,12 @@ class Entry:
     def validate_parallel(self, parallel: Any) -> None:
         """Tighten the topology rules; raise `ParallelConfigError` with the numbers to reject one."""
 
-    def validate_request(self, request: Any) -> None:
-        """Reject a bad request in the dispatcher, before any rank sees it (raise any exception)."""
+    def validate_request(self, request: Any) -> Any:
+        """Reject a bad request before any rank sees it: raise (the engine answers `RequestRejectedError`).
+
+        Return None to run `request` as it is, or the form to run instead (its parsed form, e.g. the
+        prompts tokenized): `batch_key`, `request_size`, `sequences`, `gather` and the ranks then receive
+        that, and nothing validates it again (`phyai_ray/validation.py`)."""
 
     def batch_key(self, request: Any) -> Any:
         """Requests with different keys never share a batch (shape, guidance scale, sampling parameters).
@@ -63,8 +68,17 @@ class Entry:
         raise NotImplementedError(f"plugin {self.display_name()} does not split requests into sequences")
 
     def gather(self, request: Any, outputs: list[Any]) -> Any:
-        """The request's result from one `TokenOutput` per sequence, in order (default: that list)."""
+        """The request's result from one output per sequence, in order: the sequence's `Delta.value`
+        when it gave one, else its `TokenOutput` (default: that list)."""
         return outputs
+
+    def admission(self, batching: Any) -> Any:
+        """Plugins with the iteration protocol: the `AdmissionPolicy` that decides which waiting
+        sequences join the next iteration (`phyai_ray.plugins.admission`), built once per replica.
+        Default: `TokenBudget(batching.max_num_seqs, batching.max_num_batched_tokens)`, for token
+        plugins whose `SequenceSpec.cost` is a prompt's length. A diffusion plugin returns e.g.
+        `CostBudget(batching.max_num_seqs, latent_tokens_per_step)`."""
+        return TokenBudget(batching.max_num_seqs, batching.max_num_batched_tokens)
 
     @property
     def iterative(self) -> bool:

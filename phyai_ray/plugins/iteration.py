@@ -1,17 +1,35 @@
 """The iteration protocol: plugins whose work is a loop of steps, batched per iteration.
 
 A request is split into sequences (`Entry.sequences`); the replica runs ONE loop over every
-running sequence of every request, and sequences join and leave between iterations:
+running sequence of every request, and sequences join and leave between iterations. A sequence
+is whatever the plugin advances one step at a time: a prompt decoded one token per iteration, a
+video latent denoised one step per iteration, a robot's action chunk one flow step per iteration.
 
-    Entry.sequences(request)      -> [SequenceSpec(payload, cost), ...]      in the dispatcher
+    Entry.sequences(request)      -> [SequenceSpec(payload, cost, group), ...]     in the dispatcher
+    Entry.admission(batching)     -> AdmissionPolicy: which waiting sequences join the next iteration
     per-rank model (every rank, the same plan, the same forward):
-        admit(seq_id, payload)    a new sequence: its prefill runs in the next iterate()
+        admit(seq_id, payload)    a new sequence: its first step (an LLM's prefill) runs in the next iterate()
         drop(seq_id)              forget a sequence (cancelled, past its deadline, aborted); free its slot
-        recompute(seq_id)         the next iterate() rebuilds its cache from its whole history
-                                  (prompt + every token so far) under the current weights
-        iterate()                 -> {seq_id: Delta}: ONE iteration (prefill of the newly admitted,
-                                  one step for the rest); a finished sequence frees its own slot
-    Entry.gather(request, outputs) -> the request's result, from one `TokenOutput` per sequence
+        recompute(seq_id)         rebuild this sequence's state from its history under the current
+                                  weights, in the next iterate() (an LLM: its KV cache from the prompt
+                                  and every token so far; after a weight update or a sleep)
+        iterate()                 -> {seq_id: Delta}: ONE iteration over every running sequence;
+                                  a finished sequence frees its own slot
+    Entry.gather(request, outputs) -> the request's result, from one output per sequence, in order:
+                                  the sequence's `Delta.value` when it gave one, else a `TokenOutput`
+
+A sequence's output is tokens (LLMs: `Delta.token_ids`, `log_probs`, `top_logprobs`, the words stay
+where they mean tokens) or a value (`Delta.value`: a denoised latent, an action chunk), first-class
+either way: the loop records the weight version of the iteration that produced each token, and of
+the one that gave the value, so a value plugin's result carries its weight_version too.
+
+Admission (`AdmissionPolicy`): before every iteration the loop asks the plugin's policy which
+waiting sequences join, head first, given what runs (`Candidate`: cost in the plugin's own units,
+group, progress, whether it is being rebuilt). The first refusal ends the round: nothing overtakes
+the sequence refused. `phyai_ray.plugins.admission` has the policies: `TokenBudget` (the default:
+max_num_seqs and max_num_batched_tokens), `CostBudget` (every running sequence costs every
+iteration, as a denoising step does) and `GroupLimit` (at most K groups, e.g. LoRA adapters or
+latent shapes, per iteration).
 
 Every plan reaches every rank of the replica in the same order, so ranks that share collectives
 run the same iterations; only the output rank's deltas are read. `RankRunner.iterate(plan)` applies
@@ -20,29 +38,38 @@ a plan: drops, then recomputes, then admits, then one `iterate()`.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 ITERATION_METHODS = ("admit", "drop", "recompute", "iterate")
 
 
 @dataclass(frozen=True)
 class SequenceSpec:
-    """One sequence of a request: what `admit` receives, and its prefill cost in tokens."""
+    """One sequence of a request: what `admit` receives, what it costs, and its group.
+
+    `cost` is in the plugin's own units, per iteration while it runs, as its admission policy reads
+    it: tokens of an LLM prompt (its prefill; `TokenBudget` then counts 1 per later iteration),
+    latent tokens x CFG branches of a diffusion request (`CostBudget` counts it every iteration).
+    `group`: an optional hashable key (a latent shape, a LoRA adapter) a policy may limit per iteration.
+    """
 
     payload: Any
-    cost: int = 1  # tokens its first iteration processes (the prompt length), against max_num_batched_tokens
+    cost: int = 1
+    group: Hashable | None = None
 
 
 @dataclass
 class Delta:
-    """What one iteration produced for one sequence: new tokens, their log-probs, and whether it ended.
+    """What one iteration produced for one sequence: its new tokens or its value, and whether it ended.
 
     `stop_reason` is None while the sequence runs, else "completed" or "length" (its slot is free).
-    A chunked prefill may return an empty delta. `top_logprobs`, when the sequence asked for k of
-    them, holds per token its k most likely tokens {token id: log-prob}; empty otherwise.
-    `value`: a sequence whose output is not tokens (a denoised action chunk) gives it with its last
-    delta; `Entry.gather` then receives that value for the sequence instead of a `TokenOutput`.
+    An iteration may return an empty delta (a chunked prefill, a denoising step with nothing to show).
+    Token sequences: `token_ids`, their `log_probs`, and `top_logprobs` (when the sequence asked for
+    k of them: per token its k most likely tokens {token id: log-prob}; empty otherwise).
+    Value sequences: `value` (a denoised action chunk, a video latent), given with the last delta
+    or updated by later ones; `Entry.gather` receives it for the sequence instead of a `TokenOutput`.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -54,7 +81,9 @@ class Delta:
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """What every rank does before one iteration: the same plan, in the same order, everywhere."""
+    """What every rank does before one iteration: the same plan, in the same order, everywhere.
+
+    `recompute` lists sequences whose state is rebuilt from their history (see the module docstring)."""
 
     admit: tuple[tuple[int, Any], ...] = ()  # (seq_id, payload)
     drop: tuple[int, ...] = ()
@@ -63,6 +92,41 @@ class IterationPlan:
     @property
     def empty(self) -> bool:
         return not (self.admit or self.drop or self.recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What an admission policy sees of one sequence (waiting or running); no loop internals.
+
+    cost        its `SequenceSpec.cost` (the plugin's own units)
+    group       its `SequenceSpec.group`
+    generated   tokens it has produced so far (0 while waiting, and for a value sequence)
+    rebuild     a running sequence whose state is rebuilt in the coming iteration (`recompute`):
+                an LLM then processes cost + generated tokens for it
+    """
+
+    cost: int
+    group: Hashable | None = None
+    generated: int = 0
+    rebuild: bool = False
+
+
+@runtime_checkable
+class AdmissionPolicy(Protocol):
+    """Which waiting sequences join the next iteration. One per replica, asked by the loop's thread
+    with the loop's lock held (so keep it quick and never block):
+
+        begin(running)      a new plan starts; `running` are the sequences that run in it (rebuilds included)
+        admit(candidate)    the waiting head: True, it joins this iteration (count it); False, it and
+                            every sequence behind it wait for a later iteration (nothing overtakes it)
+
+    `begin` is called only when some sequence waits and admission is open. A policy should admit
+    the head when nothing runs, or a sequence larger than every limit would wait forever.
+    """
+
+    def begin(self, running: Sequence[Candidate]) -> None: ...
+
+    def admit(self, candidate: Candidate) -> bool: ...
 
 
 def is_iterative(model: Any) -> bool:

@@ -1,0 +1,110 @@
+"""Admission policies of the iteration loop: which waiting sequences join the next iteration.
+
+An `Entry` picks one by overriding `admission(batching)` (the protocol: `plugins.iteration.AdmissionPolicy`).
+Each is asked once per plan, `begin(running)` then `admit(head)` until it says no:
+
+    TokenBudget(max_seqs, budget)       the default (BatchingConfig max_num_seqs, max_num_batched_tokens):
+        a waiting sequence's cost is its prefill; every running sequence costs 1 (one new token),
+        a rebuilt one cost + generated. max_seqs=4, budget=12, 2 running, waiting costs [5, 4, 3]:
+        12 - 2 = 10 left -> 5 joins (5 left) -> 4 joins (1 left, 4 running) -> 3 waits (no slot)
+    CostBudget(max_seqs, budget)        every sequence costs its cost in EVERY iteration it runs (a
+        denoising step re-costs each running request: latent tokens x CFG branches).
+        budget=100, running costs [40], waiting [50, 20]: 60 left -> 50 joins (10 left) -> 20 waits
+    GroupLimit(policy, max_groups)      at most `max_groups` distinct `SequenceSpec.group`s per
+        iteration (LoRA adapters, latent shapes), on top of `policy`. max_groups=2, running groups
+        {"a"}, waiting ["b", "c", "a"]: "b" joins -> "c" waits (and "a" behind it: no overtaking)
+
+Every policy admits the head when nothing runs, so a sequence larger than the budget runs alone
+instead of waiting forever.
+
+    class WanEntry(Entry):
+        def admission(self, batching):
+            return GroupLimit(CostBudget(batching.max_num_seqs, self.max_latent_tokens), max_groups=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from phyai_ray.plugins.iteration import AdmissionPolicy, Candidate
+
+
+def _positive(owner: str, **values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}; e.g. {owner}(max_seqs=64, ...)")
+
+
+class _Budget:
+    """Up to `max_seqs` running; the head joins while its cost fits what is left (always when nothing runs)."""
+
+    def __init__(self, max_seqs: int, budget: int) -> None:
+        _positive(type(self).__name__, max_seqs=max_seqs, budget=budget)
+        self.max_seqs, self.budget = max_seqs, budget
+        self._running = 0
+        self._left = budget
+
+    def begin(self, running: Sequence[Candidate]) -> None:
+        self._running = len(running)
+        self._left = self.budget - sum(self.spent(c) for c in running)
+
+    def spent(self, running: Candidate) -> int:
+        """What a running sequence takes of this iteration's budget."""
+        raise NotImplementedError
+
+    def admit(self, candidate: Candidate) -> bool:
+        if self._running >= self.max_seqs or (candidate.cost > self._left and self._running):
+            return False
+        self._left -= candidate.cost
+        self._running += 1
+        return True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_seqs={self.max_seqs}, budget={self.budget})"
+
+
+class TokenBudget(_Budget):
+    """Up to `max_seqs` running; the waiting head joins while its cost (its prefill) fits the tokens
+    left of `budget` after the running rows (1 each) and the rebuilds (cost + generated each), and
+    always when nothing runs (see the module docstring)."""
+
+    def spent(self, running: Candidate) -> int:
+        return running.cost + running.generated if running.rebuild else 1
+
+
+class CostBudget(_Budget):
+    """Up to `max_seqs` running, and the costs of every running and admitted sequence within
+    `budget` in every iteration; the head always joins when nothing runs (see the module docstring)."""
+
+    def spent(self, running: Candidate) -> int:
+        return running.cost
+
+
+class GroupLimit:
+    """`policy`, and at most `max_groups` distinct groups (`Candidate.group`, None being one) among
+    the sequences of an iteration: a head of a new group waits while `max_groups` run."""
+
+    def __init__(self, policy: AdmissionPolicy, max_groups: int) -> None:
+        _positive("GroupLimit", max_groups=max_groups)
+        if not isinstance(policy, AdmissionPolicy):
+            raise TypeError(f"GroupLimit: policy must have begin(running) and admit(candidate), got {policy!r}; "
+                            "e.g. GroupLimit(CostBudget(64, 4096), max_groups=2)")
+        self.policy, self.max_groups = policy, max_groups
+        self._groups: set[Hashable | None] = set()
+
+    def begin(self, running: Sequence[Candidate]) -> None:
+        self._groups = {c.group for c in running}
+        self.policy.begin(running)
+
+    def admit(self, candidate: Candidate) -> bool:
+        fresh = candidate.group not in self._groups
+        if fresh and len(self._groups) >= self.max_groups:
+            return False
+        if not self.policy.admit(candidate):
+            return False
+        self._groups.add(candidate.group)
+        return True
+
+    def __repr__(self) -> str:
+        return f"GroupLimit({self.policy!r}, max_groups={self.max_groups})"
