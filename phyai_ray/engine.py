@@ -25,6 +25,7 @@ from phyai_ray.executors import ReplicaStatus, create_executors, restart_executo
 from phyai_ray.executors.control import ALL_TAGS, ControlReport
 from phyai_ray.plugins.registry import resolve_plugin
 from phyai_ray.streams import DEFAULT_MAX_BUFFERED
+from phyai_ray.validation import checked
 from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None) -> Future:
-        """Validate `request` (the plugin's validator raises here), queue it on one replica, return its future.
+        """Validate `request` (the plugin's validator), queue it on one replica, return its future.
 
-        Raises at once, losing nothing: the validator's error; `EngineOverloadedError` when every
+        A `phyai_ray.validation.Validated` request is not validated again: it runs in the form the
+        validator returned (what the serving edges pass on). Raises at once, losing nothing:
+        `RequestRejectedError` when the validator refused it; `EngineOverloadedError` when every
         healthy replica's queue is full; `EngineUnavailableError` when none is healthy. The future
         fails with `RequestTimeoutError` if no result came `execution_timeout_s` after this call.
         `future.cancel()` is True while the request still waits in the engine queue. The future
@@ -74,7 +77,7 @@ class Engine:
         then fails with `DeadlineMissedError` without running. `future.timing()` says whether it was met.
         """
         self._check_open()
-        self.entry.validate_request(request)
+        request = checked(self.entry, request)
         key, size = self._batch_tags(request)
         return self._dispatcher.submit(request, session, key=key, size=size, due=_due(deadline_s))
 
@@ -89,7 +92,7 @@ class Engine:
         `deadline_s` as for `submit`.
         """
         self._check_open()
-        self.entry.validate_request(request)
+        request = checked(self.entry, request)
         key, size = self._batch_tags(request)
         future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size, due=_due(deadline_s))
         if future.done():
@@ -172,7 +175,7 @@ class Engine:
         every chunk and at the end, so an asyncio consumer needs no thread per stream
         (`phyai_ray.async_streams.stream_items`)."""
         self._check_open()
-        self.entry.validate_request(request)
+        request = checked(self.entry, request)
         return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, replica: int | None = None,

@@ -7,6 +7,7 @@ like, so callers may catch either:
     ├── ParallelConfigError(ValueError)   topology rejected by config or plugin
     ├── DeploymentConfigError(ValueError) deployment settings that cannot work
     ├── PluginError(LookupError)          a plugin name or import path that does not resolve
+    ├── RequestRejectedError(ValueError)  the plugin's validator refused a request; nothing ran
     ├── StartupError(RuntimeError)        workers failed or timed out while starting
     ├── EngineUnavailableError(RuntimeError)
     │                                     the backend can no longer serve
@@ -43,6 +44,33 @@ class DeploymentConfigError(PhyAIError, ValueError):
 
 class PluginError(PhyAIError, LookupError):
     """A plugin could not be found or loaded."""
+
+
+class RequestRejectedError(PhyAIError, ValueError):
+    """The plugin's validator refused a request before any rank saw it: nothing ran, nothing changed.
+
+    Raised by `Engine.submit` / `step` / `stream` and by `phyai_ray.validation.validate` (what the
+    edges call). The message is the plugin's own, after its name and the validator's exception type:
+
+        plugin reference_dit rejected the request: ValueError: sequence length 65 > max_seq=64
+
+    `__cause__` is the validator's exception, `plugin` the plugin's name and `field` the request
+    field at fault when the validator said which (a pydantic error's location, or a `field`
+    attribute on its exception), else None. Sending the same request again fails the same way: fix
+    the field the message names. The serving edges answer it as the client's fault (see
+    `phyai_ray/serve/error_map.py`: 422 on /v1/step, 400 on OIP and the OpenAI routes).
+    """
+
+    def __init__(self, message: str, *, plugin: str | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin, self.field = plugin, field
+
+    def __reduce__(self):
+        return (_rebuild_rejected, (str(self), self.plugin, self.field))
+
+
+def _rebuild_rejected(message, plugin, field) -> RequestRejectedError:
+    return RequestRejectedError(message, plugin=plugin, field=field)
 
 
 class StartupError(PhyAIError, RuntimeError):

@@ -16,6 +16,7 @@ import torch
 
 from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeploymentConfigError, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        EngineUnavailableError, ParallelConfig, StartupError, WorkerSupervisorConfig)
+from phyai_ray.errors import RequestRejectedError
 from tests.conftest import live_actors, live_placement_groups
 from tests.plugins.faults import CreateFailed, FailCreateEntry, RequestRejected, SlowTPEntry
 from tests.plugins.tiny import TinyRowTPEntry, reference
@@ -65,10 +66,11 @@ def test_auto_mode_picks_local_for_one_rank_two_replicas_and_rpc_reaches_every_r
         assert all(s.healthy for s in engine.replica_status())  # a missing method is not a failure
 
 
-def test_validator_rejection_raises_plugin_error_and_group_keeps_serving(ray_session):
+def test_validator_rejection_raises_the_typed_rejection_and_group_keeps_serving(ray_session):
     with Engine(_args(SlowTPEntry), _deploy(1, execution_timeout_s=30)) as engine:
-        with pytest.raises(RequestRejected, match="sleep"):
+        with pytest.raises(RequestRejectedError, match="sleep") as info:
             engine.submit({"sleep": -1})
+        assert isinstance(info.value.__cause__, RequestRejected) and info.value.plugin == "slow_tp"
         torch.testing.assert_close(engine.step({"sleep": 0}), torch.full((2,), 3.0))
         tp = engine.collective_rpc("whoami", replica=0, all_ranks=True)
         assert [t["rank"] for t in tp] == [0, 1]

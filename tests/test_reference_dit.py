@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
                        EngineArgs, EngineConfig, MoeParallelConfig, OuterParallelConfig, ParallelConfig)
-from phyai_ray.errors import ParallelConfigError
+from phyai_ray.errors import ParallelConfigError, RequestRejectedError
 from phyai_ray.process_groups import GroupSet
 from phyai_ray.models.reference_dit import ReferenceDiTConfig, ReferenceDiTEntry, ReferenceDiTRequest
 from phyai_ray.models.reference_dit import weights as W
@@ -148,8 +148,9 @@ def checked_engine():
 
 @pytest.mark.parametrize("request_, error, message", BAD_REQUESTS)
 def test_bad_request_is_rejected_by_the_engine_with_the_values(request_, error, message, checked_engine):
-    with pytest.raises(error, match=message):
+    with pytest.raises(RequestRejectedError, match=message) as info:
         checked_engine.submit(request_)
+    assert type(info.value.__cause__) is error and info.value.plugin == "reference_dit"
     assert checked_engine.replica_status()[0].healthy
 
 

@@ -83,15 +83,18 @@ class HFCausalLMEntry(Entry):
         return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids,
                                  self.codec if wants_text else None)
 
-    def validate_request(self, request: Any) -> None:
-        self.parse(request)
+    def validate_request(self, request: Any) -> Parsed:
+        """The request checked and its text tokenized, once: what `sequences` and `gather` receive."""
+        return request if isinstance(request, Parsed) else self.parse(request)
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self.parse(request).payloads()]
+        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self.validate_request(request).payloads()]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""
-        if isinstance(request, dict) and request.get("text") is not None:
+        gave_text = request.gave_text if isinstance(request, Parsed) else \
+            isinstance(request, dict) and request.get("text") is not None
+        if gave_text:
             for out in outputs:
                 out.text = self.codec.decode(out.token_ids)
         return list(outputs)

@@ -96,6 +96,8 @@ class HFCausalLM(SlotDecoder):
 
     # -- SlotDecoder -------------------------------------------------------------------------------
     def parse(self, request: Any) -> Parsed:
+        if isinstance(request, Parsed):  # the entry's validator parsed it already
+            return request
         wants_text = isinstance(request, dict) and request.get("text") is not None
         if wants_text and self.codec is None:
             self.codec = TextCodec.open(self.cfg.model)

@@ -1,0 +1,72 @@
+"""A request checked once: the plugin's validator runs at the first place that sees the request.
+
+    checked = validate(engine.entry, {"tokens": [[1, 2]]})   # RequestRejectedError if the plugin refuses it
+    engine.submit(checked)                                    # runs checked.request; no second validation
+
+`Entry.validate_request(request)` returns None (the request is fine as it is) or the form to run
+instead, its parsed form: `hf_causal_lm` returns its prompts tokenized, so text is tokenized once.
+`Validated` carries that form from the edge (HTTP, OIP, openpi, OpenAI, a Serve handle) to the
+engine, through a forwarding hop to another group too, and `Engine.submit(request)` validates
+only what does not arrive as `Validated`. Whatever the validator returned is what `batch_key`,
+`request_size`, `sequences`, `gather` and the ranks receive.
+
+Any exception of the validator becomes `RequestRejectedError` (a ValueError) with the plugin's
+message and the validator's exception as its cause: the request is at fault, and every edge
+answers it with its protocol's bad-request status (`serve/error_map.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from phyai_ray.errors import RequestRejectedError
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A request the plugin's validator accepted, in the form the plugin runs (see the module)."""
+
+    request: Any
+
+
+def validate(entry: Any, request: Any) -> Validated:
+    """`request` checked by `entry.validate_request`, as it is to run; a `Validated` passes unchanged."""
+    if isinstance(request, Validated):
+        return request
+    return Validated(checked(entry, request))
+
+
+def checked(entry: Any, request: Any) -> Any:
+    """The form of `request` to run: a `Validated`'s own, else the validator's (the request itself when
+    it returned None). Raises `RequestRejectedError` when the validator raised."""
+    if isinstance(request, Validated):
+        return request.request
+    try:
+        parsed = entry.validate_request(request)
+    except Exception as exc:  # the validator's contract: any exception refuses the request
+        raise rejection(entry, exc) from exc
+    return request if parsed is None else parsed
+
+
+def rejection(entry: Any, exc: BaseException) -> RequestRejectedError:
+    """The `RequestRejectedError` of the validator's exception `exc` (message kept, field when known)."""
+    text = " ".join(str(exc).split())
+    shown = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    name = entry.display_name()
+    return RequestRejectedError(f"plugin {name} rejected the request: {shown}", plugin=name, field=_field(exc))
+
+
+def _field(exc: BaseException) -> str | None:
+    """The request field `exc` names: its `field` attribute, or the location of a pydantic error."""
+    field = getattr(exc, "field", None)
+    if isinstance(field, str):
+        return field
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        try:
+            location = errors()[0].get("loc", ())
+        except Exception:  # not pydantic's errors() after all
+            return None
+        return ".".join(str(part) for part in location) or None
+    return None
