@@ -87,6 +87,14 @@ class Family:
         self.components, self.index, self.branches = components, index, branches
         self.device, self.dtype = device, dtype
 
+    def parallelize(self, ctx: Any) -> None:
+        """Shard the transformer(s) for sequence / tensor parallel (`ctx.parallel`); default: nothing."""
+
+    def shard_of(self, name: str, full: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """This rank's part of the FULL tensor `name` ("transformer.blocks.0.attn1.to_q.weight") of a
+        weight update; default: all of it."""
+        return full
+
     def start(self, request: Any) -> Job:
         raise NotImplementedError
 

@@ -1,0 +1,135 @@
+"""`DiffusersPipelineEntry`: serve a diffusers pipeline folder, `plugin="diffusers_pipeline"`.
+
+    Engine(EngineConfig(plugin="diffusers_pipeline", plugin_args={"model": "/models/Wan2.1-T2V-1.3B-Diffusers"}))
+    engine.submit({"prompt": "a robot arm picks up the red cube", "num_frames": 33, "height": 480,
+                   "width": 832, "num_inference_steps": 30, "seed": 7}).result()["video"]  # uint8 [33, 480, 832, 3]
+
+plugin_args: `model` (a local folder; never a hub name), `dtype` (default float32 on CPU, else the
+folder's), `max_latent_tokens_per_step` (the per-iteration admission budget, see `cost`). The
+folder is checked here, in the dispatcher, before any rank starts (folder.py); each request is
+checked against it (request.py) and refused alone, naming the rule. Each request is ONE sequence
+of the iteration protocol, one denoising step per iteration, batched with every other running
+request; its cost is its latent tokens (F * h/p * w/p) times its guidance branches (2 with CFG).
+
+Parallel layouts: `outer.cfg_size=2` (cond on one rank group, uncond on the other, gathered each
+step) and, for Wan, attention.cp_size (Ulysses) and attention.tp_size == dense.tp_size (wan_parallel.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phyai_ray.errors import ParallelConfigError, RequestAbortedError
+from phyai_ray.models.diffusers_pipeline.folder import Folder, PipelineFolderError
+from phyai_ray.models.diffusers_pipeline.request import Limits, VideoRequest, VideoRequestError
+from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.iteration import SequenceSpec
+from phyai_ray.plugins.registry import register_plugin
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@register_plugin
+class DiffusersPipelineEntry(Entry):
+    """A diffusers pipeline folder (WanPipeline) served one denoising step per iteration."""
+
+    name = "diffusers_pipeline"
+    parallel_domains = frozenset({"cfg", "dense", "attention"})
+
+    def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
+        self.folder: Folder | None = None
+        self.limits: Limits | None = None
+        self.args: dict[str, Any] = {}
+        if plugin_args is not None:
+            self.configure(plugin_args)
+
+    def configure(self, plugin_args: dict[str, Any]) -> None:
+        args = dict(plugin_args or {})
+        unknown = sorted(set(args) - {"model", "dtype", "max_latent_tokens_per_step"})
+        if unknown:
+            raise PipelineFolderError(f"diffusers_pipeline: unknown plugin_args {unknown}; known: model, dtype, "
+                                      "max_latent_tokens_per_step")
+        if args.get("dtype") not in (None, *DTYPES):
+            raise PipelineFolderError(f"diffusers_pipeline: dtype={args['dtype']!r} is not one of {list(DTYPES)}")
+        self.folder = Folder.open(args.get("model"))
+        self.args = args
+        self.limits = self._limits(self.folder)
+
+    @staticmethod
+    def _limits(folder: Folder) -> Limits:
+        vae, tf = folder.configs["vae"], folder.transformer_config()
+        return Limits(temporal=int(vae.get("scale_factor_temporal") or 4),
+                      spatial=int(vae.get("scale_factor_spatial") or 8),
+                      patch=tuple(int(p) for p in tf.get("patch_size", (1, 2, 2))),
+                      two_experts=folder.index.get("boundary_ratio") is not None)
+
+    def served_name(self) -> str:
+        return self._folder().path.resolve().name
+
+    # -- checks before any rank starts -------------------------------------------------------------
+    def validate_parallel(self, parallel: Any) -> None:
+        folder = self._folder()
+        if parallel.outer.pp_size > 1:
+            raise ParallelConfigError(f"diffusers_pipeline has no pipeline stages: outer.pp_size="
+                                      f"{parallel.outer.pp_size}; use outer.cfg_size=2, attention.cp_size or tp")
+        if folder.class_name == "WanPipeline":
+            from phyai_ray.models.diffusers_pipeline.wan_parallel import validate_wan_parallel
+
+            validate_wan_parallel(folder.transformer_config(), parallel)
+        elif parallel.split_axes().keys() - {"cfg"}:
+            raise ParallelConfigError(f"{folder.class_name} runs outer.cfg_size 1 or 2 only; got "
+                                      f"{parallel.describe()} (sequence and tensor parallel are Wan's)")
+
+    def validate_request(self, request: Any) -> VideoRequest:
+        return request if isinstance(request, VideoRequest) else VideoRequest.parse(request, self._limits_checked())
+
+    def sequences(self, request: Any) -> list[SequenceSpec]:
+        """One sequence per request; cost = latent tokens x guidance branches; group = latent shape."""
+        parsed = self.validate_request(request)
+        shape = parsed.latent_shape(int(self._folder().transformer_config().get("in_channels", 16)), self.limits)
+        return [SequenceSpec(**_spec_args(parsed.to_payload(), self.cost(parsed), shape))]
+
+    def cost(self, request: VideoRequest) -> int:
+        """Latent tokens (F * h/p_h * w/p_w) times guidance branches (2 when guidance_scale > 1)."""
+        c, f, h, w = request.latent_shape(1, self._limits_checked())
+        p = self.limits.patch
+        return (f // p[0]) * (h // p[1]) * (w // p[2]) * (2 if request.guidance_scale > 1.0 else 1)
+
+    def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
+        [out] = outputs
+        if not isinstance(out, dict):  # aborted between two denoising steps
+            raise RequestAbortedError("the video request was aborted before its last denoising step; send it again")
+        return out
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
+        import torch
+
+        from phyai_ray.models.diffusers_pipeline.model import PipelineModel
+
+        folder = Folder.open(plugin_args.get("model"))  # the folder may have changed since the entry checked it
+        name = plugin_args.get("dtype")
+        if name is None:
+            on_cpu = torch.device(ctx.device).type == "cpu"
+            dtype = torch.float32 if on_cpu else folder.weights_dtype()
+        else:
+            dtype = getattr(torch, name)
+        return PipelineModel(folder, dtype, ctx)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _folder(self) -> Folder:
+        if self.folder is None:
+            raise VideoRequestError("diffusers_pipeline needs plugin_args={'model': '/path/to/pipeline-folder'}")
+        return self.folder
+
+    def _limits_checked(self) -> Limits:
+        self._folder()
+        return self.limits
+
+
+def _spec_args(payload: dict[str, Any], cost: int, group: tuple[int, ...]) -> dict[str, Any]:
+    """SequenceSpec's arguments: `group` (the latent shape) once SequenceSpec takes it."""
+    fields = getattr(SequenceSpec, "__dataclass_fields__", {})
+    args: dict[str, Any] = {"payload": payload, "cost": cost}
+    if "group" in fields:
+        args["group"] = group
+    return args

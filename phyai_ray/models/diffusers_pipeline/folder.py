@@ -1,0 +1,183 @@
+"""A diffusers pipeline folder, checked before any rank starts (in the Entry, in the dispatcher).
+
+    folder/model_index.json    {"_class_name": "WanPipeline", "transformer": ["diffusers",
+                                "WanTransformer3DModel"], ..., "boundary_ratio": 0.875}
+    folder/<component>/        config.json (or scheduler_config.json) and *.safetensors
+
+`Folder.open(path)` refuses, naming the file and what is supported:
+  * a folder without model_index.json, or a pipeline class no family here serves (`PIPELINES`);
+  * a component the class needs that is missing (no folder, or no config in it);
+  * a tensor whose shape disagrees with its component's config: the model is built from the config
+    on the meta device (no memory, no weights) and every tensor header of the .safetensors files is
+    compared with it; and components that disagree with each other (the transformer's in_channels
+    vs the VAE's z_dim, its text_dim vs the text encoder's d_model).
+Nothing is downloaded: `model` must be a local folder, never a hub name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phyai_ray.errors import PhyAIError
+
+
+class PipelineFolderError(PhyAIError, ValueError):
+    """A pipeline folder this plugin cannot serve: the message names the file and what is supported."""
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What a pipeline class needs: its family (module:class of a `Family`) and its components."""
+
+    family: str
+    required: tuple[str, ...]
+    transformers: tuple[str, ...] = ("transformer",)  # at least the first; the rest are optional experts
+
+
+PIPELINES: dict[str, PipelineSpec] = {
+    "WanPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.wan:WanFamily",
+                                ("tokenizer", "text_encoder", "vae", "scheduler"),
+                                ("transformer", "transformer_2")),
+}
+
+MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")  # weights checked against configs
+
+
+@dataclass
+class Folder:
+    """A checked pipeline folder: its index, the configs of its components, its pipeline spec."""
+
+    path: Path
+    index: dict[str, Any]
+    spec: PipelineSpec
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def class_name(self) -> str:
+        return self.index["_class_name"]
+
+    def components(self) -> list[str]:
+        """The components present, in the order the index lists them."""
+        return [name for name, value in self.index.items()
+                if not name.startswith("_") and isinstance(value, list) and value[0] is not None]
+
+    @classmethod
+    def open(cls, model: Any) -> "Folder":
+        """Read and check the folder at `model` (see the module docstring)."""
+        if not isinstance(model, (str, Path)) or not str(model):
+            raise PipelineFolderError("plugin_args['model'] must be the path of a local diffusers pipeline folder "
+                                      f"(holding model_index.json), got {model!r}")
+        path = Path(model).expanduser()
+        index_file = path / "model_index.json"
+        if not index_file.is_file():
+            raise PipelineFolderError(
+                f"{index_file} does not exist: plugin_args['model'] must be a local diffusers pipeline folder "
+                f"(nothing is downloaded; save one with Pipeline.save_pretrained(folder)); supported pipelines: "
+                f"{sorted(PIPELINES)}")
+        index = json.loads(index_file.read_text())
+        name = index.get("_class_name")
+        if name not in PIPELINES:
+            raise PipelineFolderError(f"{index_file}: pipeline class {name!r} is not supported; supported: "
+                                      f"{sorted(PIPELINES)}")
+        folder = cls(path, index, PIPELINES[name])
+        folder._check_components()
+        folder._check_tensors()
+        folder._check_agreement()
+        return folder
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _check_components(self) -> None:
+        spec, present = self.spec, set(self.components())
+        needed = list(spec.required) + [spec.transformers[0]]
+        for name in [n for n in spec.transformers[1:] if n in present] + needed:
+            folder = self.path / name
+            if name not in present or not folder.is_dir():
+                raise PipelineFolderError(
+                    f"{self.path / 'model_index.json'}: {self.class_name} needs component {name!r} "
+                    f"(a folder {folder}), which is missing; components it needs: {needed}, optional: "
+                    f"{list(spec.transformers[1:])}")
+            self.configs[name] = _read_config(folder, name, self.index[name])
+
+    def _check_tensors(self) -> None:
+        for name in MODEL_COMPONENTS:
+            if name in self.configs:
+                _check_shapes(self.path / name, self.index[name], self.configs[name])
+
+    def _check_agreement(self) -> None:
+        vae, text = self.configs.get("vae", {}), self.configs.get("text_encoder", {})
+        for name in self.spec.transformers:
+            config = self.configs.get(name)
+            if config is None:
+                continue
+            where = self.path / name / "config.json"
+            if "z_dim" in vae and config.get("in_channels") != vae["z_dim"]:
+                raise PipelineFolderError(f"{where}: in_channels={config.get('in_channels')} disagrees with the "
+                                          f"VAE's z_dim={vae['z_dim']} ({self.path / 'vae' / 'config.json'})")
+            if "d_model" in text and config.get("text_dim") not in (None, text["d_model"]):
+                raise PipelineFolderError(
+                    f"{where}: text_dim={config.get('text_dim')} disagrees with the text encoder's d_model="
+                    f"{text['d_model']} ({self.path / 'text_encoder' / 'config.json'})")
+
+    # -- what the entry needs ---------------------------------------------------------------------
+    def transformer_config(self) -> dict[str, Any]:
+        return self.configs[self.spec.transformers[0]]
+
+    def weights_dtype(self) -> Any:
+        """The dtype the transformer's weights are stored in (the folder's dtype)."""
+        import torch
+        from safetensors import safe_open
+
+        file = sorted((self.path / self.spec.transformers[0]).glob("*.safetensors"))[0]
+        with safe_open(str(file), framework="pt") as handle:
+            return handle.get_tensor(next(iter(handle.keys()))).dtype if handle.keys() else torch.float32
+
+
+def _read_config(folder: Path, name: str, entry: list) -> dict[str, Any]:
+    for file in ("config.json", "scheduler_config.json", "tokenizer_config.json"):
+        if (folder / file).is_file():
+            return json.loads((folder / file).read_text())
+    raise PipelineFolderError(f"{folder}: component {name!r} ({entry[0]}.{entry[1]}) has no config.json, "
+                              "scheduler_config.json or tokenizer_config.json; save it with save_pretrained")
+
+
+def _check_shapes(folder: Path, entry: list, config: dict[str, Any]) -> None:
+    """Every tensor in folder/*.safetensors against the model built from its config on the meta device."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise PipelineFolderError(f"{folder}: no .safetensors weights (component {entry[1]}); save the pipeline "
+                                  "with save_pretrained(safe_serialization=True)")
+    expected = _expected_shapes(entry, folder)
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                want = expected.get(key)
+                if want is None:
+                    raise PipelineFolderError(f"{file}: tensor {key!r} is not a parameter of {entry[1]} as its "
+                                              f"config.json describes it; the weights and config disagree")
+                if want != shape:
+                    raise PipelineFolderError(f"{file}: tensor {key!r} has shape {list(shape)}, but {entry[1]} "
+                                              f"built from {folder / 'config.json'} expects {list(want)}")
+
+
+def _expected_shapes(entry: list, folder: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the model class `entry` ([library, class]) built from its config, without memory."""
+    import torch
+    from accelerate import init_empty_weights
+
+    library, class_name = entry
+    cls = getattr(importlib.import_module(library), class_name)
+    with init_empty_weights(), torch.device("meta"):
+        if library == "transformers":
+            from transformers import AutoConfig
+
+            model = cls(AutoConfig.from_pretrained(folder))
+        else:
+            model = cls.from_config(cls.load_config(folder))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}

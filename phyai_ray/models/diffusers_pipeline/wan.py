@@ -1,0 +1,178 @@
+"""`WanFamily`: WanPipeline's math (Wan 2.1, Wan 2.2 with two experts, the TI2V layout), one step at a time.
+
+What `WanPipeline.__call__` does for one prompt, split where the iteration protocol needs it:
+
+    start     prompt -> UMT5 embeddings, padded with zeros past the prompt's tokens to
+              max_sequence_length (cond; and the negative prompt, uncond, when guidance_scale > 1);
+              latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
+              a deep copy of the scheduler, set_timesteps(n), set_begin_index(0)
+    step      per job: t = timesteps[i]; the expert is `transformer` while t >= boundary_ratio *
+              num_train_timesteps (always, without boundary_ratio), else `transformer_2` with
+              guidance_scale_2; ONE forward per (expert, text length) over the cond rows of every
+              job and the uncond rows of those with guidance, noise = u + g (c - u), then the job's
+              own scheduler.step
+    decode    latents / latents_std + latents_mean -> VAE decode -> (x / 2 + 0.5).clamp(0, 1)
+
+TI2V (`expand_timesteps`): the timestep is given per latent token ([B, F * h/2 * w/2]), all equal
+to t for text-to-video. With cfg_size 2, cfg rank 0 computes the cond rows and rank 1 the uncond
+rows (zeros for jobs without guidance), gathered over group "cfg" (`Branches.gather`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from phyai_ray.models.diffusers_pipeline.family import Family, Job
+
+
+def _clean(text: str) -> str:
+    """The prompt cleaning WanPipeline applies (ftfy when installed, html unescape, whitespace)."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    return prompt_clean(text)
+
+
+class WanFamily(Family):
+    """Wan text-to-video (2.1, 2.2 two experts, 2.2 TI2V) as the per-family part of the step loop."""
+
+    pipeline_classes = ("WanPipeline",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.components
+        self.tokenizer, self.text_encoder, self.vae = c["tokenizer"], c["text_encoder"], c["vae"]
+        self.scheduler = c["scheduler"]
+        self.transformer, self.transformer_2 = c.get("transformer"), c.get("transformer_2")
+        ratio = self.index.get("boundary_ratio")
+        self.boundary = None if ratio is None else ratio * self.scheduler.config.num_train_timesteps
+        self.expand = bool(self.index.get("expand_timesteps", False))
+        self.temporal = self.vae.config.scale_factor_temporal
+        self.spatial = self.vae.config.scale_factor_spatial
+        first = self.transformer if self.transformer is not None else self.transformer_2
+        self.channels, self.patch = first.config.in_channels, tuple(first.config.patch_size)
+        self.model_dtype = first.dtype
+
+    # -- parallel ---------------------------------------------------------------------------------
+    def parallelize(self, ctx: Any) -> None:
+        """Each expert becomes this rank's Ulysses / tensor-parallel shard (wan_parallel.py)."""
+        from phyai_ray.models.diffusers_pipeline.wan_parallel import shard_wan
+
+        for name in ("transformer", "transformer_2"):
+            if self.components.get(name) is not None:
+                setattr(self, name, shard_wan(self.components[name], ctx))
+
+    def shard_of(self, name: str, full: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Tensor parallel: this rank's chunk of a split parameter, by diffusers' name."""
+        from phyai_ray.models.diffusers_pipeline.wan_parallel import tp_shard_dim
+
+        dim = tp_shard_dim(name.split(".", 1)[1])
+        group = "dense_tp" if ".ffn." in name else "attention_tp"
+        if dim is None or ctx.group_size(group) == 1:
+            return full
+        return full.chunk(ctx.group_size(group), dim)[ctx.group_rank(group)]
+
+    # -- admission ----------------------------------------------------------------------------------
+    def start(self, request: Any) -> Job:
+        r, guided = request, request["guidance_scale"] > 1.0
+        cond: dict[str, Any] = {"guided": guided, "length": r["max_sequence_length"]}
+        if self.branches.cond:
+            cond["cond"] = self._embed(r["prompt"], r["max_sequence_length"])
+        if guided and self.branches.uncond:
+            cond["uncond"] = self._embed(r["negative_prompt"], r["max_sequence_length"])
+        from diffusers.utils.torch_utils import randn_tensor
+
+        frames = (r["num_frames"] - 1) // self.temporal + 1
+        shape = (1, self.channels, frames, r["height"] // self.spatial, r["width"] // self.spatial)
+        latents = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(r["seed"]),
+                               device=torch.device(self.device), dtype=torch.float32)
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_timesteps(r["num_inference_steps"], device=self.device)
+        scheduler.set_begin_index(0)
+        return Job(request=r, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps, cond=cond)
+
+    @torch.no_grad()
+    def _embed(self, text: str, length: int) -> torch.Tensor:
+        """[1, length, d_model] in the transformer's dtype, exactly as WanPipeline._get_t5_prompt_embeds."""
+        tokens = self.tokenizer([_clean(text)], padding="max_length", max_length=length, truncation=True,
+                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
+        hidden = self.text_encoder(ids, mask).last_hidden_state.to(self.text_encoder.dtype)
+        used = int(mask.gt(0).sum())
+        padded = torch.cat([hidden[0, :used], hidden.new_zeros(length - used, hidden.shape[-1])])
+        return padded.unsqueeze(0).to(self.model_dtype)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, jobs: list[Job]) -> None:
+        """ONE denoising step of every job (they share a latent shape): one forward per (expert, text length)."""
+        stacks: dict[tuple[int, int], list[Job]] = {}
+        for job in jobs:
+            stacks.setdefault((self._expert_index(job), job.cond["length"]), []).append(job)
+        for (expert, _), stack in stacks.items():
+            self._step_stack(self.transformer if expert == 0 else self.transformer_2, expert, stack)
+
+    def _expert_index(self, job: Job) -> int:
+        t = job.timesteps[job.i]
+        if self.transformer_2 is None or (self.boundary is not None and t >= self.boundary):
+            return 0 if self.transformer is not None else 1
+        return 1 if self.boundary is not None else 0
+
+    def _step_stack(self, transformer: Any, expert: int, jobs: list[Job]) -> None:
+        ts = torch.stack([job.timesteps[job.i] for job in jobs])
+        latents = torch.cat([job.latents for job in jobs])
+        cond, uncond = self._predict(transformer, latents.to(self.model_dtype), ts, jobs)
+        for k, job in enumerate(jobs):
+            noise = cond[k:k + 1]
+            if job.cond["guided"]:
+                r = job.request
+                g = r["guidance_scale"] if expert == 0 or self.boundary is None else (
+                    r["guidance_scale_2"] if r["guidance_scale_2"] is not None else r["guidance_scale"])
+                noise = uncond[k:k + 1] + g * (noise - uncond[k:k + 1])
+            job.latents = job.scheduler.step(noise, job.timesteps[job.i], job.latents, return_dict=False)[0]
+            job.i += 1
+
+    def _predict(self, transformer: Any, latents: torch.Tensor, ts: torch.Tensor,
+                 jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(cond, uncond) noise predictions [B, ...]; uncond rows of unguided jobs are zeros (unused).
+
+        One forward per branch, each over the rows of every job in the stack: the cond rows together,
+        then the uncond rows together, as WanPipeline runs its two branches (so one request alone
+        equals it bit for bit; cond and uncond rows in ONE forward differ from it by float rounding)."""
+        b, guided = self.branches, [k for k, job in enumerate(jobs) if job.cond["guided"]]
+        cond = uncond = None
+        if b.cond:
+            cond = self._forward(transformer, latents, ts, [job.cond["cond"] for job in jobs])
+        if b.uncond and guided:
+            part = self._forward(transformer, latents[guided], ts[guided], [jobs[k].cond["uncond"] for k in guided])
+            uncond = part if len(guided) == len(jobs) else torch.zeros_like(latents).index_copy_(
+                0, torch.tensor(guided, device=part.device), part.to(latents.dtype))
+        if b.cfg_size == 1:
+            return cond, uncond
+        local = cond if b.cond else (uncond if uncond is not None else torch.zeros_like(latents))
+        return b.gather(local)
+
+    def _forward(self, transformer: Any, latents: torch.Tensor, ts: torch.Tensor,
+                 embeds: list[torch.Tensor]) -> torch.Tensor:
+        return self.denoise(transformer, latents, self._timestep(ts, latents), torch.cat(embeds))
+
+    def _timestep(self, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """[B] (or [B, tokens] for TI2V's expand_timesteps: t at every latent token)."""
+        if not self.expand:
+            return t
+        _, _, f, h, w = latents.shape
+        tokens = f * ((h + 1) // 2) * ((w + 1) // 2)  # WanPipeline: mask[0][0][:, ::2, ::2] * t, float32
+        return (torch.ones(1, tokens, dtype=torch.float32, device=t.device) * t[:, None]).to(torch.float32)
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def decode(self, job: Job) -> torch.Tensor:
+        """The job's video: float [frames, H, W, 3] in [0, 1], as WanPipeline's output_type="np"."""
+        vae, z = self.vae, self.vae.config.z_dim
+        latents = job.latents.to(dtype=vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        video = vae.decode(latents / std + mean, return_dict=False)[0]
+        return (video[0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).float()
