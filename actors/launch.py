@@ -10,9 +10,10 @@ from typing import Any
 import ray
 
 from actors.placement_groups import alive_nodes, node_targets
-from actors.replica import RayReplicaExecutor
+from actors.replica import RayTransport
 from actors.startup import ensure_ray
 from phyai_ray.errors import DeploymentConfigError
+from phyai_ray.executors.base import ScheduledReplica
 from placement.bundles import describe_plan, plan_replicas
 from placement.spread import check_feasible
 
@@ -46,13 +47,28 @@ def _plan(mode: str, args: Any, deployment: Any) -> tuple[str, list, list]:
     return device_type, plans, node_targets(plans, deployment.spread_replicas)
 
 
-def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[RayReplicaExecutor]:
+def _replica(plan: Any, *, entry: Any, args: Any, deployment: Any, device_type: str, target_node: str | None,
+             deadline: float) -> ScheduledReplica:
+    """One replica: its Ray ranks, started, then the queue, scheduler and lifecycle around them."""
+    ranks = RayTransport(plan, entry=entry, args=args, deployment=deployment, device_type=device_type,
+                         target_node=target_node, deadline=deadline)
+    proc = deployment.process_config
+    try:
+        return ScheduledReplica(ranks, index=plan.index, max_ongoing=proc.max_ongoing_requests,
+                                max_queued=proc.max_queued_requests, step_limit_s=proc.execution_timeout_s,
+                                batching=deployment.batching, entry=entry)
+    except BaseException:
+        ranks.close(drain=False)
+        raise
+
+
+def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[ScheduledReplica]:
     """Plan, place and start all replicas concurrently, with one startup deadline."""
     device_type, plans, targets = _plan(mode, args, deployment)
     logger.info("phyai-ray placement (%s, %s):\n%s", mode, device_type, describe_plan(plans))
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s
     with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="phyai-start") as pool:
-        futures = [pool.submit(RayReplicaExecutor, plan, entry=entry, args=args, deployment=deployment,
+        futures = [pool.submit(_replica, plan, entry=entry, args=args, deployment=deployment,
                                device_type=device_type, target_node=target, deadline=deadline)
                    for plan, target in zip(plans, targets)]
     started, errors = [], []
@@ -68,16 +84,16 @@ def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[Ra
     return started
 
 
-def start_replica(index: int, mode: str, entry: Any, args: Any, deployment: Any) -> RayReplicaExecutor:
+def start_replica(index: int, mode: str, entry: Any, args: Any, deployment: Any) -> ScheduledReplica:
     """Start replica `index` alone, with the plan it had (used to replace a failed group)."""
     device_type, plans, targets = _plan(mode, args, deployment)
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s
-    return RayReplicaExecutor(plans[index], entry=entry, args=args, deployment=deployment, device_type=device_type,
+    return _replica(plans[index], entry=entry, args=args, deployment=deployment, device_type=device_type,
                               target_node=targets[index], deadline=deadline)
 
 
 def register() -> None:
-    """The `phyai_ray.backends` entry point: Ray replica groups serve the modes local and cluster."""
+    """The `phyai_ray.backends` entry point: the `ray` backend (replica groups; the modes local and cluster)."""
     from phyai_ray.executors.backends import Backend, register_backend
 
-    register_backend(("local", "cluster"), Backend(start=start_replicas, restart=start_replica))
+    register_backend("ray", Backend(start=start_replicas, restart=start_replica))

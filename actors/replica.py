@@ -1,4 +1,6 @@
-"""`RayReplicaExecutor`: one replica = one placement group of rank actors forming a process group.
+"""`RayTransport`: a replica's ranks as one placement group of rank actors forming a process group.
+
+    replica = ScheduledReplica(RayTransport(plan, ...), index=plan.index, ...)   (actors/launch.py)
 
 Request path (`WorkerSupervisorConfig.request_transport`). Same-node sockets (`auto` picks them
 where every rank is on the engine's node): `actors.ipc.IpcLane` writes each dispatched request,
@@ -20,8 +22,10 @@ sent a request fails the whole replica: it is marked unavailable first, every qu
 dispatched request fails with `EngineUnavailableError` naming the cause, then every rank is killed
 and the placement group removed. Nothing is retried or restarted here.
 
-Here: requests, replies and the lifecycle. How the ranks start: `replica_start.py`; how a dead or
-stuck rank is noticed and named: `replica_health.py`; the lanes: `lane.py`.
+The transport owns its ranks; the replica (phyai_ray/executors/base.py) owns the queue, the scheduler
+and the lifecycle, and hears back only through the `ReplicaLink` it binds. Here: sending work and
+reading replies. How the ranks start: `replica_start.py`; how a dead or stuck rank is noticed and
+named: `replica_health.py` (both parts of this transport); the lanes: `lane.py`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from actors.remote_streams import RemoteReader
 from actors.replica_health import ReplicaHealth
 from actors.replica_start import ReplicaStartup
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.work import Kind, Work
 from placement.bundles import ReplicaPlan
 from placement.topology import Topology
@@ -60,18 +64,18 @@ class _Sent:
     replies: dict[int, RankReply] = field(default_factory=dict)
 
 
-class RayReplicaExecutor(ReplicaStartup, ReplicaHealth, ReplicaExecutor):
-    """A replica whose ranks are Ray actors in one placement group."""
+class RayTransport(ReplicaStartup, ReplicaHealth):
+    """The ranks of one replica as Ray actors in one placement group (a `RankTransport`)."""
 
-    mode = "ray"
+    runs_here = False
+    lockstep = False
 
     def __init__(self, plan: ReplicaPlan, *, entry: Any, args: Any, deployment: Any, device_type: str,
                  target_node: str | None, deadline: float) -> None:
         self._proc = deployment.process_config
-        super().__init__(plan.index, plan.world_size, max_ongoing=self._proc.max_ongoing_requests,
-                         max_queued=self._proc.max_queued_requests, step_limit_s=self._proc.execution_timeout_s)
+        self.index, self.world_size = plan.index, plan.world_size
+        self._link: ReplicaLink | None = None
         self._output_rank = Topology.from_parallel(args.config.parallel).output_rank
-        self._replica_count = deployment.replica_count
         self._teardown_lock = threading.Lock()
         self._seq = 0
         self._pg, self._actors, self._infos = None, [], []
@@ -85,51 +89,77 @@ class RayReplicaExecutor(ReplicaStartup, ReplicaHealth, ReplicaExecutor):
         except BaseException:
             self._teardown()
             raise
-        self.enable_batching(deployment.batching, self._batchable)
-        self.enable_iterations(entry, deployment.batching, self._iterative)
-        threading.Thread(target=self._liveness_loop, name=f"phyai-replica-{plan.index}-liveness", daemon=True).start()
+        self.batchable, self.iterative = self._batchable, self._iterative
+
+    def bind(self, link: ReplicaLink) -> None:
+        """Where replies go; the liveness pings start now."""
+        self._link = link
+        threading.Thread(target=self._liveness_loop, name=f"phyai-replica-{self.index}-liveness", daemon=True).start()
 
     @property
-    def transport(self) -> str:
+    def name(self) -> str:
         """How requests reach the ranks: "ipc" (same-node sockets), "compiled" (a Ray Compiled Graph)
         or "actor_calls" (actors/lane.py)."""
         return self._lane.name
 
+    @property
+    def _failure(self) -> Any:
+        """The replica's failure (None while it serves, and before it is bound)."""
+        return self._link.failure() if self._link is not None else None
+
+    @property
+    def healthy(self) -> bool:
+        return self._failure is None
+
+    def _fail(self, error: Any) -> None:
+        """Fail the replica (its one failure path); before it is bound, only release the ranks."""
+        if self._link is not None:
+            self._link.fail(error)
+        else:
+            self.abandon()
+
     # -- requests ---------------------------------------------------------------------------
-    def _prepare(self, payload: Any) -> Any:
+    def prepare(self, payload: Any) -> Any:
         """Serialize once, in the caller's thread, before a slot or sequence number is taken (a bad
         payload loses nothing): the lane's own form (see actors/lane.py)."""
         return self._lane.prepare(payload)
 
-    def _weight(self, payload: Any) -> int:
-        return self._lane.weight(payload)
+    def weight(self, prepared: Any) -> int:
+        return self._lane.weight(prepared)
 
-    def _max_batch_weight(self) -> int | None:
+    @property
+    def max_batch_weight(self) -> int | None:
         return self._lane.max_batch_weight
 
     def _lane_payload(self, work: Work) -> Any:
         """A batch's payloads as one message of the lane's; any other work's payload as it is."""
         return self._lane.batch(work.payload) if work.kind == Kind.BATCH else work.payload
 
-    def _launch(self, work: Work) -> None:
+    def launch(self, work: Work) -> None:
         """Send `work` to every rank with the next sequence number, or fail the replica at once."""
         sent = _Sent(self._seq, set(range(self.world_size)))
         self._seq += 1
         work.state = sent
-        if work.launched is not None:  # a stream's reader waits for it (see _submit_stream)
+        if work.launched is not None:  # a stream's reader waits for it (see stream)
             work.launched.set()
         reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
             frozenset((self._output_rank,))
         window = min(self._lane.in_flight + 1, self._lane.capacity)
         self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
 
-    def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
-        future = self.scheduler.submit(Kind.STREAM, self._prepare((request, max_buffered)), self._step_limit_s)
+    def run_here(self, work: Work) -> None:
+        raise TypeError("a Ray replica's ranks run in their own processes; nothing runs on the caller's thread")
+
+    def stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]:
+        """The streamed request's payload, and its reader: it pulls chunks from the output rank."""
+        return self.prepare((request, max_buffered)), self._reader
+
+    def _reader(self, future: Future) -> RemoteReader:
         work = future.work
         work.launched = threading.Event()
         if work.state is not None:  # launched before the event was there
             work.launched.set()
-        return future, RemoteReader(self, work)
+        return RemoteReader(self, work)
 
     def _on_compiled_replies(self, work: Work, replies: list) -> None:
         """Every rank's reply to one compiled-graph message (the lane's reader thread)."""
@@ -145,8 +175,8 @@ class RayReplicaExecutor(ReplicaStartup, ReplicaHealth, ReplicaExecutor):
 
     def _on_unsent(self, work: Work, exc: BaseException) -> None:
         """The request did not serialize: nothing reached a rank, so it fails alone."""
-        self.scheduler.deliver(work, error=exc)
-        self.scheduler.finished(work)
+        self._link.deliver(work, error=exc)
+        self._link.finished(work)
 
     def _on_envelope(self, work: Work, rank: int, envelope: Any) -> None:
         sent: _Sent = work.state
@@ -161,24 +191,25 @@ class RayReplicaExecutor(ReplicaStartup, ReplicaHealth, ReplicaExecutor):
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
         if work.kind != Kind.CALL and rank == self._output_rank:
-            self.scheduler.deliver(work, envelope.value)
+            self._link.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == Kind.CALL:
                 self._deliver_rpc(work, sent)
-            self.scheduler.finished(work)
+            self._link.finished(work)
 
     def _deliver_rpc(self, work: Work, sent: _Sent) -> None:
         ranks = sorted(sent.replies)
         missing = [sent.replies[r].value for r in ranks if sent.replies[r].status == MISSING]
         if missing:
-            self.scheduler.deliver(work, error=AttributeError(missing[0]))
+            self._link.deliver(work, error=AttributeError(missing[0]))
         elif work.all_ranks:
-            self.scheduler.deliver(work, [sent.replies[r].value for r in ranks])
+            self._link.deliver(work, [sent.replies[r].value for r in ranks])
         else:
-            self.scheduler.deliver(work, sent.replies[self._output_rank].value)
+            self._link.deliver(work, sent.replies[self._output_rank].value)
 
-    def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
-        refs = [a.control.remote(op, self.rank_args(op, args, rank)) for rank, a in enumerate(self._actors)]
+    def control(self, op: str, args: tuple, timeout_s: float) -> Future:
+        """Run control op `op` on every rank's control lane (a thread gathers the replies)."""
+        refs = [a.control.remote(op, rank_args(op, args, rank, self.world_size)) for rank, a in enumerate(self._actors)]
         future: Future = Future()
 
         def gather() -> None:
@@ -191,11 +222,13 @@ class RayReplicaExecutor(ReplicaStartup, ReplicaHealth, ReplicaExecutor):
         threading.Thread(target=gather, name=f"phyai-replica-{self.index}-control", daemon=True).start()
         return future
 
-    # -- lifecycle --------------------------------------------------------------------------
-    def close(self) -> None:
-        if self._set_failure(self._closed_error()):
-            self._stop_iterations(cancel_waiting=True)
-            self.scheduler.stop(self.unavailable_error, cancel_queued=True)
+    # -- releasing the ranks ----------------------------------------------------------------
+    def abandon(self) -> None:
+        """After a failure: kill the ranks on a thread of its own (a caller never waits for it)."""
+        threading.Thread(target=self._teardown, name=f"phyai-replica-{self.index}-teardown", daemon=True).start()
+
+    def close(self, drain: bool) -> None:
+        """Kill the ranks now (a rank in a collective cannot finish alone, so nothing is drained)."""
         self._teardown()
 
     def _teardown(self) -> None:

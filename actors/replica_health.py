@@ -5,7 +5,8 @@
                    max(10 s, 40 intervals) means stuck outside Python or unreachable
     _rank_error / _send_error: an EngineUnavailableError naming the replica, rank, node and cause
 
-A mixin of `RayReplicaExecutor` (actors/replica.py): it reads the executor's actors, infos and config.
+A part of `RayTransport` (actors/replica.py): it reads the transport's actors, infos and config, and
+fails the replica through the transport's link.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from phyai_ray.work import Work
 
 
 class ReplicaHealth:
+    """Dead and stuck ranks of a `RayTransport`, and the errors that name them."""
+
     def _on_socket_broken(self, rank: int, exc: BaseException) -> None:
         """A rank's socket closed or carried garbage: its process exited, or its request thread stopped."""
         if self._failure is not None:
@@ -79,7 +82,7 @@ class ReplicaHealth:
         error.__cause__ = exc
         return error
 
-    def _hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
+    def hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
         waiting = sorted(work.state.pending) if work.state is not None else []
         first = waiting[0] if waiting else None
         return first, (self._node(first) if first is not None else None), f"rank(s) {waiting} had not replied"

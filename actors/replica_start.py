@@ -5,7 +5,7 @@
     _request_lane the lane of `request_transport` (actors/lane.py): sockets when every rank is on the
                   engine's node, a compiled graph when asked, else actor calls
 
-A mixin of `RayReplicaExecutor` (actors/replica.py); every wait is bounded by the startup deadline.
+A part of `RayTransport` (actors/replica.py); every wait is bounded by the startup deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ _CONTROL_HEADROOM = 8  # lane slots beyond max_ongoing_requests, for collective_
 
 
 class ReplicaStartup:
+    """How the ranks of a `RayTransport` come up (see the module docstring)."""
+
     def _start(self, plan: ReplicaPlan, entry: Any, args: Any, deployment: Any, device_type: str,
                target_node: str | None, deadline: float) -> None:
         bundles = self._place(plan, deployment, target_node, deadline)

@@ -117,7 +117,7 @@ def bench_inline(n: int) -> list[str]:
     lines = []
     for busy_s, label in ((0.0, "no-op"), (200e-6, "200 us busy")):
         with Engine(args(busy_s=busy_s)) as engine:
-            model = engine._executors[0]._runner.model
+            model = engine._executors[0].ranks.model
             direct = latencies(lambda: model.step(REQUEST), 5 * n)
             ours = latencies(lambda: engine.step(REQUEST), 5 * n)
             handed = latencies(lambda: engine.submit(REQUEST).result(), 5 * n)

@@ -153,8 +153,8 @@ def iteration_times(engine: Engine, before: list[int]) -> list[float]:
     """Seconds of every iteration each replica ran since its `iterations` count was `before`."""
     times = []
     for executor, stats, start in zip(engine._executors, engine.batch_stats(), before):
-        if executor.frontend.iterative:
-            times += executor.frontend.durations(stats["iterations"] - start)
+        if executor.queue.iterative:
+            times += executor.queue.durations(stats["iterations"] - start)
     return times
 
 

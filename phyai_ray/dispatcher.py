@@ -7,7 +7,8 @@ recently, so idle replicas take turns. A replica that refuses a request before q
 its queue filled up meanwhile) is skipped and the next one is tried; a queued request is never
 moved or retried. When every healthy replica is full, `submit` raises `EngineOverloadedError` at
 once: overload sheds the new request and touches nothing else. When none is healthy it raises
-`EngineUnavailableError`. The counts live in each replica's scheduler, exact on every exit path.
+`EngineUnavailableError`. The counts are each replica's own (`Replica.counts()`), exact on every exit
+path. A replica is anything that satisfies `Replica` (executors/replica.py); nothing else is read.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from concurrent.futures import Future
 from typing import Any, Sequence
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError
-from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.replica import Replica
 from phyai_ray.executors.ledger import Counts
 
 
 class RequestDispatcher:
-    """Least-in-flight routing over replica executors."""
+    """Least-in-flight routing over replicas."""
 
-    def __init__(self, executors: Sequence[ReplicaExecutor]) -> None:
-        if not executors:
-            raise ValueError("a dispatcher needs at least one replica executor")
-        self.executors = list(executors)
-        n = len(self.executors)
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        if not replicas:
+            raise ValueError("a dispatcher needs at least one replica")
+        self.replicas = list(replicas)
+        n = len(self.replicas)
         self._lock = threading.Lock()
         self._reserved = [0] * n  # chosen but not yet queued: concurrent submits spread out
         self._last_chosen, self._tick = [-1] * n, 0
@@ -37,21 +38,22 @@ class RequestDispatcher:
         self.max_sessions = 65536
 
     def submit(self, request: Any, session: Any = None, *, caller_runs: bool = False, key: Any = None,
-               size: int = 1, due: float | None = None) -> Future:
+               size: int = 1, deadline: float | None = None) -> Future:
         """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
 
         With a `session` key, the request goes to the replica the session last used while that
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
         the session follows it. The map is a bounded LRU of `max_sessions` keys. `caller_runs` is
-        passed on to the chosen executor (see `ReplicaExecutor.submit`), and so are the batch `key`
-        and `size` of the request, and its own deadline `due` (monotonic seconds).
+        passed on to the chosen replica (see `ScheduledReplica.submit`), and so are the batch `key`
+        and `size` of the request, and its own `deadline` (monotonic seconds).
         """
-        if len(self.executors) == 1 and session is None:
-            return self._submit_single(request, caller_runs, key, size, due)
-        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, due=due), session)
+        if len(self.replicas) == 1 and session is None:
+            return self._submit_single(request, caller_runs, key, size, deadline)
+        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline),
+                          session)
 
     def route(self, send: Any, session: Any = None) -> Any:
-        """`send(executor)` on the replica `submit` would choose (retrying refusals); its return value."""
+        """`send(replica)` on the replica `submit` would choose (retrying refusals); its return value."""
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
@@ -61,7 +63,7 @@ class RequestDispatcher:
             if session is not None:
                 self._remember(session, index)
             try:
-                return send(self.executors[index])
+                return send(self.replicas[index])
             except EngineOverloadedError as exc:
                 overloaded.append(exc)
                 refused.add(index)
@@ -78,7 +80,7 @@ class RequestDispatcher:
             index = self._sessions.get(session)
             if index is None or index in refused:
                 return None
-            e = self.executors[index]
+            e = self.replicas[index]
             if not (e.healthy and e.serving and e.has_room()):
                 return None
             self._reserved[index] += 1
@@ -92,11 +94,11 @@ class RequestDispatcher:
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
 
-    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int, due: float | None) -> Future:
+    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int, deadline: float | None) -> Future:
         """One replica: nothing to choose, the same errors as the general path (no lock, no lists)."""
-        executor = self.executors[0]
+        replica = self.replicas[0]
         try:
-            return executor.submit(request, caller_runs=caller_runs, key=key, size=size, due=due)
+            return replica.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline)
         except EngineOverloadedError:
             raise self._overloaded_error(1) from None
         except EngineUnavailableError:
@@ -104,33 +106,33 @@ class RequestDispatcher:
 
     def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
         with self._lock:
-            healthy = [i for i, e in enumerate(self.executors) if e.healthy and i not in refused]
-            open_ = [i for i in healthy if self.executors[i].has_room()]
+            healthy = [i for i, e in enumerate(self.replicas) if e.healthy and i not in refused]
+            open_ = [i for i in healthy if self.replicas[i].has_room()]
             if not open_:
                 if healthy or overloaded:
                     raise self._overloaded_error(len(healthy) + len(overloaded))
                 raise self._no_replica_error()
-            index = min(open_, key=lambda i: (not self.executors[i].serving, self._load(i), self._last_chosen[i]))
+            index = min(open_, key=lambda i: (not self.replicas[i].serving, self._load(i), self._last_chosen[i]))
             self._reserved[index] += 1
             self._last_chosen[index], self._tick = self._tick, self._tick + 1
             return index
 
     def _load(self, index: int) -> int:
-        return self.executors[index].counts().in_flight + self._reserved[index]
+        return self.replicas[index].counts().in_flight + self._reserved[index]
 
-    def replace(self, index: int, executor: ReplicaExecutor) -> None:
-        """Route to `executor` from now on in place of replica `index` (its served/errored carry on)."""
+    def replace(self, index: int, replica: Replica) -> None:
+        """Route to `replica` from now on in place of replica `index` (its served/errored carry on)."""
         with self._lock:
-            executor.scheduler.carry_counts(self.executors[index].scheduler)
-            self.executors[index] = executor
+            replica.carry_counts(self.replicas[index])
+            self.replicas[index] = replica
 
     def counts(self, index: int) -> Counts:
         """Queued, dispatched, served and errored of one replica."""
-        return self.executors[index].counts()
+        return self.replicas[index].counts()
 
     def _overloaded_error(self, full: int) -> EngineOverloadedError:
-        limits = sorted({e.scheduler.max_queued for e in self.executors if e.healthy} - {None})
-        queued = sum(e.counts().queued for e in self.executors if e.healthy)
+        limits = sorted({e.max_queued for e in self.replicas if e.healthy} - {None})
+        queued = sum(e.counts().queued for e in self.replicas if e.healthy)
         return EngineOverloadedError(
             f"overloaded: all {full} healthy replica(s) have full queues ({queued} request(s) queued, "
             f"max_queued_requests={limits[0] if len(limits) == 1 else limits} per replica); the request was not "
@@ -138,7 +140,7 @@ class RequestDispatcher:
             "WorkerSupervisorConfig.max_queued_requests", queued=queued, limit=limits[0] if limits else None)
 
     def _no_replica_error(self) -> EngineUnavailableError:
-        causes = "; ".join(f"replica {e.index}: {e.failure}" for e in self.executors if e.failure is not None)
+        causes = "; ".join(f"replica {e.index}: {e.failure}" for e in self.replicas if e.failure is not None)
         return EngineUnavailableError(
-            f"no healthy replica among {len(self.executors)}: {causes or 'all refused the request'}",
+            f"no healthy replica among {len(self.replicas)}: {causes or 'all refused the request'}",
             reason="no_healthy_replica")

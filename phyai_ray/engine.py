@@ -14,15 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Iterator, Sequence
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.dispatcher import RequestDispatcher
-from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError, ReplicaStateError
-from phyai_ray.executors import ReplicaStatus, create_executors, restart_executor
-from phyai_ray.executors.control import ALL_TAGS, ControlReport
+from phyai_ray.engine_control import WAIT_GRACE_S, EngineControl
+from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
+from phyai_ray.executors import ReplicaStatus, create_replicas, restart_replica
 from phyai_ray.plugins.registry import resolve_plugin
 from phyai_ray.streams import DEFAULT_MAX_BUFFERED
 from phyai_ray.validation import checked
@@ -30,14 +30,11 @@ from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-# Weight-sync phases after start_weight_update: a replica that failed since then (a rank died while the
-# trainer was sending) gets a FAILED report like a failure during the call, and the others carry on.
-_LATER_SYNC_PHASES = ("update_weights", "finish_weight_update")
-_WAIT_GRACE_S = 30.0  # step() waits this long past execution_timeout_s before giving up itself
 
 
-class Engine:
-    """Serve one plugin: `step`, `submit`, `collective_rpc`, `replica_status`, `close`. Thread-safe."""
+class Engine(EngineControl):
+    """Serve one plugin: `step`, `submit`, `collective_rpc`, `replica_status`, `close`; the control calls
+    (pause, sleep, weight updates: engine_control.py). Thread-safe."""
 
     def __init__(self, args: EngineArgs, deployment: DeploymentConfig | None = None) -> None:
         self.args = args
@@ -52,8 +49,8 @@ class Engine:
         self.mode: str = self.deployment.resolve_mode(self.topology.world_size)
         logger.info("phyai-ray engine: plugin=%s mode=%s replicas=%d topology: %s", self.entry.display_name(),
                     self.mode, self.deployment.replica_count, parallel.describe())
-        self._dispatcher = RequestDispatcher(create_executors(self.mode, self.entry, args, self.deployment))
-        self._executors = self._dispatcher.executors  # one list, shared with the dispatcher
+        self._dispatcher = RequestDispatcher(create_replicas(self.mode, self.entry, args, self.deployment))
+        self._executors = self._dispatcher.replicas  # one list of `Replica`s, shared with the dispatcher
         self._close_lock, self._restart_lock = threading.Lock(), threading.Lock()
         self._closed = False
         self._batching = self.deployment.batching.enabled and self.mode != "external"
@@ -79,7 +76,7 @@ class Engine:
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
-        return self._dispatcher.submit(request, session, key=key, size=size, due=_due(deadline_s))
+        return self._dispatcher.submit(request, session, key=key, size=size, deadline=_deadline(deadline_s))
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None, *,
              deadline_s: float | None = None) -> Any:
@@ -94,7 +91,7 @@ class Engine:
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
-        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size, due=_due(deadline_s))
+        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size, deadline=_deadline(deadline_s))
         if future.done():
             return future.result()
         limit = timeout if timeout is not None else self._default_wait_s()
@@ -126,9 +123,8 @@ class Engine:
         iteration protocol, of sequences per iteration and each sequence's wait for a slot, plus the
         running and waiting sequences now."""
         size = self.deployment.batching.max_batch_size or 1
-        return [{"replica": e.index, "batching": e.batching or e.frontend.iterative,
-                 "max_batch_size": size if e.batching else 1,
-                 **e.scheduler.batch_snapshot(), **e.frontend.snapshot()}
+        return [{"replica": e.index, "batching": e.batching or e.iterative,
+                 "max_batch_size": size if e.batching else 1, **e.batch_stats()}
                 for e in list(self._executors)]
 
     def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
@@ -165,7 +161,7 @@ class Engine:
     @property
     def batches_per_iteration(self) -> bool:
         """Whether the replicas run the plugin's iteration protocol (continuous batching)."""
-        return bool(self._executors) and all(e.frontend.iterative for e in self._executors)
+        return bool(self._executors) and all(e.iterative for e in self._executors)
 
     def open_stream(self, request: Any, *, session: Any = None,
                     max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:
@@ -189,7 +185,7 @@ class Engine:
         timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
         targets = self._rpc_targets(replica)
         futures = [e.collective_rpc(method, args, kwargs, timeout_s, all_ranks) for e in targets]
-        done, _ = wait(futures, timeout=timeout_s + _WAIT_GRACE_S)
+        done, _ = wait(futures, timeout=timeout_s + WAIT_GRACE_S)
         replies = [self._rpc_reply(e, f, done, method) for e, f in zip(targets, futures)]
         return replies[0] if replica is not None else replies
 
@@ -206,118 +202,10 @@ class Engine:
         return list(targets)
 
     @staticmethod
-    def _rpc_reply(executor: Any, future: Future, done: set, method: str) -> Any:
+    def _rpc_reply(replica: Any, future: Future, done: set, method: str) -> Any:
         if future not in done:
-            raise TimeoutError(f"collective_rpc({method!r}) on replica {executor.index} got no reply in time")
+            raise TimeoutError(f"collective_rpc({method!r}) on replica {replica.index} got no reply in time")
         return future.result()
-
-    # -- control (RL loops, operators): each call reaches EVERY rank of the chosen replicas -------
-    def pause(self, mode: str = "wait", replicas: Sequence[int] | None = None,
-              timeout: float | None = None) -> list[ControlReport]:
-        """Stop dispatching to the replicas (PAUSED); new requests queue there until `resume()`.
-
-        mode "wait": return once the requests at the ranks finished; "abort": also fail the queued
-        ones with `RequestAbortedError`; "keep": return at once, queued requests stay queued.
-        """
-        if mode not in ("wait", "abort", "keep"):
-            raise ValueError(f"pause(mode={mode!r}): use 'wait' (drain the ranks), 'abort' (also drop the queued "
-                             "requests) or 'keep' (leave everything queued, do not wait)")
-        return self._control("pause", (mode,), replicas, timeout, mode=mode)
-
-    def resume(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
-        """PAUSED -> SERVING; what queued meanwhile is dispatched first."""
-        return self._control("resume", (), replicas, timeout)
-
-    def sleep(self, level: int = 1, replicas: Sequence[int] | None = None,
-              timeout: float | None = None) -> list[ControlReport]:
-        """Drain, then free the replicas' memory (level 1 keeps weights on the host, level 2 drops them)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep(level={level}): level 1 keeps weights on the host, level 2 drops them")
-        return self._control("sleep", (level,), replicas, timeout)
-
-    def wake_up(self, tags: Sequence[str] | None = None, replicas: Sequence[int] | None = None,
-                timeout: float | None = None) -> list[ControlReport]:
-        """Bring back `tags` ("weights", "kv_cache"; None = all). Idempotent on awake replicas."""
-        unknown = sorted(set(tags or ()) - ALL_TAGS)
-        if unknown:
-            raise ValueError(f"wake_up(tags={list(tags)}): unknown tag(s) {unknown}; use {sorted(ALL_TAGS)}")
-        return self._control("wake_up", (tuple(tags) if tags else None,), replicas, timeout)
-
-    def reset_cache(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
-        """Drain, then call every rank's reset_cache() hook."""
-        return self._control("reset_cache", (), replicas, timeout)
-
-    def init_weight_transfer(self, backend: str = "object_store", *, master_addr: str | None = None,
-                             master_port: int | None = None, group_prefix: str = "phyai-weights",
-                             replicas: Sequence[int] | None = None, timeout: float | None = None,
-                             wait: bool = True) -> Any:
-        """Prepare the replicas to receive weights. gloo / nccl: every rank joins its replica's transfer
-        group (rank 0: the trainer, which hosts the store at master_addr:master_port and joins
-        concurrently, e.g. through `WeightSender`); with `wait=False` a Future of the reports."""
-        from phyai_ray.rl.transfer import TransferSpec, check_backend
-
-        check_backend(backend, self.device_type)
-        if backend in ("gloo", "nccl") and (master_addr is None or master_port is None):
-            raise ValueError(f"init_weight_transfer({backend!r}) needs the trainer's master_addr and master_port")
-        specs = {e.index: TransferSpec(backend, master_addr, master_port, f"{group_prefix}-r{e.index}",
-                                       self.deployment.process_config.collective_timeout_s)
-                 for e in self._rpc_targets(replicas)}
-        return self._control("init_weight_transfer", lambda e: (specs[e.index],), replicas, timeout, wait=wait)
-
-    def start_weight_update(self, version: Any, replicas: Sequence[int] | None = None,
-                            timeout: float | None = None, lease_s: float | None = None) -> list[ControlReport]:
-        """UPDATING: dispatch stops and the ranks drain; requests queue until finish_weight_update().
-
-        The update has a lease: each next phase is due within `lease_s` (default 300 s) of the
-        previous one; past it a replica that loaded nothing returns to its previous state and
-        version, and one that loaded part of the update fails (it never serves mixed weights)."""
-        if lease_s is not None and not lease_s > 0:
-            raise ValueError(f"start_weight_update(lease_s={lease_s}): the lease must be a positive number of seconds")
-        return self._control("start_weight_update", (version, lease_s), replicas, timeout)
-
-    def update_weights(self, buckets: Sequence[Any], replicas: Sequence[int] | None = None,
-                       timeout: float | None = None, wait: bool = True) -> Any:
-        """Every rank receives `buckets` (from `WeightSender`) and loads them; runs concurrently with
-        the trainer's send (`wait=False` returns a Future of the reports). A failure fails that replica."""
-        return self._control("update_weights", (tuple(buckets),), replicas, timeout, wait=wait)
-
-    def finish_weight_update(self, replicas: Sequence[int] | None = None,
-                             timeout: float | None = None) -> list[ControlReport]:
-        """Reset caches, publish the new weight version, return to the state before the update."""
-        return self._control("finish_weight_update", lambda e: (e._life.pending_version,), replicas, timeout)
-
-    def _control(self, op: str, args: Any, replicas: Sequence[int] | None, timeout: float | None, *,
-                 mode: str = "wait", wait: bool = True) -> Any:
-        """Check every target first (an illegal call changes nothing), then run `op` on all at once."""
-        self._check_open()
-        started = time.monotonic()
-        lost: list[ControlReport] = []
-        if op in _LATER_SYNC_PHASES:  # a replica that failed since its update began reports FAILED, as mid-call
-            targets = self._rpc_targets(replicas, allow_failed=True)
-            lost = [e.failed_report(op, e.unavailable_error(), started) for e in targets if not e.healthy]
-            targets = [e for e in targets if e.healthy]
-            if not targets:
-                return lost if wait else _done(lost)
-        else:
-            targets = self._rpc_targets(replicas)
-        for e in targets:
-            e.check_transition(op)
-        timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
-
-        def one(e: Any) -> ControlReport:
-            try:
-                return e.control(op, args(e) if callable(args) else args, timeout_s=timeout_s, mode=mode)
-            except (ReplicaStateError, ValueError):
-                raise
-            except Exception as exc:  # the replica failed on the way; the others carry on
-                return e.failed_report(op, exc, started)
-
-        pool = ThreadPoolExecutor(max_workers=len(targets), thread_name_prefix=f"phyai-{op}")
-        futures = [pool.submit(one, e) for e in targets]
-        pool.shutdown(wait=False)
-        gathered: Future = Future()
-        threading.Thread(target=_gather, args=(futures, gathered, lost), daemon=True).start()
-        return gathered.result(timeout=timeout_s + _WAIT_GRACE_S) if wait else gathered
 
     @property
     def device_type(self) -> str:
@@ -368,7 +256,7 @@ class Engine:
             if old.healthy:
                 raise ValueError(f"replica {index} is healthy; only a failed replica can be restarted")
             old.close()  # idempotent: ranks killed, placement group removed before the new one is placed
-            new = restart_executor(index, self.mode, self.entry, self.args, self.deployment)
+            new = restart_replica(index, self.mode, self.entry, self.args, self.deployment)
             with self._close_lock:
                 if self._closed:
                     new.close()
@@ -383,11 +271,11 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-        for executor in self._executors:
+        for replica in self._executors:
             try:
-                executor.close()
+                replica.close()
             except Exception:  # keep closing the others; the cause is logged
-                logger.exception("closing replica %d failed", executor.index)
+                logger.exception("closing replica %d failed", replica.index)
 
     def __enter__(self) -> "Engine":
         return self
@@ -400,27 +288,10 @@ class Engine:
             raise EngineUnavailableError("the engine is closed; create a new Engine", reason="closed")
 
     def _default_wait_s(self) -> float:
-        return self.deployment.process_config.execution_timeout_s + _WAIT_GRACE_S
+        return self.deployment.process_config.execution_timeout_s + WAIT_GRACE_S
 
 
-def _gather(futures: list[Future], out: Future, known: Sequence[ControlReport] = ()) -> None:
-    """Resolve `out` with every future's report and the `known` ones, in replica order, or the first
-    exception once all have settled (each is bounded by its call's timeout), so a refusal is raised
-    only when every replica is done."""
-    wait(futures)
-    try:
-        out.set_result(sorted([*known, *(f.result() for f in futures)], key=lambda r: r.replica))
-    except BaseException as exc:
-        out.set_exception(exc)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-def _due(deadline_s: float | None) -> float | None:
+def _deadline(deadline_s: float | None) -> float | None:
     """A request's own deadline, `deadline_s` seconds from now, as a monotonic time (checked here)."""
     if deadline_s is None:
         return None

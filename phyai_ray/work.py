@@ -8,7 +8,7 @@
     Kind.CALL     a collective_rpc: a public method of the per-rank model, (method, args, kwargs)
 
 Every executor (inline, Ray replica, torchrun) queues work of these kinds, and every rank runs it
-through `RankRunner.execute(kind, payload, sink)` (phyai_ray/worker.py), so a kind means one thing
+through `RankRunner.execute(kind, payload, sink)` (phyai_ray/rank/runner.py), so a kind means one thing
 everywhere. A `str` enum: a kind travels (pickled, in a lane frame) as its plain name.
 """
 
@@ -46,13 +46,14 @@ class Work:
     `here` marks a request the caller's own thread runs (the inline fast path): it was dispatched
     without `launch`, and the caller runs it right after `submit` returns. A request's `key`,
     `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
-    its `payload` is the list of their payloads. `due` is the request's own deadline (monotonic
+    its `payload` is the list of their payloads. `deadline` is the request's own deadline (monotonic
     seconds; None: none given): past it, a request that has not started is answered with
-    DeadlineMissedError. `order` is what earliest-deadline-first scheduling sorts by.
+    DeadlineMissedError. `expires` is when its execution timeout (`limit_s` after submission)
+    fails it. `order` is what earliest-deadline-first scheduling sorts by.
     """
 
     __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here", "key", "size", "weight", "members", "launched", "due")
+                 "ident", "state", "here", "key", "size", "weight", "members", "launched", "deadline")
 
     def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
                  all_ranks: bool = False) -> None:
@@ -66,29 +67,30 @@ class Work:
         self.size, self.weight = 1, 0
         self.members: list[Work] = []
         self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
-        self.due: float | None = None
+        self.deadline: float | None = None
 
     @classmethod
     def batch(cls, members: list["Work"]) -> "Work":
-        """One step of several requests; its deadline is its earliest member's."""
-        first = min(members, key=lambda m: m.deadline)
+        """One step of several requests; it expires with its earliest-expiring member."""
+        first = min(members, key=lambda m: m.expires)
         work = cls(Kind.BATCH, [m.payload for m in members], first.limit_s, None)
         work.submitted, work.members = first.submitted, members
         work.size = sum(m.size for m in members)
         return work
 
     @property
-    def deadline(self) -> float:
+    def expires(self) -> float:
+        """When its execution timeout fails it: `limit_s` after submission."""
         return self.submitted + self.limit_s
 
     @property
     def order(self) -> float:
-        """Earliest-deadline-first key: the request's own deadline, else its execution deadline."""
-        return self.due if self.due is not None else self.submitted + self.limit_s
+        """Earliest-deadline-first key: the request's own deadline, else when it expires."""
+        return self.deadline if self.deadline is not None else self.submitted + self.limit_s
 
     def missed(self, now: float) -> bool:
         """Its own deadline passed (only meaningful before it starts)."""
-        return self.due is not None and self.due <= now
+        return self.deadline is not None and self.deadline <= now
 
     @property
     def unfinished(self) -> bool:

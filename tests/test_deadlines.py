@@ -29,11 +29,11 @@ from tests.test_batch_formation import Recorder
 
 @dataclass(eq=False)
 class Item:
-    """A stand-in queued request: its own deadline `due` (None: none), else submitted + limit_s."""
+    """A stand-in queued request: its own `deadline` (None: none), else submitted + limit_s."""
 
     name: str
     submitted: float
-    due: float | None = None
+    deadline: float | None = None
     key: str = "a"
     size: int = 1
     weight: int = 0
@@ -41,7 +41,7 @@ class Item:
 
     @property
     def order(self) -> float:
-        return self.due if self.due is not None else self.submitted + self.limit_s
+        return self.deadline if self.deadline is not None else self.submitted + self.limit_s
 
 
 def queued(items: list[Item], edf: bool) -> list[str]:
@@ -51,8 +51,8 @@ def queued(items: list[Item], edf: bool) -> list[str]:
     return [i.name for i in q]
 
 
-ARRIVALS = [Item("bulk1", 0.0), Item("bulk2", 0.1), Item("robot1", 0.2, due=0.3), Item("bulk3", 0.3),
-            Item("robot2", 0.4, due=0.45), Item("loose", 0.5, due=100.0), Item("robot3", 0.6, due=0.9)]
+ARRIVALS = [Item("bulk1", 0.0), Item("bulk2", 0.1), Item("robot1", 0.2, deadline=0.3), Item("bulk3", 0.3),
+            Item("robot2", 0.4, deadline=0.45), Item("loose", 0.5, deadline=100.0), Item("robot3", 0.6, deadline=0.9)]
 
 
 def test_deadline_order_is_earliest_deadline_first_and_fifo_is_arrival_order():
@@ -66,7 +66,7 @@ def test_without_deadlines_both_orders_are_arrival_order():
 
 
 def test_equal_deadlines_keep_arrival_order():
-    items = [Item("a", 0.0, due=5.0), Item("b", 0.1, due=5.0), Item("c", 0.2, due=1.0), Item("d", 0.3, due=5.0)]
+    items = [Item("a", 0.0, deadline=5.0), Item("b", 0.1, deadline=5.0), Item("c", 0.2, deadline=1.0), Item("d", 0.3, deadline=5.0)]
     assert queued(items, edf=True) == ["c", "a", "b", "d"]
 
 
@@ -95,8 +95,8 @@ def test_the_scheduler_dispatches_in_deadline_or_arrival_order(edf, expected):
     sched, rec = recording_scheduler(edf)
     now = time.monotonic()
     blocker = sched.submit("step", "running", 30.0)
-    futures = [sched.submit("step", "none1", 30.0), sched.submit("step", "medium", 30.0, due=now + 20),
-               sched.submit("step", "tight", 30.0, due=now + 10), sched.submit("step", "none2", 30.0)]
+    futures = [sched.submit("step", "none1", 30.0), sched.submit("step", "medium", 30.0, deadline=now + 20),
+               sched.submit("step", "tight", 30.0, deadline=now + 10), sched.submit("step", "none2", 30.0)]
     order = []
     for _ in range(5):
         order.append(rec.launched[0].payload)
@@ -109,12 +109,12 @@ def test_the_scheduler_dispatches_in_deadline_or_arrival_order(edf, expected):
 def test_a_request_whose_deadline_passes_in_the_queue_is_answered_at_once_and_never_launched(max_size):
     sched, rec = recording_scheduler(True, max_size)
     blocker = sched.submit("step", "running", 30.0)
-    late = sched.submit("step", "late", 30.0, due=time.monotonic() + 0.1)
+    late = sched.submit("step", "late", 30.0, deadline=time.monotonic() + 0.1)
     kept = sched.submit("step", "kept", 30.0)
     with pytest.raises(DeadlineMissedError, match="was not run") as caught:
         late.result(timeout=2)  # the clock wakes for it: long before its execution limit
     assert isinstance(caught.value, RequestTimeoutError) and caught.value.deadline_s == pytest.approx(0.1, abs=0.01)
-    assert late.finished - late.due < 1.0  # noticed soon after the deadline, not at the 5 s idle tick
+    assert late.finished - late.deadline < 1.0  # noticed soon after the deadline, not at the 5 s idle tick
     assert late.timing()["deadline_met"] is False and late.timing()["infer_ms"] is None
     rec.finish()
     rec.finish()
@@ -126,7 +126,7 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_answered_at_once_and_ne
 
 def test_a_dispatched_request_past_its_deadline_still_runs_and_says_it_was_late():
     sched, rec = recording_scheduler(True)
-    future = sched.submit("step", "slow", 30.0, due=time.monotonic() + 0.05)
+    future = sched.submit("step", "slow", 30.0, deadline=time.monotonic() + 0.05)
     time.sleep(0.1)  # the step runs past the deadline (it started in time)
     rec.finish()
     assert future.result(timeout=1) == "slow"
@@ -175,7 +175,7 @@ def test_a_frame_whose_deadline_passes_while_waiting_for_a_slot_is_answered_with
         late = engine.submit({"state": [0.0] * 8}, deadline_s=0.1)
         with pytest.raises(DeadlineMissedError):
             late.result(timeout=5)
-        assert late.finished - late.due < 1.5  # the loop woke for it (its tick is 1 s)
+        assert late.finished - late.deadline < 1.5  # the loop woke for it (its tick is 1 s)
         engine.resume()
         status = engine.replica_status()[0]
         assert status.errored == 1 and engine.batch_stats()[0]["waiting_sequences"] == 0

@@ -1,7 +1,7 @@
 """Routing and the per-replica scheduler, driven by hypothesis over hand-run replicas.
 
-`ManualExecutor` is a real `ReplicaExecutor` (real scheduler, queue, limits and accounting) whose
-"ranks" are this test: `_launch` only records the dispatched work, and the test finishes it. A
+`ManualExecutor` is a real `ScheduledReplica` (real scheduler, queue, limits and accounting) whose
+"ranks" are this test (`ManualRanks`): `launch` only records the dispatched work, and the test finishes it. A
 stateful hypothesis machine submits, finishes, cancels, expires and fails requests and flips
 health; after every step each replica's counts must match its futures (queued = PENDING,
 dispatched = RUNNING), the ranks must never hold more than `max_ongoing`, and each choice must be
@@ -24,22 +24,73 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from phyai_ray.dispatcher import RequestDispatcher
 from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, ReplicaStateError, RequestAbortedError,
                               RequestTimeoutError)
-from phyai_ray.executors.base import ReplicaExecutor
+from phyai_ray.executors.base import ScheduledReplica
 
 
-class ManualExecutor(ReplicaExecutor):
-    """A replica run by hand: dispatched work waits in `at_ranks` until the test finishes it."""
+class ManualRanks:
+    """A `RankTransport` run by hand: dispatched work waits in `at_ranks` until the test finishes it."""
 
-    def __init__(self, index: int, max_ongoing: int = 2, max_queued: int | None = 3) -> None:
-        super().__init__(index, world_size=1, max_ongoing=max_ongoing, max_queued=max_queued, step_limit_s=3600)
+    name, world_size, batchable, iterative, max_batch_weight = "manual", 1, False, False, None
+    runs_here = lockstep = False
+
+    def __init__(self) -> None:
         self.at_ranks: list = []
         self.launched = 0
         self.peak = 0
 
-    def _launch(self, work) -> None:
+    def bind(self, link) -> None:
+        self.link = link
+
+    def prepare(self, payload):
+        return payload
+
+    def weight(self, prepared) -> int:
+        return 0
+
+    def launch(self, work) -> None:
         self.at_ranks.append(work)
         self.launched += 1
         self.peak = max(self.peak, len(self.at_ranks))
+
+    def control(self, op, args, timeout_s):
+        future: Future = Future()
+        future.set_result([(op, args)])
+        return future
+
+    def hang_detail(self, work):
+        return 0, None, "rank(s) [0] had not replied"
+
+    def abandon(self) -> None:
+        self.at_ranks.clear()
+
+    def close(self, drain: bool) -> None:
+        self.at_ranks.clear()
+
+    def nodes(self):
+        return ()
+
+    def pids(self):
+        return (0,)
+
+
+class ManualExecutor(ScheduledReplica):
+    """A real `ScheduledReplica` (real scheduler, queue, limits and accounting) over `ManualRanks`."""
+
+    def __init__(self, index: int, max_ongoing: int = 2, max_queued: int | None = 3) -> None:
+        super().__init__(ManualRanks(), index=index, max_ongoing=max_ongoing, max_queued=max_queued,
+                         step_limit_s=3600)
+
+    @property
+    def at_ranks(self) -> list:
+        return self.ranks.at_ranks
+
+    @property
+    def launched(self) -> int:
+        return self.ranks.launched
+
+    @property
+    def peak(self) -> int:
+        return self.ranks.peak
 
     def finish_next(self, how: str) -> None:
         work = self.at_ranks.pop(0)
@@ -48,21 +99,6 @@ class ManualExecutor(ReplicaExecutor):
         else:
             self.scheduler.deliver(work, error=ValueError("plugin rejected the payload"))
         self.scheduler.finished(work)
-
-    def _control_ranks(self, op, args, timeout_s):
-        future: Future = Future()
-        future.set_result([(op, args)])
-        return future
-
-    def _teardown(self) -> None:
-        self.at_ranks.clear()
-
-    def _teardown_after_failure(self) -> None:
-        self._teardown()
-
-    def close(self) -> None:
-        if self._set_failure(self._closed_error()):
-            self.scheduler.stop(self.unavailable_error, cancel_queued=True)
 
 
 class _Fixed:
@@ -154,7 +190,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         if not e.healthy:
             return
         unfinished = [f for f in self.futures[e.index] if not f.done()]
-        e._fail(EngineUnavailableError("rank 0 exited", reason="worker_exit", replica=e.index, rank=0))
+        e.fail(EngineUnavailableError("rank 0 exited", reason="worker_exit", replica=e.index, rank=0))
         for f in unfinished:
             assert isinstance(f.exception(timeout=0), EngineUnavailableError)
         self.errored[e.index] += len(unfinished)
@@ -176,13 +212,13 @@ class DispatcherMachine(RuleBasedStateMachine):
                    "finish_weight_update": {"UPDATING"}}[op]
         args = {"sleep": (1,), "wake_up": (None,), "start_weight_update": (self.tick,),
                 "update_weights": (("bucket",),),
-                "finish_weight_update": (getattr(e._life, "pending_version", None),)}.get(op, (mode,))
+                "finish_weight_update": (e.pending_version,)}.get(op, (mode,))
         if before not in allowed:
             with pytest.raises(ReplicaStateError, match=f"is {before}: {op}"):
                 e.control(op, args, timeout_s=1, mode=mode)
             assert e.state.value == before
             return
-        if op == "finish_weight_update" and not e._life.update.complete:  # no update_weights since the start
+        if op == "finish_weight_update" and not e.lifecycle._life.update.complete:  # no update_weights since the start
             with pytest.raises(ReplicaStateError, match=r"finish_weight_update\(\) refused"):
                 e.control(op, args, timeout_s=1, mode=mode)
             assert e.state.value == before
@@ -234,7 +270,7 @@ def test_least_in_flight_then_round_robin():
 
 def test_no_healthy_replica_raises_at_once_with_causes():
     executors = [ManualExecutor(0), ManualExecutor(1)]
-    executors[0]._fail(EngineUnavailableError("rank 1 exited with code -9", reason="worker_exit", rank=1))
+    executors[0].fail(EngineUnavailableError("rank 1 exited with code -9", reason="worker_exit", rank=1))
     executors[1].close()
     d = RequestDispatcher(executors)
     start = time.monotonic()
@@ -319,7 +355,7 @@ def test_concurrent_submits_keep_exact_counts():
 
 
 def test_dispatcher_needs_an_executor():
-    with pytest.raises(ValueError, match="at least one replica executor"):
+    with pytest.raises(ValueError, match="at least one replica"):
         RequestDispatcher([])
 
 

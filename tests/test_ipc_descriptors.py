@@ -50,7 +50,7 @@ def test_shared_memory_of_requests_no_rank_took_closes_when_the_replica_fails(ra
         before = _memfds()
         futures = [engine.submit({"sleep": 0.5, "big": torch.ones(MIB_TENSOR)}) for _ in range(6)]
         assert _until(lambda: engine.replica_status()[0].dispatched == 2, 10)
-        ray.kill(engine._executors[0].actor(1), no_restart=True)
+        ray.kill(engine._executors[0].ranks.actor(1), no_restart=True)
         done, _ = wait(futures, timeout=10)
         assert len(done) == 6 and not engine.healthy
         assert _until(lambda: _memfds() == before, 5), f"{_memfds() - before} shared-memory file(s) left open"

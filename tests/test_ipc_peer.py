@@ -89,7 +89,7 @@ def test_a_process_that_connects_first_is_refused_and_the_engine_still_connects(
     from tests.test_transport import _engine
 
     with _engine("ipc") as engine:
-        actor = engine._executors[0].actor(0)
+        actor = engine._executors[0].ranks.actor(0)
         address, token, _, rank_pid = ray.get(actor.open_ipc.remote(False, os.getpid()), timeout=30)
         assert rank_pid == engine.replica_status()[0].pids[0]
         with _intruder("connect", address[1:], token.hex()) as intruder:

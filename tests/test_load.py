@@ -37,7 +37,7 @@ def _held(engine: Engine, replica: int = 0) -> list[tuple[int, int]]:
     import ray
 
     executor = engine._executors[replica]
-    return ray.get([executor.actor(r).held.remote() for r in range(executor.world_size)], timeout=10)
+    return ray.get([executor.ranks.actor(r).held.remote() for r in range(executor.world_size)], timeout=10)
 
 
 CALLBACK_LAG_S = 0.25  # how far a done-callback may trail the event on a loaded machine
@@ -187,7 +187,7 @@ def test_with_a_thousand_queued_control_and_failure_stay_fast(ray_session, how):
         victim = engine._executors[0]
         killed = time.monotonic()
         if how == "ray_kill":
-            ray.kill(victim.actor(1), no_restart=True)
+            ray.kill(victim.ranks.actor(1), no_restart=True)
         else:
             os.kill(victim.pids()[1], signal.SIGKILL)
         deadline = killed + 10

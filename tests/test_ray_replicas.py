@@ -88,7 +88,7 @@ def test_killed_rank_fails_its_inflight_requests_fast_and_other_replica_serves(r
         doomed = [f for f in futures if f in _futures_of(engine, victim, futures)]
         started = time.monotonic()
         if how == "ray_kill":
-            ray.kill(victim.actor(1), no_restart=True)
+            ray.kill(victim.ranks.actor(1), no_restart=True)
         else:
             os.kill(victim.pids()[1], signal.SIGKILL)
         done, _ = wait(futures, timeout=30)
@@ -240,7 +240,7 @@ def test_restart_replica_replaces_only_a_failed_group(ray_session):
         with pytest.raises(ValueError, match="replica 1 is healthy"):
             engine.restart_replica(1)
         old_pids = engine.replica_status()[0].pids
-        ray.kill(engine._executors[0].actor(0), no_restart=True)
+        ray.kill(engine._executors[0].ranks.actor(0), no_restart=True)
         deadline = time.monotonic() + 5
         while engine.replica_status()[0].healthy and time.monotonic() < deadline:
             time.sleep(0.05)

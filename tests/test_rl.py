@@ -148,7 +148,7 @@ def test_a_rank_killed_mid_update_fails_only_its_replica(ray_session, noticed):
         sender = WeightSender("object_store")
         sender.init_transfer(engine)
         engine.start_weight_update(3)
-        ray.kill(engine._executors[1].actor(1), no_restart=True)
+        ray.kill(engine._executors[1].ranks.actor(1), no_restart=True)
         if noticed:
             wait_until(lambda: not engine.replica_status()[1].healthy, 10, "replica 1's death noticed")
         reports = engine.update_weights(sender.prepare(_perturbed().items()))

@@ -62,7 +62,7 @@ def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, tra
         futures = [engine.submit({"sleep": 0.3}) for _ in range(6)]
         time.sleep(0.1)
         started = time.monotonic()
-        ray.kill(engine._executors[0].actor(1), no_restart=True)
+        ray.kill(engine._executors[0].ranks.actor(1), no_restart=True)
         done, _ = wait(futures, timeout=10)
         assert len(done) == 6 and time.monotonic() - started < 2.0
         errors = [f.exception() for f in futures if f.exception() is not None]

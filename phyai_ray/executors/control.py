@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, RequestAbortedError
 from phyai_ray.executors.updates import DEFAULT_LEASE_S, WeightUpdates, _Update
@@ -91,15 +91,32 @@ class _Lifecycle:
 
 
 class ReplicaControl(WeightUpdates):
-    """The state machine of one replica executor; mixed into `ReplicaExecutor`.
+    """The lifecycle of one replica: its state machine and control calls, a part the replica owns.
 
-    The executor provides `scheduler`, `index`, `world_size`, `_fail(error)`, `failure` and
-    `_control_ranks(op, args, timeout_s) -> Future[list]` (run `op` on every rank's control lane).
+    Its collaborators are given, never reached for: the replica's `scheduler` and request `queue`
+    (queues.py), `ranks(op, args, timeout_s) -> Future[list]` (run `op` on every rank's control
+    lane: the transport's `control`), `fail(error)` (the replica's one failure path), `failure()`
+    (None while healthy) and `unavailable_error()`.
     """
 
-    def _init_control(self) -> None:
+    def __init__(self, index: int, scheduler: Any, queue: Any, *, ranks: Callable[[str, tuple, float], Future],
+                 fail: Callable[[EngineUnavailableError], None],
+                 failure: Callable[[], EngineUnavailableError | None],
+                 unavailable_error: Callable[[], EngineUnavailableError]) -> None:
+        self.index, self.scheduler, self.queue = index, scheduler, queue
+        self._control_ranks, self._fail, self._failure_of = ranks, fail, failure
+        self.unavailable_error = unavailable_error
         self._life = _Lifecycle()
         self._control_lock = threading.Lock()  # one control call at a time per replica
+
+    @property
+    def failure(self) -> EngineUnavailableError | None:
+        return self._failure_of()
+
+    @property
+    def pending_version(self) -> Any:
+        """The version the weight update in progress installs (None outside one)."""
+        return self._life.pending_version
 
     @property
     def state(self) -> ReplicaState:
@@ -178,8 +195,7 @@ class ReplicaControl(WeightUpdates):
         """Stop dispatch and drain the ranks as `op` needs; returns how many queued requests were aborted."""
         if op == "resume":
             return 0
-        aborted = 0
-        aborted = self.frontend.quiesce(op, mode, deadline)  # first: no iteration starts once the scheduler holds
+        aborted = self.queue.quiesce(op, mode, deadline)  # first: no iteration starts once the scheduler holds
         self.scheduler.hold()
         if op == "pause" and mode == "abort":
             aborted += self.scheduler.abort_queued(lambda: RequestAbortedError(
@@ -239,4 +255,4 @@ class ReplicaControl(WeightUpdates):
     def _restore_dispatch(self) -> None:
         if self._life.state is ReplicaState.SERVING and self.failure is None:
             self.scheduler.release()
-            self.frontend.release(self.scheduler.weight_version)
+            self.queue.release(self.scheduler.weight_version)

@@ -1,4 +1,4 @@
-"""External executor: ranks started by a launcher such as torchrun.
+"""The torchrun transport: ranks started by a launcher such as torchrun.
 
 Run one process per rank, e.g. `torchrun --nproc_per_node=2 examples/reference_torchrun.py`. Each
 process is one rank of ONE replica; the engine does not broadcast, so every rank must call
@@ -14,9 +14,9 @@ import os
 from typing import Any
 
 from phyai_ray.errors import DeploymentConfigError
-from phyai_ray.executors.inline import InlineExecutor
+from phyai_ray.executors.inline import InlineTransport
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.worker import RankRunner, init_distributed, make_context
+from phyai_ray.rank.runner import RankRunner, init_distributed, make_context
 from placement.topology import Topology
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -44,23 +44,31 @@ def check_world(topology: Topology, env: dict[str, str]) -> int:
     return rank
 
 
-class ExternalExecutor(InlineExecutor):
-    """One rank of a launcher-started replica, run on the engine's thread in this process."""
+class TorchrunTransport(InlineTransport):
+    """One rank of a launcher-started replica, run on the engine's thread in this process.
 
-    mode = "external"
-    # Every rank's engine must run the same requests in the same order, so nothing here may depend
-    # on local timing: no queue bound (one rank could shed what another admits), every request goes
-    # straight to the plugin's thread, and one whose deadline passed still runs (its future fails).
+    Every rank's engine must run the same requests in the same order, so nothing here may depend
+    on local timing (`lockstep`): no queue bound (one rank could shed what another admits), no
+    batching (each engine would form batches from its own timing), every request goes straight to
+    the plugin's thread, and one whose deadline passed still runs (its future fails). Never on the
+    caller's thread either: the engine's thread built the launcher's groups, and steps of a launcher
+    world run on a thread that owns none of them made torchrun ranks abort at teardown ("terminate
+    called without an active exception")."""
+
+    name = "torchrun"
+    runs_here = False
+    lockstep = True
     skips_expired = False
     worker_idle_exit_s = None  # the engine's thread built the launcher's groups: it must stay
 
     def __init__(self, entry: Entry, plugin_args: dict[str, Any], parallel: Any, device_config: Any, *,
-                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
+                 startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
                  collective_timeout_s: float = 600.0) -> None:
         topology = Topology.from_parallel(parallel)
         env = launcher_env()
         rank = check_world(topology, env)
-        self.rank, self.output_rank = rank, topology.output_rank
+        self.rank, self.output_rank, self.world_size = rank, topology.output_rank, topology.world_size
+        self._destroyed = False
 
         def build() -> RankRunner:
             device = _device(device_config.resolve_target(), int(env["LOCAL_RANK"]))
@@ -70,30 +78,18 @@ class ExternalExecutor(InlineExecutor):
                                dtype=device_config.torch_dtype(), parallel=parallel, local_rank=int(env["LOCAL_RANK"]))
             return RankRunner(entry, plugin_args, ctx)
 
-        super().__init__(build, index=0, world_size=topology.world_size, execution_timeout_s=execution_timeout_s,
-                         startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
-                         max_queued=None, max_ongoing=None)
+        super().__init__(build, startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s,
+                         thread_name="phyai-external-0")
 
-    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
-               due: float | None = None) -> Any:
-        """Always on the engine's thread, the one that built the process groups: running steps of a
-        launcher world on the caller's thread while that thread owns none of its groups made torchrun
-        ranks abort at teardown ("terminate called without an active exception"). No batching here:
-        each rank's engine would form batches from its own timing, and ranks that share collectives
-        must run the same steps; for that reason a request's own deadline (`due`) is not applied either:
-        a rank that skipped a late request would leave the others in a collective."""
-        return super().submit(request)
-
-    def close(self) -> None:
+    def close(self, drain: bool) -> None:
         """Stop, then destroy this engine's named groups. The launcher's world stays up, so a later
         engine in the same process joins it again (re-initialising it on torchrun's store hangs)."""
-        super().close()
-        runner = getattr(self, "_runner", None)
-        if runner is not None and not getattr(self, "_destroyed", False):
+        super().close(drain)
+        if not self._destroyed:
             self._destroyed = True
             from phyai_ray.process_groups import uninstall
             uninstall()
-            runner.ctx.groups.destroy()
+            self._runner.ctx.groups.destroy()
 
 
 def _device(target: str, local_rank: int) -> Any:

@@ -148,7 +148,7 @@ class EngineFuture(Future):
         self.started: float | None = None  # dispatched to the ranks (iteration protocol: first admitted)
         self.finished: float | None = None  # its outcome was set
         self.batch_size = 0  # samples of the step (sequences of the iteration) it started in
-        self.due: float | None = None  # its own deadline, if it was given one
+        self.deadline: float | None = None  # its own deadline (monotonic), if it was given one
 
     def timing(self) -> dict[str, Any]:
         """{queue_ms, infer_ms (dispatch to outcome: the model's share, with the ranks' transport),
@@ -158,9 +158,9 @@ class EngineFuture(Future):
         end = self.finished
         return {"queue_ms": ms(self.submitted, self.started if self.started is not None else end),
                 "infer_ms": ms(self.started, end), "batch_size": self.batch_size,
-                "deadline_ms": ms(self.submitted, self.due),
-                "deadline_met": None if self.due is None or end is None else
-                (end <= self.due and self.started is not None)}
+                "deadline_ms": ms(self.submitted, self.deadline),
+                "deadline_met": None if self.deadline is None or end is None else
+                (end <= self.deadline and self.started is not None)}
 
     def add_done_callback(self, fn: Callable[[Future], Any]) -> None:
         if self.done():  # at once, here

@@ -1,92 +1,84 @@
-"""Inline executor: the plugin runs in the caller's process, on one thread, with no Ray.
+"""The inline transport: the plugin runs in the caller's process, on one thread, with no Ray.
 
-The same scheduler as a Ray replica group (queue, `max_queued_requests`, two clocks, exact
-accounting), dispatching ONE request at a time to the plugin's thread: a hand-off in one process
-costs microseconds, so nothing is gained by pipelining, and every request still waiting can be
-cancelled. A plugin exception fails only its request. A request past its deadline fails with
+The same replica as a Ray replica group (queue, `max_queued_requests`, two clocks, exact
+accounting: base.py), dispatching ONE request at a time to the plugin's thread: a hand-off in one
+process costs microseconds, so nothing is gained by pipelining, and every request still waiting
+can be cancelled. A plugin exception fails only its request. A request past its deadline fails with
 `RequestTimeoutError` and the replica keeps serving; only a call RUNNING longer than its limit
 fails the replica (a stuck plugin cannot be interrupted), and every later request then raises
 `EngineUnavailableError`.
+
+    replica = ScheduledReplica(InlineTransport(build_runner, startup_timeout_s=60), max_ongoing=1, ...)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from phyai_ray.executors.base import ReplicaExecutor
-from phyai_ray.work import Work
+from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
-from phyai_ray.work import Kind
-from phyai_ray.worker import RankRunner
+from phyai_ray.work import Kind, Work
+from phyai_ray.rank.runner import RankRunner
 
 logger = logging.getLogger(__name__)
 
 
-class InlineExecutor(ReplicaExecutor):
-    """One rank in the caller's process."""
+class InlineTransport:
+    """One rank in the caller's process, run on a `SerialWorker` thread (or the caller's own)."""
 
-    mode = "inline"
+    name = "inline"
+    runs_here = True  # the caller's thread may run a request (nothing queued or running)
+    lockstep = False
     skips_expired = True  # one rank: a request whose deadline passed before it started is skipped
     worker_idle_exit_s: float | None = 0.5  # see SerialWorker: no second OpenMP pool left behind
+    world_size = 1
+    max_batch_weight = None
 
-    def __init__(self, build_runner: Callable[[], RankRunner], *, index: int = 0, world_size: int = 1,
-                 execution_timeout_s: float, startup_timeout_s: float, shutdown_timeout_s: float = 10.0,
-                 max_queued: int | None = None, max_ongoing: int | None = 1, batching: Any = None) -> None:
-        super().__init__(index, world_size, max_ongoing=max_ongoing, max_queued=max_queued,
-                         step_limit_s=execution_timeout_s)
+    def __init__(self, build_runner: Callable[[], RankRunner], *, startup_timeout_s: float,
+                 shutdown_timeout_s: float = 10.0, thread_name: str = "phyai-inline-0") -> None:
         self._shutdown_s = shutdown_timeout_s
-        self._worker = SerialWorker(name=f"phyai-{self.mode}-{index}", idle_exit_s=self.worker_idle_exit_s)
+        self._link: ReplicaLink | None = None
+        self._worker = SerialWorker(name=thread_name, idle_exit_s=self.worker_idle_exit_s)
         started = self._worker.call(build_runner)
         try:
             self._runner: RankRunner = started.result(timeout=startup_timeout_s)
         except TimeoutError:
-            self.close()
-            raise TimeoutError(f"{self.mode} plugin creation took longer than startup_timeout_s="
+            self._worker.stop()
+            raise TimeoutError(f"{self.name} plugin creation took longer than startup_timeout_s="
                                f"{startup_timeout_s}; raise WorkerSupervisorConfig.startup_timeout_s") from None
         except BaseException:
-            self.close()
+            self._worker.stop()
             raise
+        self.entry = self._runner.entry
+        self.batchable, self.iterative = self._runner.batchable, self._runner.iterative
         self._device_guard = _device_guard(self._runner)
-        self.enable_batching(batching, self._runner.batchable)
-        self.enable_iterations(self._runner.entry, batching, self._runner.iterative)
         if self.worker_idle_exit_s is not None:
             self._worker.retire()  # the plugin was built; the first step may run on the caller's thread
 
-    def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
-               due: float | None = None) -> Future:
-        """As every replica; with `caller_runs` and nothing queued or running, run it on this thread.
+    def bind(self, link: ReplicaLink) -> None:
+        self._link = link
 
-        The scheduler counts it as dispatched while it runs, so a request from another thread
-        queues behind it (one call at a time, in order) and the hang clock fails the replica if
-        this call runs past its limit: the other callers get the error; this thread is in the
-        plugin and returns when it does.
-        """
-        if not caller_runs or self.frontend.iterative:
-            return super().submit(request, key=key, size=size, due=due)
-        self._check_healthy()
-        future = self.scheduler.submit(Kind.STEP, request, self._step_limit_s, here=True, key=key, size=size, due=due)
-        work = future.work
-        if work.here:
-            if self._device_guard is None:
-                self._run(work)
-            else:
-                with self._device_guard():
-                    self._run(work)
-        return future
+    def prepare(self, payload: Any) -> Any:
+        return payload  # one process: nothing to serialize
 
-    def run_iteration(self, plan: Any) -> Future:
-        """On the loop's own thread when nothing else is at the rank (no hand-off per iteration), else
-        right after what is. Never held by the scheduler: the loop itself stops at pause and sleep."""
-        future = self.scheduler.submit(Kind.ITERATE, plan, self._step_limit_s, bypass_queue=True, here=True)
-        if future.work.here:
-            self._guarded(self._run, future.work)
-        return future
+    def weight(self, prepared: Any) -> int:
+        return 0
 
-    def _launch(self, work: Work) -> None:
+    def launch(self, work: Work) -> None:
         self._worker.put(lambda: self._guarded(self._run, work))
+
+    def run_here(self, work: Work) -> None:
+        """On the caller's thread (nothing else at the rank): the hang clock still watches it, and other
+        callers queue behind it; this thread is in the plugin and returns when it does."""
+        if self._device_guard is None:
+            self._run(work)
+        else:
+            with self._device_guard():
+                self._run(work)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` with the rank's CUDA device current (a fresh worker thread starts on device 0)."""
@@ -96,27 +88,27 @@ class InlineExecutor(ReplicaExecutor):
             return fn(*args)
 
     def _run(self, work: Work) -> None:
-        """On the plugin's thread: run `work` unless its deadline already failed it (one rank: safe)."""
+        """Run `work` unless its deadline already failed it (one rank: safe to skip)."""
+        link = self._link
         if self.skips_expired and not work.unfinished:
-            self.scheduler.finished(work)
+            link.finished(work)
             return
-        if self._failure is not None:
-            self.scheduler.complete(work, error=self.unavailable_error())
+        if link.failure() is not None:
+            link.complete(work, error=link.unavailable_error())
             return
         try:
             value = self._execute(work)
         except BaseException as exc:  # the plugin's own exception goes to the caller as is
-            self.scheduler.complete(work, error=exc)
+            link.complete(work, error=exc)
         else:
-            self.scheduler.complete(work, value)
+            link.complete(work, value)
 
-    def _submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+    def stream(self, request: Any, max_buffered: int) -> tuple[Any, Callable[[Any], Any]]:
         sink = ChunkSink(max_buffered)
-        future = self.scheduler.submit(Kind.STREAM, (request, sink), self._step_limit_s)
-        return future, LocalReader(sink, future)
+        return (request, sink), lambda future: LocalReader(sink, future)
 
     def _execute(self, work: Work) -> Any:
-        if work.kind == Kind.STEP and self.batching:  # a batch of one: an exception item fails the request
+        if work.kind == Kind.STEP and self._link.batching():  # a batch of one: an exception item fails it
             return _only(self._runner.execute(Kind.BATCH, [work.payload]))
         if work.kind == Kind.STREAM:
             request, sink = work.payload
@@ -124,26 +116,32 @@ class InlineExecutor(ReplicaExecutor):
         value = self._runner.execute(work.kind, work.payload)
         return [value] if work.kind == Kind.CALL and work.all_ranks else value
 
-    def _control_ranks(self, op: str, args: tuple, timeout_s: float) -> Future:
+    def control(self, op: str, args: tuple, timeout_s: float) -> Future:
         """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""
-        return self._worker.call(lambda: [self._guarded(self._runner.control, op, self.rank_args(op, args, 0))])
+        return self._worker.call(lambda: [self._guarded(self._runner.control, op, rank_args(op, args, 0, self.world_size))])
 
-    def _teardown(self) -> None:
+    def hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
+        return 0, None, "rank(s) [0] had not replied"
+
+    def abandon(self) -> None:
         self._worker.stop()
 
-    def _teardown_after_failure(self) -> None:
-        self._teardown()
-
-    def close(self) -> None:
-        """Cancel queued work, let the running call finish (bounded), fail what is left."""
-        if not self._set_failure(self._closed_error()):
-            return
-        self._stop_iterations(cancel_waiting=True)
-        self.scheduler.stop(self.unavailable_error, cancel_queued=True, fail_dispatched=False)
+    def close(self, drain: bool) -> None:
+        """Stop the plugin's thread; with `drain`, let the running call finish (within shutdown_timeout_s)."""
         self._worker.stop()
-        if not self._worker.current:
+        if drain and not self._worker.current:
             self._worker.join(self._shutdown_s)
-        self.scheduler.stop(self.unavailable_error, cancel_queued=True)
+
+    def nodes(self) -> tuple[str, ...]:
+        return ()
+
+    def pids(self) -> tuple[int, ...]:
+        return (os.getpid(),)
+
+    @property
+    def model(self) -> Any:
+        """The plugin's per-rank model (for benchmarks and tests that look inside)."""
+        return self._runner.model
 
 
 def _only(results: list) -> Any:
@@ -169,7 +167,7 @@ def build_inline_runner(entry: Any, plugin_args: dict[str, Any], parallel: Any, 
     import torch
 
     from phyai_ray.process_groups import GroupSet
-    from phyai_ray.worker import make_context
+    from phyai_ray.rank.runner import make_context
     from placement.topology import Topology
 
     topology = Topology.from_parallel(parallel)

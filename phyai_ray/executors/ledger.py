@@ -1,4 +1,4 @@
-"""What both request frontends of a replica share: outcomes, exact tallies, and the errors of a full
+"""What both request queues of a replica share: outcomes, exact tallies, and the errors of a full
 queue and of a passed deadline.
 
     ReplicaScheduler  (scheduler.py)   requests as steps or batches of steps
@@ -78,12 +78,11 @@ class Tally:
                     self.missed += isinstance(error, DeadlineMissedError)
         return True
 
-    def carry(self, other: "Tally") -> None:
-        """Continue the totals of a replica this one replaces."""
+    def carry(self, totals: Counts) -> None:
+        """Continue the served / errored totals of a replica this one replaces."""
         with self._lock:
-            self.served += other.served
-            self.errored += other.errored
-            self.missed += other.missed
+            self.served += totals.served
+            self.errored += totals.errored
 
 
 def overloaded(index: int, queued: int, limit: int | None, behind: str) -> EngineOverloadedError:

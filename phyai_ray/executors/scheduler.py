@@ -9,9 +9,9 @@
 * `collective_rpc` calls and iterations skip the queue (`bypass_queue`): dispatched at once, they run on the
   ranks right after the requests already dispatched, in the same order on every rank.
 * Order: `edf` (BatchingConfig.scheduling "deadline", the default) keeps the queue in earliest-
-  deadline-first order (a request's own `due`, else `submitted + limit`); else arrival order. A
-  request whose own `due` passes before it is dispatched fails with DeadlineMissedError, unrun.
-* Two clocks. A request's deadline is `submitted + limit`: past it the future fails with
+  deadline-first order (a request's own `deadline`, else when it expires); else arrival order. A
+  request whose own `deadline` passes before it is dispatched fails with DeadlineMissedError, unrun.
+* Two clocks (clock.py). A request expires at `submitted + limit`: past it the future fails with
   `RequestTimeoutError` (a queued request is dropped and never reaches a rank; a dispatched one still
   runs, because ranks that share collectives cannot skip it one-sidedly). The replica is judged
   hung only when the head of the dispatched line has been RUNNING for its limit; running counts from
@@ -40,25 +40,24 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from phyai_ray.errors import EngineOverloadedError, RequestTimeoutError
-from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
+from phyai_ray.errors import EngineOverloadedError
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
+from phyai_ray.executors.clock import DeadlineClock
+from phyai_ray.executors.ledger import Counts, Tally, enqueue, overloaded
 from phyai_ray.executors.futures import CallbackThread, EngineFuture
 from phyai_ray.work import REQUEST_KINDS, Kind, Work
 
 logger = logging.getLogger(__name__)
 
-_CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
 
-
-class ReplicaScheduler:
+class ReplicaScheduler(DeadlineClock):
     """Queue, bounded dispatch, deadlines and accounting of one replica (thread-safe)."""
 
     def __init__(self, index: int, *, max_ongoing: int | None, max_queued: int | None,
                  launch: Callable[[Work], None], on_hung: Callable[[Work, float], None],
                  delivery: CallbackThread) -> None:
         self.index, self.max_ongoing, self.max_queued = index, max_ongoing, max_queued
-        self._launch, self._on_hung, self._delivery = launch, on_hung, delivery
+        self._launch, self._on_hung, self.delivery = launch, on_hung, delivery
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._queued: deque[Work] = deque()
@@ -83,7 +82,7 @@ class ReplicaScheduler:
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
                bypass_queue: bool = False, here: bool = False, key: Any = None, size: int = 1,
-               weight: int = 0, due: float | None = None) -> EngineFuture:
+               weight: int = 0, deadline: float | None = None) -> EngineFuture:
         """Queue a request, or with `bypass_queue` dispatch at once (a collective_rpc, an iteration:
         they run right after what is already at the ranks, in the same order on every rank); returns
         its future.
@@ -91,12 +90,12 @@ class ReplicaScheduler:
         `here=True`: when nothing is queued or dispatched, the request is dispatched without
         `launch` and `future.work.here` is set: the caller must run it now, then call `finished`.
         It counts as dispatched meanwhile, so the hang clock and the accounting see it as usual.
-        `due`: the request's own deadline (monotonic); see the module docstring.
+        `deadline`: the request's own deadline (monotonic); see the module docstring.
         """
-        future = EngineFuture(self._delivery, self._cancelled)
+        future = EngineFuture(self.delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
-        work.key, work.size, work.weight, work.due = key, size, weight, due
-        future.work, future.replica, future.due = work, self.index, due
+        work.key, work.size, work.weight, work.deadline = key, size, weight, deadline
+        future.work, future.replica, future.deadline = work, self.index, deadline
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
@@ -113,7 +112,7 @@ class ReplicaScheduler:
                     raise self._overloaded()
                 enqueue(self._queued, work, self.edf)
                 self._pump()
-            self._arm(min(work.deadline, work.due or work.deadline))
+            self._arm(min(work.expires, work.deadline or work.expires))
         self._send_launches()
         return future
 
@@ -143,9 +142,10 @@ class ReplicaScheduler:
         with self._lock:
             return self.stats.snapshot()
 
-    def carry_counts(self, other: "ReplicaScheduler") -> None:
-        """Continue the served / errored totals of a replica this one replaces."""
-        self.tally.carry(other.tally)
+    def record(self, size: int, waits: list[float]) -> None:
+        """One batch of `size` (an iteration's sequences) and the queue wait of each newcomer (histograms)."""
+        with self._lock:
+            self.stats.record(size, waits)
 
     def _free_now(self) -> bool:
         """A request submitted now would go straight to the ranks."""
@@ -176,7 +176,7 @@ class ReplicaScheduler:
         """Dispatch the next batch; False when the head waits for a fuller one (the clock wakes it)."""
         now = time.monotonic()
         formed = form_batch(self._queued, self.policy, now,
-                            lambda w: not w.future.done() and w.deadline > now and not w.missed(now))
+                            lambda w: not w.future.done() and w.expires > now and not w.missed(now))
         for work in formed.dead:  # never dispatched: expired ones fail, cancelled ones are already done
             self.deliver(work, error=self._missed_error(work, now) if work.missed(now) else
                          self._timeout_error(work, now))
@@ -334,83 +334,3 @@ class ReplicaScheduler:
     def dispatched_work(self) -> list[Work]:
         with self._lock:
             return list(self._dispatched)
-
-    # -- clocks ---------------------------------------------------------------------------------
-    def _arm(self, when: float) -> None:
-        """Make the timer thread wake by `when` (lock held). No wake-up when it wakes earlier anyway:
-        a request's default deadline is minutes away, and waking the clock on every submit would
-        put a third thread on the request path."""
-        if when >= self._wake_at or when >= self._wakes_by:
-            return
-        self._wake_at = when
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._clock, name=f"phyai-replica-{self.index}-clock", daemon=True)
-            self._timer.start()
-        else:
-            self._cond.notify_all()
-
-    def _clock(self) -> None:
-        while True:
-            with self._lock:
-                if self._refusal is not None:
-                    return
-                self._wake_at = self._next_deadline()
-                now = time.monotonic()
-                delay = self._wake_at - now
-                if delay > 0:
-                    self._wakes_by = now + min(delay, _CLOCK_TICK_S)
-                    self._cond.wait(timeout=min(delay, _CLOCK_TICK_S))
-                    self._wakes_by = float("-inf")  # awake: it re-reads every deadline before it waits
-                    # again, so until then an _arm needs no notify (`when >= -inf`: it returns at once)
-                    continue
-                if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
-                    self._flush_at = float("inf")
-                    self._pump()
-            self._send_launches()
-            self.expire(time.monotonic())
-
-    def expire(self, now: float) -> None:
-        """Fail the requests whose deadline is past `now`, or report the hung head (the clock's job)."""
-        with self._lock:
-            if self._refusal is not None:
-                return
-            expired, hung = self._expired(now)
-            running_s = now - self._head_since
-        for work in expired:
-            self.deliver(work, error=self._missed_error(work, now) if work.dispatched is None and work.missed(now)
-                         else self._timeout_error(work, now))
-        if hung is not None:
-            with self._lock:
-                self._reported_hung = hung
-            self._on_hung(hung, running_s)
-
-    def _expired(self, now: float) -> tuple[list[Work], Work | None]:
-        """Requests past their deadline (queued ones leave the queue), and the hung head if any."""
-        head = self._dispatched[0] if self._dispatched else None
-        if head is not None and head is not self._reported_hung and now - self._head_since >= head.limit_s:
-            return [], head
-        expired = [w for w in self._queued if w.deadline <= now or w.missed(now)]
-        if expired:
-            self._queued = deque(w for w in self._queued if w.deadline > now and not w.missed(now))
-        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
-                    if r.deadline <= now and not r.future.done()]
-        return expired, None
-
-    def _next_deadline(self) -> float:
-        times = [r.deadline for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
-                 if not r.future.done()]
-        times.append(self._flush_at)
-        times += [w.deadline if w.due is None else min(w.deadline, w.due) for w in self._queued]
-        if self._dispatched and self._dispatched[0] is not self._reported_hung:
-            times.append(self._head_since + self._dispatched[0].limit_s)
-        return min(times, default=float("inf"))
-
-    def _missed_error(self, work: Work, now: float) -> RequestTimeoutError:
-        return deadline_missed(self.index, now - work.submitted, work.due - work.submitted)
-
-    def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
-        where = ("it was still queued and never reached a rank" if work.dispatched is None else
-                 "it had been dispatched to the ranks, which finish it but its result is dropped")
-        what = "collective_rpc timeout" if work.kind == Kind.CALL else "execution_timeout_s"
-        return timed_out(self.index, now - work.submitted, work.limit_s, where, dispatched=work.dispatched is not None,
-                         what=what)

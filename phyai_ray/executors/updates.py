@@ -156,7 +156,7 @@ class WeightUpdates:
 
 def _problems(replies: list) -> list[str]:
     """Every rank's problems (`WeightCheck` replies), each distinct one once, in rank order."""
-    from phyai_ray.rl.transfer import WeightCheck
+    from phyai_ray.rank.receive import WeightCheck
 
     seen: list[str] = []
     for reply in replies:
