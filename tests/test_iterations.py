@@ -282,7 +282,7 @@ def test_a_slow_gather_holds_no_lock_that_status_or_submit_need(inline_probe):
 
 def test_requests_that_leave_while_the_replica_is_held_leave_nothing_queued(inline_probe):
     """Paused: nothing plans, so requests cancelled meanwhile must not pile up in the waiting line."""
-    loop = inline_probe._executors[0].frontend
+    loop = inline_probe._executors[0].queue
     inline_probe.pause(mode="keep")
     try:
         kept = inline_probe.submit({"prompts": [[7]], "max_tokens": 2})
@@ -307,3 +307,28 @@ def test_an_unread_stream_never_holds_up_the_loop_and_stays_max_buffered_chunks_
         return [t for g in got for t in (g if isinstance(g, list) else [g])]
     assert [tokens(0), tokens(1)] == [o.token_ids for o in outputs] == [expected_tokens([1, 2], 20),
                                                                        expected_tokens([3], 20)]
+
+
+def test_a_plugins_own_admission_policy_and_value_results_with_their_weight_version():
+    """`iter_groups` admits at most one group (prompt length) and 6 prompt ids per iteration, and ends
+    each sequence with a value: the result carries the version of the weights that made it."""
+    from tests.plugins.iterating import IterGroupsEntry
+
+    args = EngineArgs(plugin=f"{IterGroupsEntry.__module__}:IterGroupsEntry", config=EngineConfig(device=CPU))
+    with Engine(args, DeploymentConfig(batching=BatchingConfig(max_num_seqs=8))) as engine:
+        sender = WeightSender("object_store")
+        sender.init_transfer(engine)
+        assert [r.error for r in sender.update(engine, [("scale", torch.full((1,), 2.0))], version=3)] == [None]
+        engine.pause(mode="keep")  # everything below waits, then competes for the first iterations
+        futures = [engine.submit({"prompts": [[1, 2]] * 2, "max_tokens": 3}),
+                   engine.submit({"prompts": [[4, 5], [6, 7]], "max_tokens": 2}),
+                   engine.submit({"prompts": [[1, 2, 3]], "max_tokens": 2}),
+                   engine.submit({"prompts": [[9] * 8], "max_tokens": 1})]  # over the budget: runs alone
+        engine.resume()
+        results = [f.result(timeout=30) for f in futures]
+        assert results[0] == [{"scale": 2, "made": 3}] * 2 and results[3] == [{"scale": 2, "made": 1}]
+        assert [f.weight_version for f in futures] == [3] * 4
+        ran = [g for g in engine.collective_rpc("ran")[0] if g]
+        assert all(len(set(g)) == 1 for g in ran), ran  # one group per iteration
+        assert all(len(g) == 1 or sum(g) <= 6 for g in ran), ran  # the cost budget, every iteration
+        assert ran[0] == [2, 2, 2] and [3] in ran, ran  # two requests' sequences of one group shared an iteration

@@ -8,6 +8,9 @@ says every rank ran the same iterations with the same sequences; `plans()` is a 
 (admitted, dropped, recomputed) ids. `scale` is a parameter of an `nn.Module`: the default
 weight-update hooks replace it, so a token shows which weights produced it. "sleep" slows each
 iteration a sequence runs in; "raise_at": i makes the iteration giving its token i raise.
+
+`iter_groups` (IterGroupsEntry) is the same model run as value sequences with its own admission
+policy: sequences grouped by prompt length, at most one group and a cost of 6 per iteration.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from phyai_ray import Entry, P, register_plugin
+from phyai_ray.plugins.admission import CostBudget, GroupLimit
 from phyai_ray.plugins.iteration import Delta, SequenceSpec
 
 
@@ -30,6 +34,7 @@ class IterProbe(torch.nn.Module):
         self.running: dict[int, dict[str, Any]] = {}
         self.history: list[tuple[list[int], list[int], list[int]]] = []
         self.agreement: list[bool] = []
+        self.groups: list[list[int]] = []  # per iteration, the prompt length of every running sequence
         self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
 
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
@@ -46,6 +51,7 @@ class IterProbe(torch.nn.Module):
     @torch.no_grad()
     def iterate(self) -> dict[int, Delta]:
         self.history.append(self._pending)
+        self.groups.append(sorted(len(s["prompt"]) for s in self.running.values()))
         self._pending = ([], [], [])
         ids = sorted(self.running)
         mine = torch.tensor([float(len(ids)), float(zlib.crc32(str(ids).encode()) % 99991)], dtype=torch.float64)
@@ -63,7 +69,10 @@ class IterProbe(torch.nn.Module):
             token = 1000 * scale + 10 * len(seq["prompt"]) + seq["made"]
             seq["made"] += 1
             done = "length" if seq["made"] >= seq["max_tokens"] else None
-            out[ident] = Delta([token], [-float(seq["made"])], done)
+            if seq.get("value"):  # iter_groups: a value at the end, no tokens
+                out[ident] = Delta(stop_reason=done, value={"scale": scale, "made": seq["made"]} if done else None)
+            else:
+                out[ident] = Delta([token], [-float(seq["made"])], done)
             if done:
                 del self.running[ident]
         return out
@@ -73,6 +82,9 @@ class IterProbe(torch.nn.Module):
 
     def plans(self) -> list[tuple[list[int], list[int], list[int]]]:
         return [tuple(list(x) for x in p) for p in self.history]
+
+    def ran(self) -> list[list[int]]:
+        return [list(g) for g in self.groups]
 
     def agreed(self) -> bool:
         return all(self.agreement)
@@ -104,6 +116,21 @@ class IterProbeEntry(Entry):
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> IterProbe:
         return IterProbe(plugin_args, ctx)
+
+
+@register_plugin
+class IterGroupsEntry(IterProbeEntry):
+    """`iter_groups`: iter_probe's sequences ending in a value {"scale", "made"} instead of tokens, each
+    in the group of its prompt's length, admitted at most one group and 6 prompt ids per iteration."""
+
+    name = "iter_groups"
+
+    def sequences(self, request: dict[str, Any]) -> list[SequenceSpec]:
+        return [SequenceSpec({"prompt": list(p), "max_tokens": int(request.get("max_tokens", 4)), "value": True},
+                             cost=len(p), group=len(p)) for p in request["prompts"]]
+
+    def admission(self, batching: Any) -> GroupLimit:
+        return GroupLimit(CostBudget(batching.max_num_seqs, 6), max_groups=1)
 
 
 GATHERING = threading.Event()  # set by a gather that takes its time (test_iterations)
