@@ -245,7 +245,7 @@ class RankActor:
 def _setup_rank(actor: RankActor, spec: RankSpec) -> tuple[int, bool, bool]:
     import torch
 
-    from phyai_ray.worker import RankRunner, init_distributed, make_context
+    from phyai_ray.rank.runner import RankRunner, init_distributed, make_context
     from placement.topology import Topology
 
     topology = Topology.from_parallel(spec.parallel)

@@ -17,7 +17,7 @@ on the rank's control lane, while no request runs there:
 The defaults act on a plain `torch.nn.Module`: the model itself, or its `module` attribute. A
 weight update reaches a rank as three ops: `check_weights` (every rank, nothing received), then
 `update_weights` (bucket by bucket) or, for a refused update, `drain_weights`
-(`phyai_ray.rl.loading`).
+(`phyai_ray.rank.loading`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from phyai_ray.rl.loading import WeightLoader, torch_module
-from phyai_ray.rl.transfer import Bucket, TransferSpec, WeightCheck, empty_flat, join_group, open_cuda
+from phyai_ray.rank.loading import WeightLoader, torch_module
+from phyai_ray.rank.receive import Bucket, TransferSpec, WeightCheck, empty_flat, join_group, open_cuda
 
 logger = logging.getLogger(__name__)
 

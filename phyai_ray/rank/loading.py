@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from phyai_ray.rl.transfer import Bucket, WeightCheck, empty_flat, unflatten
+from phyai_ray.rank.receive import Bucket, WeightCheck, empty_flat, unflatten
 
 Spec = tuple[tuple[int, ...], str]
 EVERY_WEIGHT = "<every weight: the model's own sleep(level=2) dropped them>"

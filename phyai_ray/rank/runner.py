@@ -157,9 +157,9 @@ class RankRunner:
         return out if self.ctx.is_output_rank else None
 
     def control(self, op: str, args: tuple = ()) -> Any:
-        """A control-lane operation (pause, sleep, weight update, ...; see `phyai_ray.rl.hooks`)."""
+        """A control-lane operation (pause, sleep, weight update, ...; see `phyai_ray.rank.control`)."""
         if self._control is None:
-            from phyai_ray.rl.hooks import RankControl
+            from phyai_ray.rank.control import RankControl
 
             self._control = RankControl(self.model, self.ctx)
         with self.ctx.groups.activate():

@@ -11,5 +11,5 @@
 
 A mismatch refuses the update before any weight changes (`WeightUpdateRefusedError`; the replicas
 keep their previous version); a lease that expires returns an untouched replica and fails one
-that loaded part of the update (`phyai_ray.executors.updates`, `phyai_ray.rl.loading`).
+that loaded part of the update (`phyai_ray.executors.updates`, `phyai_ray.rank.loading`).
 """

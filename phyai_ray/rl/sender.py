@@ -25,7 +25,8 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from phyai_ray.rl.transfer import DEFAULT_BUCKET_BYTES, Bucket, check_backend, flatten, plan_buckets, share_cuda
+from phyai_ray.rank.receive import Bucket, check_backend
+from phyai_ray.rl.transfer import DEFAULT_BUCKET_BYTES, flatten, plan_buckets, share_cuda
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from phyai_ray import DenseParallelConfig, P, ParallelConfig
-from phyai_ray.worker import destroy_distributed, init_distributed
+from phyai_ray.rank.runner import destroy_distributed, init_distributed
 from placement.topology import Topology
 from tests.scripts.launch import finish_rank
 

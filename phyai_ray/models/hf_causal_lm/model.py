@@ -28,7 +28,7 @@ from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec
 from phyai_ray.models.reference_lm.decoder import SlotDecoder
 from phyai_ray.models.reference_lm.slots import Batch, Slots
-from phyai_ray.rl.loading import dtype_name
+from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)
 MASKED = -1e30  # a finite fill: every query sees key 0, so no row is all fill, and exp() of it is exactly 0
