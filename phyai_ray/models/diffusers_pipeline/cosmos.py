@@ -97,8 +97,9 @@ def load_guardrail(path: Any) -> Any:
     checker = found() if isinstance(found, type) else found
     missing = [m for m in ("check_text_safety", "check_video_safety") if not callable(getattr(checker, m, None))]
     if missing:
-        raise GuardrailError(f"safety checker {path!r} lacks {missing}: it needs check_text_safety(prompt) -> "
-                             "bool and check_video_safety(uint8 [frames, H, W, 3]) -> video")
+        raise GuardrailError(f"plugin_args['safety_checker'] = {path!r} lacks {missing}: it needs "
+                             "check_text_safety(prompt) -> bool and check_video_safety(uint8 [frames, H, W, 3]) "
+                             "-> video")
     return checker
 
 
