@@ -121,8 +121,9 @@ def test_inputs_and_parameters_become_the_plugins_request() -> None:
     body, length = binary_body([("x", "FP32", [2, 3], struct.pack("<6f", *VALUES))],
                                parameters={"scale": 2.0, "binary_data_output": True}, id="r-1")
     parsed = parse_infer(body, length, AnyEntry(), ServeOptions())
-    assert set(parsed.request) == {"x", "scale"} and parsed.request["scale"] == 2.0
-    assert parsed.request["x"].tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 1.0]]
+    request = parsed.request.request  # validated once, in the form the plugin runs
+    assert set(request) == {"x", "scale"} and request["scale"] == 2.0
+    assert request["x"].tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 1.0]]
     assert parsed.binary and parsed.id == "r-1" and parsed.outputs is None
 
 

@@ -141,7 +141,7 @@ def test_a_stream_a_failed_group_never_started_is_read_from_another_group():
     from fastapi.testclient import TestClient
 
     from phyai_ray.errors import EngineUnavailableError
-    from phyai_ray.serve.registry import failed_here, set_failed
+    from phyai_ray.serve.group_registry import failed_here, set_failed
     from phyai_ray.serve.runner import MAX_HOPS
 
     args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config={"device": {"target": "cpu"}})

@@ -23,7 +23,7 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import ReplicaID  # noqa: E402
 
-from phyai_ray.serve.router import FewestInFlightRouter, Ledger  # noqa: E402
+from phyai_ray.serve.router import ChosenRequests, FewestInFlightRouter  # noqa: E402
 
 _ids = itertools.count()
 
@@ -173,17 +173,17 @@ def test_an_exact_count_that_lags_sends_on_their_way_does_not_hide_them() -> Non
 
 def test_a_reservation_nobody_reports_back_expires() -> None:
     clock = Clock()
-    ledger = Ledger(clock)
-    ledger.reserve("lost", "a")
-    assert ledger.count("a") == 1
+    chosen = ChosenRequests(clock)
+    chosen.reserve("lost", "a")
+    assert chosen.count("a") == 1
     clock.now += 31
-    ledger.reserve("next", "b")
-    assert ledger.count("a") == 0 and ledger.count("b") == 1
+    chosen.reserve("next", "b")
+    assert chosen.count("a") == 0 and chosen.count("b") == 1
 
 
 def test_without_completion_reports_a_routed_request_is_left_to_serves_view() -> None:
-    ledger = Ledger(track_open=False)
-    ledger.reserve("r", "a")
-    assert ledger.count("a") == 1
-    ledger.routed("r", "a")
-    assert ledger.count("a") == 0  # nothing would ever release it: Serve's queue view counts it instead
+    chosen = ChosenRequests(track_open=False)
+    chosen.reserve("r", "a")
+    assert chosen.count("a") == 1
+    chosen.routed("r", "a")
+    assert chosen.count("a") == 0  # nothing would ever release it: Serve's queue view counts it instead

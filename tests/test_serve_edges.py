@@ -13,14 +13,15 @@ import math
 import pytest
 import torch
 
-from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestRejectedError, RequestTimeoutError
 from phyai_ray.serve import codec
 from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.errors import HttpError, classify, from_engine_error, key_matches
-from phyai_ray.serve.guard import EdgeGuard
+from phyai_ray.serve.error_map import HttpError, classify, from_engine_error
+from phyai_ray.serve.guard import EdgeGuard, key_matches
 from phyai_ray.serve.oip import _split
 from phyai_ray.serve.oip_grpc import _CODES
-from phyai_ray.serve.openai_api import openai_error
+from phyai_ray.serve.oip_model import BAD_REQUEST
+from phyai_ray.serve.openai_common import openai_error
 from phyai_ray.serve.runner import SubmitFault
 
 
@@ -76,6 +77,19 @@ def test_every_protocol_renders_the_one_failure_table(exc, status, kind, retry, 
     assert _CODES.get(status, "INTERNAL") == code
     if isinstance(exc, EngineOverloadedError):  # --overload-status 429 reaches every protocol alike
         assert classify(exc, overload_status=429).status == openai_error(exc, overload_status=429).status == 429
+
+
+def test_a_rejection_is_each_protocols_bad_request_with_the_plugins_message():
+    exc = RequestRejectedError("plugin p rejected the request: ValueError: x must hold 8 numbers", plugin="p",
+                               field="x")
+    failure = classify(exc)
+    assert (failure.status, failure.kind, failure.retry_after, failure.param) == (422, "rejected", False, "x")
+    http = from_engine_error(exc)
+    assert (http.status_code, http.type) == (422, "rejected") and "8 numbers" in http.detail
+    assert _CODES[classify(exc, rejected_status=BAD_REQUEST).status] == "INVALID_ARGUMENT"  # OIP, gRPC too
+    openai = openai_error(exc)
+    assert (openai.status, openai.type, openai.param) == (400, "invalid_request_error", "x")
+    assert "8 numbers" in str(openai)
 
 
 def test_one_key_check_for_every_protocol():

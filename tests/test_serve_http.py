@@ -30,6 +30,7 @@ from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, Requ
 from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.validation import Validated
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
 from tests.helpers import asgi_request, free_port, post_step, wait_until
 from tests.plugins.tiny import reference
@@ -454,10 +455,10 @@ def test_a_failed_group_forwards_what_it_never_started() -> None:
 
     down = dict(at_submit=EngineUnavailableError("group failed", reason="no_healthy_replica"), healthy=False)
     status, _, body = asgi_request(edge(StepEngine(**down), forward=forward), "POST", "/v1/step", {"x": [1.0]}, AUTH)
-    assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [({"x": [1.0]}, 1, ("g0",))])
+    assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [(Validated({"x": [1.0]}), 1, ("g0",))])
     import asyncio
 
-    from phyai_ray.serve.registry import failed_here, set_failed
+    from phyai_ray.serve.group_registry import failed_here, set_failed
     from phyai_ray.serve.runner import MAX_HOPS
 
     runner = GroupRunner(EngineHolder(lambda: StepEngine(**down)), group="g1", forward=forward)
@@ -480,7 +481,7 @@ class _Replica:
 
 
 def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_failed() -> None:
-    from phyai_ray.serve.registry import set_failed
+    from phyai_ray.serve.group_registry import set_failed
     from phyai_ray.serve.router import rank_groups
 
     a, b, c, d = _Replica("a"), _Replica("b"), _Replica("c"), _Replica("d", failed=True)
@@ -504,7 +505,7 @@ def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_fail
     (EngineUnavailableError("closed", reason="closed"), 503), (RuntimeError("bug"), 500),
 ])
 def test_from_engine_error_never_blames_the_client(exc: BaseException, status: int) -> None:
-    from phyai_ray.serve.errors import from_engine_error
+    from phyai_ray.serve.error_map import from_engine_error
 
     assert from_engine_error(exc).status_code == status
     assert from_engine_error(exc, overload_status=429).status_code == (429 if status == 503 and

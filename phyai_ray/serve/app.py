@@ -91,7 +91,7 @@ def create_app(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     `option_values` are `ServeOptions` fields (api_key=..., min_replicas=..., max_replicas=...).
     """
     from phyai_ray.serve.group import ReplicaGroup
-    from phyai_ray.serve.registry import GroupRegistry
+    from phyai_ray.serve.group_registry import GroupRegistry
 
     options = ServeOptions(**{**(options.model_dump() if options else {}), **option_values})
     deployment = deployment or DeploymentConfig()

@@ -35,7 +35,7 @@ from phyai_ray.errors import DeploymentConfigError
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.oip_grpc import OipGrpcMethods
 from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.registry import FAILED_STAT, REPORT_INTERVAL_S, set_failed
+from phyai_ray.serve.group_registry import FAILED_STAT, REPORT_INTERVAL_S, set_failed
 from phyai_ray.serve.runner import GroupRunner
 
 logger = logging.getLogger(__name__)
@@ -97,15 +97,15 @@ class ReplicaGroup(OipGrpcMethods):
     async def step(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
         """The handle method: `await handle.step.remote(request)` -> the plugin's result, or the engine's error.
 
-        `hops` and `failed` are set by a failed group that forwards the request (see GroupRunner).
+        `hops` and `failed` are set by a failed group that forwards the request (see GroupRunner); a
+        request is validated once, by the first group it reaches (`RequestRejectedError`).
         """
         return await self.runner.run(request, hops=hops, failed=failed)
 
     async def stream(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
         """The streaming handle method: `handle.options(stream=True).stream.remote(request)` yields lists of
-        ("chunk" | "end" | "error", value) items (see `phyai_ray.async_streams`), forwarded like `step`."""
-        if hops == 0:
-            await asyncio.to_thread(self.runner.entry.validate_request, request)
+        ("chunk" | "end" | "error", value) items (see `phyai_ray.async_streams`), validated and forwarded
+        like `step`."""
         async for items in self.runner.stream(request, hops=hops, failed=failed):
             yield items
 

@@ -10,14 +10,27 @@ protocol's shape, `{"error": "..."}`.
 
 from __future__ import annotations
 
+import hmac
+
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phyai_ray.serve.errors import HttpError, key_matches, error_response
+from phyai_ray.serve.error_map import HttpError, error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 OIP_PREFIX = "/v2"
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def key_matches(authorization: str | None, key: str | None, schemes: tuple[str, ...] = ("bearer",)) -> bool:
+    """Whether an Authorization value (`<scheme> <key>`) carries `key` under one of `schemes`; True without a key.
+
+    The one API-key check of every protocol: this guard (HTTP), OIP's gRPC methods, openpi's WebSocket."""
+    if key is None:
+        return True
+    scheme, _, token = str(authorization or "").partition(" ")
+    return scheme.lower() in schemes and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
+                                                             key.encode("utf-8"))
 
 
 class EdgeGuard:

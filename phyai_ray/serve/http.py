@@ -31,13 +31,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray import __version__
 from phyai_ray.serve import codec
-from phyai_ray.serve.errors import (DEADLINE_HEADER, RETRY_AFTER, HttpError, deadline_ms, describe, error_response, from_http_exception,
-                                    from_validation_errors, run_request)
+from phyai_ray.serve.error_map import (RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
+                                       from_http_exception, from_validation_errors)
 from phyai_ray.serve.guard import EdgeGuard
 from phyai_ray.serve.metrics import EdgeMetrics
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.serve.schema import ErrorBody, StepResponse
+from phyai_ray.serve.timing import DEADLINE_HEADER, deadline_ms
+from phyai_ray.validation import Validated, validate
 
 ROUTES = ("/v1/step", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
@@ -135,10 +137,12 @@ def _add_step_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) ->
     async def step(http: Request, body: Any) -> JSONResponse:
         deadline_s = header_deadline(http)
         raw = body.model_dump(mode="json", by_alias=True) if isinstance(body, BaseModel) else body
-        request = await asyncio.to_thread(_decode_and_validate, runner.entry, raw, options)
         timing: dict[str, Any] = {}
-        result = await run_request(runner, request, overload_status=options.overload_status, deadline_s=deadline_s,
-                                   timing=timing)
+        try:  # validated once, here; the request is never cancelled
+            request = await asyncio.to_thread(_decode_and_validate, runner.entry, raw, options)
+            result = await runner.run(request, deadline_s=deadline_s, timing=timing)
+        except Exception as exc:  # a rejection (422), an engine error: its row of the failure table
+            raise from_engine_error(exc, overload_status=options.overload_status) from None
         return JSONResponse({"result": await asyncio.to_thread(_encode, result)}, headers=server_timing(timing))
 
     model = runner.entry.request_model
@@ -174,8 +178,9 @@ def server_timing(timing: dict[str, Any]) -> dict[str, str] | None:
     return {"Server-Timing": ", ".join(parts)}
 
 
-def _decode_and_validate(entry: Any, raw: Any, options: ServeOptions) -> Any:
-    """Tensors from the body (422 on a codec error), then the plugin's validator (422 "rejected").
+def _decode_and_validate(entry: Any, raw: Any, options: ServeOptions) -> Validated:
+    """Tensors from the body (422 on a codec error), then the plugin's validator, once
+    (`RequestRejectedError`: 422 "rejected").
 
     Only these two make a 4xx: whatever else fails later is the server's fault and must not look
     like a bad request.
@@ -185,11 +190,7 @@ def _decode_and_validate(entry: Any, raw: Any, options: ServeOptions) -> Any:
                                max_total_bytes=options.max_tensor_bytes)
     except codec.CodecError as exc:
         raise HttpError(422, str(exc), type="invalid_request") from None
-    try:
-        entry.validate_request(request)
-    except Exception as exc:
-        raise HttpError(422, f"the plugin rejected the request: {describe(exc)}", type="rejected") from None
-    return request
+    return validate(entry, request)
 
 
 def _encode(result: Any) -> Any:

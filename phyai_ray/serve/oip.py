@@ -15,7 +15,8 @@ other than the protocol's reserved ones become plain values of the request. A te
 one output, named by the plugin's first output spec (else `output`); a dict result is one output
 per key. The model name is the served model name (`model_name`, default the plugin name); it has
 one version, "1". Errors are `{"error": "<what failed, the values, what to do>"}` with the status
-of `serve/errors.py` (a bad request 400, an unknown model 404, overload or no group 503).
+of `serve/error_map.py` (a bad request or one the plugin refuses 400, an unknown model 404,
+overload or no group 503).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from starlette.responses import JSONResponse, Response
 
 from phyai_ray import __version__
 from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.errors import describe, run_request
-from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, model_metadata,
-                                       missing_outputs, model_name, named_outputs, reply_parameters,
+from phyai_ray.serve.error_map import classify, describe
+from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
+                                       model_metadata, missing_outputs, model_name, named_outputs, reply_parameters,
                                        request_deadline, unknown_model)
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.validation import Validated
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +86,20 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
     async def infer(request: Request, name: str, version: str | None = None) -> Response:
         known(name, version)
         rid = request_id(request)
-        try:
+        try:  # validated once, in parse_infer; the request is never cancelled
             body = await request.body()
             parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
                                              options)
-            result = await run_request(runner, parsed.request, overload_status=options.overload_status,
-                                       deadline_s=parsed.deadline_s, timing=parsed.timing)
-            return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
+            result = await runner.run(parsed.request, deadline_s=parsed.deadline_s, timing=parsed.timing)
         except (oc.OipError, HTTPException) as exc:
             status = getattr(exc, "status", None) or getattr(exc, "status_code", 500)
             logger.info("infer %s on group %s: %s %s", rid, runner.group, status, getattr(exc, "detail", exc))
             raise
+        except Exception as exc:  # the plugin's refusal (400), an engine error: its row of the failure table
+            failure = classify(exc, overload_status=options.overload_status, rejected_status=BAD_REQUEST)
+            logger.info("infer %s on group %s: %s %s", rid, runner.group, failure.status, failure.message)
+            return error(failure.status, failure.message, failure.headers)
+        return await asyncio.to_thread(respond, parsed, result, model, rid, runner)
 
     for path, handler in (("/v2", server_metadata), ("/v2/health/live", live), ("/v2/health/ready", ready),
                           ("/v2/models/{name}", metadata), ("/v2/models/{name}/versions/{version}", metadata),
@@ -124,9 +129,9 @@ def _guarded(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[
 
 
 class Parsed:
-    """A checked infer request: the plugin's request, the outputs asked for and how to send them."""
+    """A checked infer request: the plugin's request (validated), the outputs asked for and how to send them."""
 
-    def __init__(self, request: dict[str, Any], id: str | None, outputs: dict[str, bool] | None,
+    def __init__(self, request: Validated, id: str | None, outputs: dict[str, bool] | None,
                  binary: bool, deadline_s: float | None = None) -> None:
         self.request, self.id, self.outputs, self.binary = request, id, outputs, binary
         self.deadline_s = deadline_s
@@ -146,8 +151,7 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
     if not isinstance(params, dict):
         raise oc.OipError(f"'parameters' must be an object, got {type(params).__name__}")
     deadline_s = request_deadline(params)
-    finish_request(request, params, entry)
-    return Parsed(request, header.get("id"), _requested(header.get("outputs")),
+    return Parsed(finish_request(request, params, entry), header.get("id"), _requested(header.get("outputs")),
                   bool(params.get("binary_data_output", False)), deadline_s)
 
 

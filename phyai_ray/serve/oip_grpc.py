@@ -26,10 +26,12 @@ from typing import Any
 
 from phyai_ray import __version__
 from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.errors import classify, key_matches, run_request
-from phyai_ray.serve.oip_model import (EXTENSIONS, VERSION, check_signature, finish_request, missing_outputs,
-                                       model_name, model_metadata, named_outputs, reply_parameters,
+from phyai_ray.serve.error_map import classify
+from phyai_ray.serve.guard import key_matches
+from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
+                                       missing_outputs, model_name, model_metadata, named_outputs, reply_parameters,
                                        request_deadline, unknown_model)
+from phyai_ray.validation import Validated
 
 SERVICER_FUNCTION = "phyai_ray.serve.grpc_v2.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -158,30 +160,28 @@ class OipGrpcMethods:
         if not self._allowed(grpc_context) or not self._known(request.model_name, request.model_version,
                                                                grpc_context):
             return messages.ModelInferResponse()
-        try:
+        try:  # validated once, in _decode
             plugin_request, deadline_s = await asyncio.to_thread(self._decode, request)
             timing: dict[str, Any] = {}
-            result = await run_request(self.runner, plugin_request, overload_status=self.options.overload_status,
-                                       deadline_s=deadline_s, timing=timing)
+            result = await self.runner.run(plugin_request, deadline_s=deadline_s, timing=timing)
             response = await asyncio.to_thread(self._encode, request, result)
             for name, value in reply_parameters(timing, deadline_s).items():
                 _set_parameter(response.parameters[name], value)
             return response
         except oc.OipError as exc:
             fail(grpc_context, exc.status, str(exc))
-        except Exception as exc:  # an engine error (its row of the failure table), or a server fault
-            failure = classify(exc, overload_status=self.options.overload_status)
+        except Exception as exc:  # the plugin's refusal, an engine error (its row of the failure table), a fault
+            failure = classify(exc, overload_status=self.options.overload_status, rejected_status=BAD_REQUEST)
             fail(grpc_context, failure.status, failure.message)
         return messages.ModelInferResponse()
 
-    def _decode(self, request: Any) -> tuple[dict[str, Any], float | None]:
+    def _decode(self, request: Any) -> tuple[Validated, float | None]:
         entry = self.runner.entry
         check_signature(entry, {t.name: (t.datatype, list(t.shape)) for t in request.inputs})
         plugin_request = decode_inputs(request, self.options.max_tensor_bytes)
         params = {k: parameter(v) for k, v in request.parameters.items()}
         deadline_s = request_deadline(params)
-        finish_request(plugin_request, params, entry)
-        return plugin_request, deadline_s
+        return finish_request(plugin_request, params, entry), deadline_s
 
     def _encode(self, request: Any, result: Any) -> Any:
         messages = pb()

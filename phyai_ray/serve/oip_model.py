@@ -3,12 +3,14 @@
     model_name(options, entry)            the protocol's model name: `model_name`, else the plugin's served name
     unknown_model(name, version, model)   None, or the error text of a name / version this server does not serve
     check_signature(entry, given)         inputs' names, datatypes and shapes against `Entry.inputs`
-    finish_request(request, params, entry)  request parameters (not the reserved ones) in, the plugin's validator run
+    finish_request(request, params, entry)  request parameters (not the reserved ones) in, validated once
     request_deadline(params)              parameters.deadline_ms (the request's own deadline) in seconds, or None
     reply_parameters(timing)              the response parameters: queue_ms, infer_ms, batch_size, deadline_ms, deadline_met
     named_outputs(result, entry)          the plugin's result as output name -> value
 
-Every error is an `OipError` (400 unless it says otherwise); each transport renders it in its own shape.
+Every error is an `OipError` (400 unless it says otherwise) but the plugin's refusal, a
+`RequestRejectedError` that each transport answers 400 through the failure table
+(`classify(exc, rejected_status=BAD_REQUEST)`); each renders it in its own shape.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from phyai_ray.plugins.signature import SignatureError, check_inputs
-from phyai_ray.serve.errors import deadline_ms, describe, timing_fields
 from phyai_ray.serve.oip_codec import OipError
+from phyai_ray.serve.timing import deadline_ms, timing_fields
+from phyai_ray.validation import Validated, validate
 
 RESERVED = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
                       "binary_data_output", "deadline_ms"})
 VERSION = "1"
+BAD_REQUEST = 400  # the protocol's status for a request at fault, the plugin's refusal included
 EXTENSIONS = ["binary_tensor_data"]
 
 
@@ -51,16 +55,14 @@ def check_signature(entry: Any, given: dict[str, tuple[str, list[int]]]) -> None
         raise OipError(str(exc)) from None
 
 
-def finish_request(request: dict[str, Any], params: dict[str, Any], entry: Any) -> None:
-    """Add the request `parameters` (not the protocol's reserved ones) and run the plugin's validator."""
+def finish_request(request: dict[str, Any], params: dict[str, Any], entry: Any) -> Validated:
+    """Add the request `parameters` (not the protocol's reserved ones), then validate it once
+    (`RequestRejectedError` when the plugin refuses it)."""
     clash = sorted(set(params) & set(request))
     if clash:
         raise OipError(f"parameter(s) {clash} have the names of inputs; rename one")
     request.update({k: v for k, v in params.items() if k not in RESERVED})
-    try:
-        entry.validate_request(request)
-    except Exception as exc:
-        raise OipError(f"the model rejected the request: {describe(exc)}") from None
+    return validate(entry, request)
 
 
 def request_deadline(params: dict[str, Any]) -> float | None:

@@ -14,27 +14,28 @@ Text needs a plugin with a tokenizer (`hf_causal_lm`); for the others a text pro
 "token_id:<id>" (vLLM's convention) unless a tokenizer gives their text. `stream=true` answers
 with server-sent events, one chunk per generated token and choice, then `data: [DONE]`; a client
 that disconnects stops the generation on every rank. Errors use OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/errors.py`; the API
-key (bearer) is the app's own.
+`{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/error_map.py`
+(`openai_common.py`); the API key (bearer) is the app's own. The request is validated once, by
+the plugin's validator here, and runs in the form it returned.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.outputs import entry_values
-from phyai_ray.serve.errors import classify
+from phyai_ray.serve.openai_chat import add_chat_route
+from phyai_ray.serve.openai_common import OpenAIError, finish_reason, generation_request, openai_error, sse
 from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
+from phyai_ray.serve.options import ServeOptions
+from phyai_ray.validation import Validated, validate
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
@@ -54,17 +55,6 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=5)
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.headers = status, type, param, headers
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _prompts(body: CompletionRequest) -> list:
@@ -97,21 +87,10 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
                               top_logprobs=body.logprobs or 0)
 
 
-def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int | None, stop_ids: list[int], top_logprobs: int = 0) -> dict[str, Any]:
-    """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index)."""
-    out = {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
-           "top_p": top_p, "stop_token_ids": list(stop_ids),
-           "seed": seed if seed is not None else random.randrange(2 ** 31)}
-    return {**out, "top_logprobs": top_logprobs} if top_logprobs else out
-
-
 def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
     """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
     `options` (ServeOptions; None: the defaults) gives the model name, `overload_status` and
     `stream_interval` (streamed completions write at most one event per that many token steps)."""
-    from phyai_ray.serve.options import ServeOptions
-
     options = options if options is not None else ServeOptions()
     name = options.model_name or runner.entry.served_name()
     stream_interval, overloaded = options.stream_interval, options.overload_status
@@ -122,26 +101,25 @@ def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
 
     @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
     async def completions(body: dict[str, Any]) -> Any:
-        try:  # parsing, size checks, the n copies and the plugin's validator: off the event loop
-            request, plugin = await asyncio.to_thread(_prepare, runner, body, name)
+        try:  # parsing, size checks, the n copies and the plugin's validator (once): off the event loop
+            request, checked, choices = await asyncio.to_thread(_prepare, runner, body, name)
             codec = usable(text_codec(runner.entry))
             if request.stream:
-                chunks = CompletionChunks(request, name, codec, len(plugin["prompts"]))
-                return StreamingResponse(sse(runner, plugin, chunks, stream_interval, overloaded),
+                chunks = CompletionChunks(request, name, codec, choices)
+                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overloaded),
                                          media_type="text/event-stream")
-            outputs = await _generate(runner, plugin)
+            outputs = await runner.run(checked)
             return JSONResponse(_completion(outputs, request, name, codec))
         except Exception as exc:  # a bad body, engine errors: OpenAI's shape, the failure table's status
             return openai_error(exc, overload_status=overloaded).response()
 
     if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
-        from phyai_ray.serve.openai_chat import add_chat_route
-
         add_chat_route(api, runner, name, stream_interval=stream_interval, overload_status=overloaded)
 
 
-def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, dict[str, Any]]:
-    """The validated OpenAI request and the plugin's request for it; sizes are checked before any copy."""
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, Validated, int]:
+    """The OpenAI request, the plugin's request for it (validated) and its number of choices; sizes are
+    checked before any copy."""
     request = CompletionRequest.model_validate(body)
     if request.model not in (None, name):
         raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
@@ -151,19 +129,7 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRe
         request = request.model_copy(update={"prompt": encode_prompts(codec, _prompts(request))})
     check_sizes(request, runner.entry.max_sequence_tokens())
     plugin = plugin_request(request, codec)
-    try:
-        runner.entry.validate_request(plugin)
-    except Exception as exc:
-        raise OpenAIError(400, f"the model rejected the request: {exc}") from None
-    return request, plugin
-
-
-async def _generate(runner: Any, plugin: dict[str, Any]) -> list:
-    return await runner.run(plugin, validate=False)
-
-
-def finish_reason(out: Any, stopped: bool = False) -> str:
-    return "stop" if stopped else {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
+    return request, validate(runner.entry, plugin), len(plugin["prompts"])
 
 
 def _choice(index: int, out: Any, want_logprobs: bool, codec: Any, stops: list[str]) -> dict[str, Any]:
@@ -229,68 +195,3 @@ class CompletionChunks:
         return [{**self.head, "choices": choices}]
 
 
-async def sse(runner: Any, plugin: dict[str, Any], chunks: Any, interval: int = 1,
-              overload_status: int = 503) -> AsyncIterator[str]:
-    """Server-sent events of one streamed generation, rendered by `chunks` (`tokens`, `end`, `finished`);
-    leaving early (disconnect), or every choice stopping, cancels the generation.
-
-    One write carries every event waiting; after the first token (written at once) a write waits
-    until `interval` token steps are there, or the stream ended."""
-    items, final = runner.stream(plugin), []  # forwarded when this group failed; open as a session meanwhile
-    try:
-        ended, events, steps, written = False, [], 0, False
-        async for ready in items:
-            for kind, value in ready:
-                if kind == "error":
-                    if events:
-                        yield "".join(events)
-                    raise value
-                if kind == "end":
-                    final, ended = value or [], True
-                    break
-                tops = value.get("top_logprobs") or [None] * len(value["token_ids"])
-                step = [(b, entry_values(t), entry_values(lp), top) for b, (t, lp, top)
-                        in enumerate(zip(value["token_ids"], value["log_probs"], tops)) if t is not None]
-                rendered = chunks.tokens(step)
-                events += [f"data: {json.dumps(e)}\n\n" for e in rendered]
-                steps += bool(rendered)
-                if chunks.finished:
-                    final, ended = [_Stopped()] * len(value["token_ids"]), True
-                    break
-            if events and (ended or not written or steps >= interval):  # one message through the proxy
-                yield "".join(events)
-                events, steps, written = [], 0, True
-            if ended:
-                break
-        yield "".join(f"data: {json.dumps(e)}\n\n" for e in chunks.end(final))
-    except Exception as exc:  # headers are sent: the error travels as an event in OpenAI's shape
-        error = openai_error(exc, overload_status=overload_status)
-        shape = {'message': str(error), 'type': error.type, 'code': error.status}
-        yield f"data: {json.dumps({'error': shape})}\n\n"
-    finally:
-        await items.aclose()  # never blocks; the stream is cancelled at its next iteration (or chunk)
-    yield "data: [DONE]\n\n"
-
-
-class _Stopped:
-    """The output of a choice that a stop string ended (its generation was cancelled)."""
-
-    stop_reason = "completed"
-
-
-OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error"}  # every other server kind: server_error
-
-
-def openai_error(exc: Exception, *, overload_status: int = 503) -> OpenAIError:
-    """`exc` in OpenAI's error shape: a bad body is 400, anything else has its row of the failure table."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        return OpenAIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
-                           param=str(first["loc"][0]) if first["loc"] else None)
-    failure = classify(exc, overload_status=overload_status)
-    kind = OPENAI_TYPES.get(failure.kind, "server_error" if failure.status >= 500 else "invalid_request_error")
-    return OpenAIError(failure.status, failure.message, type=kind, headers=failure.headers)

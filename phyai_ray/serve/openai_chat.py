@@ -26,8 +26,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.openai_api import OpenAIError, finish_reason, generation_request, openai_error, sse
+from phyai_ray.serve.openai_common import OpenAIError, finish_reason, generation_request, openai_error, sse
 from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
+from phyai_ray.validation import Validated, validate
 
 MAX_N = 16
 
@@ -59,19 +60,20 @@ def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int
                    overload_status: int = 503) -> None:
     @api.post("/v1/chat/completions", tags=["openai"], summary="Chat completions (OpenAI-compatible)")
     async def chat(body: dict[str, Any]) -> Any:
-        try:  # template, tokenization and checks off the event loop
-            request, plugin, codec = await asyncio.to_thread(_prepare, runner, body, name)
+        try:  # template, tokenization and checks (the plugin's validator once) off the event loop
+            request, checked, codec, prompt_tokens = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
-                chunks = ChatChunks(request, name, codec, len(plugin["prompts"]))
-                return StreamingResponse(sse(runner, plugin, chunks, stream_interval, overload_status),
+                chunks = ChatChunks(request, name, codec, request.n)
+                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overload_status),
                                          media_type="text/event-stream")
-            outputs = await runner.run(plugin, validate=False)
-            return JSONResponse(_response(outputs, request, name, codec, len(plugin["prompts"][0])))
+            outputs = await runner.run(checked)
+            return JSONResponse(_response(outputs, request, name, codec, prompt_tokens))
         except Exception as exc:
             return openai_error(exc, overload_status=overload_status).response()
 
 
-def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, dict[str, Any], Any]:
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, Validated, Any, int]:
+    """The chat request, the plugin's request for it (validated), the codec and the prompt's length in tokens."""
     request = ChatRequest.model_validate(body)
     if request.model not in (None, name):
         raise OpenAIError(404, f"model {request.model!r} is not served here; GET /v1/models lists {name!r}",
@@ -94,11 +96,7 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
     plugin = generation_request([prompt], n=request.n, max_tokens=max_tokens, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop_ids=[],
                                 top_logprobs=request.top_logprobs or 0)
-    try:
-        runner.entry.validate_request(plugin)
-    except Exception as exc:
-        raise OpenAIError(400, f"the model rejected the request: {exc}") from None
-    return request, plugin, codec
+    return request, validate(runner.entry, plugin), codec, len(prompt)
 
 
 def _entry(codec: Any, token: int, lp: float) -> dict[str, Any]:

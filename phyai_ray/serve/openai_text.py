@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from phyai_ray.serve.openai_common import BAD_REQUEST, OpenAIError
 
-def _error(message: str, param: str) -> Exception:
-    from phyai_ray.serve.openai_api import OpenAIError  # that module imports this one
 
-    return OpenAIError(400, message, param=param)
+def _error(message: str, param: str) -> OpenAIError:
+    return OpenAIError(BAD_REQUEST, message, param=param)
 
 
 def text_codec(entry: Any) -> Any:
@@ -77,7 +77,7 @@ class ChoiceText:
     """One streamed choice's text: deltas safe to send now, and whether a stop string ended it."""
 
     def __init__(self, codec: Any, stops: list[str]) -> None:
-        from phyai_ray.models.hf_causal_lm.tokenizer import TextStream
+        from phyai_ray.llm.tokenizer import TextStream
 
         self.stream, self.stops = TextStream(codec), stops
         self.hold = max((len(s) for s in stops), default=1) - 1

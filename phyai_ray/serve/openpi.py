@@ -42,9 +42,12 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.serve.errors import classify, deadline_ms, describe, key_matches, timing_fields
+from phyai_ray.serve.error_map import classify, describe
+from phyai_ray.serve.guard import key_matches
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.timing import deadline_ms, timing_fields
+from phyai_ray.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -196,16 +199,17 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
         request = {k.decode() if isinstance(k, bytes) else k: v for k, v in request.items()}
         deadline_s = deadline_ms(request.pop("deadline_ms", None), "the observation's deadline_ms")
         deadline_s = default_deadline if deadline_s is None else deadline_s
-        runner.entry.validate_request(request)
     except Exception as exc:
         return f"request {rid}: bad observation: {describe(exc)}", False
     timing: dict[str, Any] = {}
-    try:  # the session stays on this group (no forwarding)
-        result = await runner.run(request, validate=False, forward=False, deadline_s=deadline_s, timing=timing)
+    try:  # validated once, here; the session stays on this group (no forwarding)
+        result = await runner.run(validate(runner.entry, request), forward=False, deadline_s=deadline_s, timing=timing)
     except Exception as exc:
+        failure = classify(exc, overload_status=options.overload_status)
+        if failure.kind == "rejected":  # the plugin refused this frame: the session goes on
+            return f"request {rid}: bad observation: {failure.message}", False
         fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
         again = "; connect again to reach a healthy group" if fatal else ""
-        failure = classify(exc, overload_status=options.overload_status)
         return (f"request {rid}: group {runner.group} could not act ({failure.kind}, {failure.status}): "
                 f"{failure.message}{again}", fatal)
     reply = dict(result) if isinstance(result, dict) else {"actions": result}

@@ -15,7 +15,7 @@ it does not know. "In flight" of a group, as this router sees it, is the larger 
   -1 on completion), corrected by the exact count a group returns with each request it accepts
   and by probes; it holds other routers' requests too, but lags (a count a group returns does not
   yet hold the requests still on their way to it) and forgets an entry after a few seconds;
-* this router's own count (`Ledger`): every request it chose the group for, from the moment of the
+* this router's own count (`ChosenRequests`): every request it chose the group for, from the moment of the
   choice until Serve reports it routed, and then until it completes. Serve runs several routing
   tasks at once and sends a chosen request only after the choice returns, so without counting at
   choice time a burst of N requests (N robots reconnecting after a restart) would all see the
@@ -46,8 +46,8 @@ from typing import Any, Callable, Hashable, List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 # Serve pickles this module BY VALUE into every proxy and handle, so state shared with the group
-# deployment in the same process lives in `registry` (pickled by reference).
-from phyai_ray.serve.registry import FAILED_STAT, failed_here
+# deployment in the same process lives in `group_registry` (pickled by reference).
+from phyai_ray.serve.group_registry import FAILED_STAT, failed_here
 
 RESERVATION_TTL_S = 30.0  # a choice Serve never reported back (a bug, a lost callback) stops counting then
 # Serve versions without the hook never say when a routed request ends: there the router's own count
@@ -71,12 +71,12 @@ def rank_groups(replicas: List[Any], in_flight: dict, last_chosen: dict, forward
     return sorted(healthy, key=lambda r: (in_flight.get(r.replica_id) or 0, last_chosen.get(r.replica_id, -1)))
 
 
-class Ledger:
+class ChosenRequests:
     """A router's own account per group: what it chose and has not heard back of, and what is still open.
 
-        ledger.reserve("r1", A)     # chosen: A counts one more at once (before Serve even sends it)
-        ledger.routed("r1", A)      # A accepted r1 (wherever it was reserved): open on A until...
-        ledger.completed("r1", A)   # ...it finished, failed or was refused: it counts no more
+        chosen.reserve("r1", A)     # chosen: A counts one more at once (before Serve even sends it)
+        chosen.routed("r1", A)      # A accepted r1 (wherever it was reserved): open on A until...
+        chosen.completed("r1", A)   # ...it finished, failed or was refused: it counts no more
 
     `count(A)` is exact for this router's own requests: a choice counts from the moment it is made
     until Serve reports the request routed (then it is open) or completed; choosing again for a
@@ -129,13 +129,13 @@ class FewestInFlightRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._last_chosen: dict[ReplicaID, int] = {}
         self._clock = itertools.count()
-        self._ledger = Ledger(track_open=SERVE_REPORTS_COMPLETION)
+        self._chosen = ChosenRequests(track_open=SERVE_REPORTS_COMPLETION)
 
     def in_flight(self, replica_id: ReplicaID) -> int:
         """Serve's queue view of the group (other routers' requests included), or this router's own
         count when that is more (the view lags a send, forgets after a few seconds, and an exact count
         a group returns does not yet hold the requests still on their way to it)."""
-        return max(self.replica_queue_len_cache.get(replica_id) or 0, self._ledger.count(replica_id))
+        return max(self.replica_queue_len_cache.get(replica_id) or 0, self._chosen.count(replica_id))
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -144,16 +144,16 @@ class FewestInFlightRouter(RequestRouter):
         ranked = rank_groups(candidate_replicas, counts, self._last_chosen, forwarded)
         if ranked and pending_request is not None:
             best = ranked[0].replica_id
-            self._ledger.reserve(_request_key(pending_request), best)
+            self._chosen.reserve(_request_key(pending_request), best)
             self._last_chosen[best] = next(self._clock)
         return [[r] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._ledger.routed(_request_key(pending_request), replica_id)
+        self._chosen.routed(_request_key(pending_request), replica_id)
         self._last_chosen[replica_id] = next(self._clock)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._ledger.completed(internal_request_id, replica_id)
+        self._chosen.completed(internal_request_id, replica_id)
 
 
 def _request_key(pending_request: PendingRequest) -> Hashable:

@@ -1,22 +1,25 @@
 """`GroupRunner`: what one Serve replica of the group deployment does with a request, without Serve.
 
     runner = GroupRunner(holder, group="abc123", wait_s=630.0, forward=peers_step, forward_stream=peers_stream)
-    result = await runner.run(request)     # validate, submit to this replica's ONE group, await the result
+    result = await runner.run(request)     # validate (once), submit to this replica's ONE group, await the result
     async for items in runner.stream(request):   # a streamed request: lists of ("chunk" | "end" | "error", value)
 
-The HTTP route and the handle method `step` both end here. A request refused because this group
+The HTTP route and the handle method `step` both end here. A request is validated once
+(`phyai_ray.validation`): the edges pass it `Validated`, a handle caller's raw request is
+validated here, and a forwarded request travels validated. A request refused because this group
 has failed touched no rank, so it is forwarded (`forward`, a call of another group through the
 deployment's handle) instead of failing: between the failure and Serve replacing this replica no
 request is lost to it. The forwarded call names the failed groups it passed, so the next group's
-router skips them too; after MAX_HOPS failed groups the request fails with the cause. A request that was already queued or running when the group failed is
-not retried (the engine never re-runs a started request); it fails with the cause.
+router skips them too; after MAX_HOPS failed groups the request fails with the cause. A request
+that was already queued or running when the group failed is not retried (the engine never re-runs
+a started request); it fails with the cause.
 
 A stream takes the same path: refused at open because this group failed (nothing ran), it is
 read from another group through `forward_stream` (the deployment handle's streaming call); it
 counts as a session while open; every wait for its next items is bounded by `wait_s`, and the
 first item of a forwarded one by FORWARD_WAIT_S.
 
-`view` is the last copy of every group's report (see `registry.py`); it answers `/v1/replicas`,
+`view` is the last copy of every group's report (see `group_registry.py`); it answers `/v1/replicas`,
 `/readyz` and the per-group metrics, whichever group the proxy picked. No Ray needed here.
 """
 
@@ -28,18 +31,19 @@ import os
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError,
+from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, PhyAIError, RequestRejectedError,
                               RequestTimeoutError)
 from phyai_ray.async_streams import stream_items
 from phyai_ray.executors.futures import awaitable
 from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.registry import GroupReport, note_failed, set_failed
+from phyai_ray.serve.group_registry import GroupReport, note_failed, set_failed
+from phyai_ray.validation import Validated, validate
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
 StreamForward = Callable[[Any, int, tuple], AsyncIterator[list]]  # the same, for a stream's item lists
 MAX_HOPS = 3
 FORWARD_WAIT_S = 30.0  # a forwarded request waits this long for a healthy group (Serve replacing them all)
-_ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError)
+_ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError, RequestRejectedError)
 
 
 class SubmitFault(PhyAIError, RuntimeError):
@@ -75,18 +79,21 @@ class GroupRunner:
         finally:
             self.sessions -= 1
 
-    async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), validate: bool = True,
-                  forward: bool = True, deadline_s: float | None = None, timing: dict | None = None) -> Any:
+    async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), forward: bool = True,
+                  deadline_s: float | None = None, timing: dict | None = None) -> Any:
         """The result of `request`, or the engine's error; forwarded when this group has failed.
 
+        `request` is `Validated` (the edges), or is validated here (`RequestRejectedError`).
         `forward=False` keeps the request on this group (a session bound to it): it fails instead.
         `deadline_s` counts from this call (the request's arrival): `Engine.submit`'s deadline. A
         `timing` dict is filled with the request's `EngineFuture.timing()` when it ran on this group.
         """
         note_failed(tuple(failed))
         received = time.monotonic()
+        if not isinstance(request, Validated):  # a handle caller's request; what is forwarded is validated
+            request = await asyncio.to_thread(validate, self.entry, request)
         try:
-            future = await asyncio.to_thread(self._submit, request, validate, deadline_s, received)
+            future = await asyncio.to_thread(self._submit, request, deadline_s, received)
         except EngineUnavailableError:
             if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
@@ -103,9 +110,11 @@ class GroupRunner:
 
     async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (),
                      forward: bool = True) -> AsyncIterator[list[tuple[str, Any]]]:
-        """The items of `request`'s stream (validated already), in lists of those ready together; leaving
-        early cancels it. Refused at open because this group failed, it is forwarded (see the module)."""
+        """The items of `request`'s stream, in lists of those ready together; leaving early cancels it.
+        Validated as `run` validates; refused at open because this group failed, it is forwarded (see the module)."""
         note_failed(tuple(failed))
+        if not isinstance(request, Validated):
+            request = await asyncio.to_thread(validate, self.entry, request)
         with self.session():  # the stream counts as open on this group until its last item
             items = stream_items(self.engine, request)
             try:
@@ -165,10 +174,7 @@ class GroupRunner:
             raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} "
                                          f"within {limit:.0f}s; retry later", reason="no_healthy_replica") from None
 
-    def _submit(self, request: Any, validate: bool, deadline_s: float | None = None,
-                received: float | None = None) -> Any:
-        if validate:
-            self.entry.validate_request(request)  # its error is the caller's to see, as it is
+    def _submit(self, request: Validated, deadline_s: float | None = None, received: float | None = None) -> Any:
         if deadline_s is not None and received is not None:  # what is left of it (the engine answers a spent one)
             deadline_s = max(deadline_s - (time.monotonic() - received), 1e-6)
         try:

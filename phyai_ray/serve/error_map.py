@@ -13,7 +13,8 @@ never reported as 4xx.
 | POST body that is not application/json                      | 415        | unsupported_media_type |
 | body that is not JSON                                        | 400        | malformed_json         |
 | CodecError, request_model ValidationError                    | 422        | invalid_request        |
-| the plugin's validate_request raised (no rank touched)       | 422        | rejected               |
+| RequestRejectedError: the plugin's validator refused it      | 422        | rejected      (**)     |
+|   (no rank touched)                                          |            |                        |
 | EngineOverloadedError: every healthy replica's queue is full | 503 or 429 | overloaded    (*)      |
 | DeadlineMissedError: its own deadline passed before it       | 504        | deadline_missed        |
 |   started; it never ran (the replica keeps serving)          |            |                        |
@@ -27,29 +28,29 @@ never reported as 4xx.
 | any other exception in the server (a bug), also in submit    | 500        | internal               |
 
 (*) with `Retry-After: 1`.
+(**) on /v1/step; OIP (HTTP and gRPC) and the OpenAI routes answer it 400, their bad-request status
+(`classify(exc, rejected_status=400)`), and openpi with an error frame (the session goes on).
 503 vs 429 for overload is `ServeOptions.overload_status` (`--overload-status`, `overload_status=`).
 `reason` is EngineUnavailableError.reason, "request_timeout" for a RequestTimeoutError, or
-"deadline_missed". A request's own deadline arrives as `X-Request-Deadline-Ms` (the JSON route
-`/v1/step`), OIP `parameters.deadline_ms`, or openpi `deadline_ms` (`deadline_ms(value, where)` checks it).
+"deadline_missed".
 
 `classify(exc)` is the one place a failure gets its row; every protocol renders that `Failure` in
-its own shape: this JSON API (`HttpError.of`), OpenAI (`openai_api.openai_error`), OIP over HTTP
+its own shape: this JSON API (`HttpError.of`), OpenAI (`openai_common.openai_error`), OIP over HTTP
 (`{"error": ...}`) and gRPC (the status code of the HTTP status, `oip_grpc.fail`), openpi (an error
-frame naming the kind). `key_matches` is the one API-key check of all of them.
+frame naming the kind). Only failures pass through here: what a reply that succeeded carries lives
+with its protocol (`timing.py` for deadlines and timing, `guard.py` for the key check).
 """
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-import math
-
-from phyai_ray.errors import DeadlineMissedError, EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
+from phyai_ray.errors import (DeadlineMissedError, EngineOverloadedError, EngineUnavailableError,
+                              RequestRejectedError, RequestTimeoutError)
 from phyai_ray.serve.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
@@ -67,16 +68,20 @@ class Failure:
     message: str
     reason: str | None = None
     retry_after: bool = False
+    param: str | None = None  # the request field at fault, when known (OpenAI's `param`)
 
     @property
     def headers(self) -> dict[str, str] | None:
         return dict(RETRY_AFTER) if self.retry_after else None
 
 
-def classify(exc: BaseException, *, overload_status: int = 503) -> Failure:
-    """The table's row for an exception of submitting or running a request (see the module docstring)."""
+def classify(exc: BaseException, *, overload_status: int = 503, rejected_status: int = 422) -> Failure:
+    """The table's row for an exception of validating, submitting or running a request (see the module
+    docstring); `rejected_status` is the protocol's status for a request its plugin refused."""
     if isinstance(exc, HttpError):  # already classified (a check of the edge itself)
         return Failure(exc.status_code, exc.type, str(exc.detail), exc.reason, "Retry-After" in (exc.headers or {}))
+    if isinstance(exc, RequestRejectedError):
+        return Failure(rejected_status, "rejected", str(exc), param=exc.field)
     if isinstance(exc, EngineOverloadedError):
         return Failure(overload_status, "overloaded", f"overloaded, retry later: {exc}", retry_after=True)
     if isinstance(exc, DeadlineMissedError):
@@ -92,25 +97,6 @@ def classify(exc: BaseException, *, overload_status: int = 503) -> Failure:
     if isinstance(exc, SubmitFault):
         return Failure(500, "internal", f"internal error: {exc}")
     return Failure(500, "execution_error", f"the plugin failed on this request: {describe(exc)}")
-
-
-async def run_request(runner: Any, request: Any, *, overload_status: int = 503, deadline_s: float | None = None,
-                      timing: dict | None = None) -> Any:
-    """The group runner's result for an already validated request, or `HttpError` of its failure's row;
-    the request is never cancelled. `deadline_s` and `timing` as `GroupRunner.run` takes them."""
-    try:
-        return await runner.run(request, validate=False, deadline_s=deadline_s, timing=timing)
-    except Exception as exc:
-        raise HttpError.of(classify(exc, overload_status=overload_status)) from None
-
-
-def key_matches(authorization: str | None, key: str | None, schemes: tuple[str, ...] = ("bearer",)) -> bool:
-    """Whether an Authorization value (`<scheme> <key>`) carries `key` under one of `schemes`; True without a key."""
-    if key is None:
-        return True
-    scheme, _, token = str(authorization or "").partition(" ")
-    return scheme.lower() in schemes and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
-                                                             key.encode("utf-8"))
 
 
 class HttpError(HTTPException):
@@ -142,9 +128,10 @@ def from_http_exception(exc: HTTPException) -> HttpError:
     return HttpError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
 
-def from_engine_error(exc: BaseException, *, overload_status: int = 503) -> HttpError:
-    """The response for an exception of `Engine.submit` or of a request's future (see the table)."""
-    return HttpError.of(classify(exc, overload_status=overload_status))
+def from_engine_error(exc: BaseException, *, overload_status: int = 503, rejected_status: int = 422) -> HttpError:
+    """The response for an exception of validating a request, of `Engine.submit` or of a request's
+    future (see the table)."""
+    return HttpError.of(classify(exc, overload_status=overload_status, rejected_status=rejected_status))
 
 
 def from_validation_errors(errors: list[dict[str, Any]]) -> HttpError:
@@ -163,32 +150,3 @@ def describe(exc: BaseException) -> str:
     """`Type: message`, one line, for error bodies."""
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-DEADLINE_HEADER = "x-request-deadline-ms"
-MAX_DEADLINE_MS = 24 * 3600 * 1e3
-
-
-def deadline_ms(value: Any, where: str) -> float | None:
-    """A request's own deadline given in milliseconds from its arrival (`where` names the field) as
-    seconds; None when absent. Anything but a number in (0, 1 day] is a ValueError saying so."""
-    if value is None:
-        return None
-    number = value
-    if isinstance(value, (bytes, str)):
-        try:
-            number = float(value.decode() if isinstance(value, bytes) else value)
-        except (UnicodeDecodeError, ValueError):
-            number = None
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) \
-            or not 0 < number <= MAX_DEADLINE_MS:
-        raise ValueError(f"{where}={value!r:.40} must be a number of milliseconds in (0, {MAX_DEADLINE_MS:.0f}], "
-                         "counted from when the request arrives")
-    return float(number) / 1e3
-
-
-def timing_fields(timing: dict, deadline_s: float | None) -> dict[str, Any]:
-    """A request's `EngineFuture.timing()` for a reply, its deadline as the client gave it."""
-    out = dict(timing)
-    out["deadline_ms"] = None if deadline_s is None else round(deadline_s * 1e3, 3)
-    return out
