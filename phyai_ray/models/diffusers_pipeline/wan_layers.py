@@ -109,7 +109,8 @@ def gather_tokens(x: torch.Tensor, group: str, sizes: Sequence[int], dim: int = 
 def column_linear(linear: nn.Linear, index: int, count: int) -> nn.Linear:
     """Rows `index` of `count` of a linear's weight and bias: this rank's output units."""
     return _linear(nn.Linear, shard_rows(linear.weight.data, 0, index, count),
-                   None if linear.bias is None else shard_rows(linear.bias.data, 0, index, count))
+                   None if linear.bias is None else shard_rows(linear.bias.data, 0, index, count),
+                   linear.weight.requires_grad)
 
 
 class RowParallelLinear(nn.Linear):
@@ -127,17 +128,17 @@ class RowParallelLinear(nn.Linear):
 def row_linear(linear: nn.Linear, index: int, count: int, group: str) -> RowParallelLinear:
     """Columns `index` of `count` of a linear's weight (this rank's input units), full bias."""
     out = _linear(RowParallelLinear, shard_rows(linear.weight.data, 1, index, count),
-                  None if linear.bias is None else linear.bias.data.clone())
+                  None if linear.bias is None else linear.bias.data.clone(), linear.weight.requires_grad)
     out.group = group
     return out
 
 
-def _linear(cls: type, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(cls: type, weight: torch.Tensor, bias: torch.Tensor | None, grad: bool) -> nn.Linear:
     with torch.device("meta"):
         out = cls(weight.shape[1], weight.shape[0], bias=bias is not None)
-    out.weight = nn.Parameter(weight, requires_grad=False)
+    out.weight = nn.Parameter(weight, requires_grad=grad)
     if bias is not None:
-        out.bias = nn.Parameter(bias, requires_grad=False)
+        out.bias = nn.Parameter(bias, requires_grad=grad)
     return out
 
 
@@ -153,7 +154,8 @@ class HeadShardedRMSNorm(nn.Module):
         (self.full_width,) = norm.normalized_shape
         self.eps, self.group = norm.eps, group
         weight = None if norm.weight is None else shard_rows(norm.weight.data, 0, index, count)
-        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        grad = norm.weight is not None and norm.weight.requires_grad
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=grad)
 
     def squares(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's sum of squares per token, [..., 1], in float32."""
