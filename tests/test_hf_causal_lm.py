@@ -24,7 +24,7 @@ from phyai_ray import Engine, EngineArgs, EngineConfig, WeightSender
 from phyai_ray.config.engine import DeviceConfig
 from phyai_ray.errors import WeightUpdateRefusedError
 from phyai_ray.models.hf_causal_lm import CheckpointError
-from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec, TextStream
+from phyai_ray.llm.tokenizer import TextCodec, TextStream
 from tests.hf_checkpoints import FAMILIES, load_reference, write_checkpoint
 
 pytest.importorskip("transformers")

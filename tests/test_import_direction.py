@@ -10,8 +10,10 @@ the three packages grows past MAX_MODULE_LINES.
 
 Inside `phyai_ray`, by dotted module name (lazy imports count here too):
 
-* nothing below the engine imports the trainer's side: `phyai_ray/engine.py`, `executors/`, the rank
+* nothing below the engine imports the trainer's side: `phyai_ray/engine*.py`, `executors/`, the rank
   room `rank/` and the plugins under `models/` never import `phyai_ray.rl` (`rl` imports them);
+* edges and runtimes import no plugin: nothing in `serve/` (the HTTP / gRPC edges) or `llm/` (the LLM
+  runtime the plugins share) imports `phyai_ray.models`;
 
 Run: .venv/bin/pytest tests/test_import_direction.py -q
 """
@@ -87,10 +89,17 @@ def test_the_check_sees_lazy_imports(tmp_path):
 
 
 def test_nothing_below_the_engine_imports_the_trainers_side():
-    below = [ROOT / "phyai_ray" / "engine.py"] + [p for sub in ("executors", "rank", "models")
+    below = sorted((ROOT / "phyai_ray").glob("engine*.py")) + [p for sub in ("executors", "rank", "models")
                                                   for p in _modules(f"phyai_ray/{sub}")]
     offenders = _importers_of("phyai_ray.rl", below)
     assert not offenders, f"these import phyai_ray.rl (move what they need below it, e.g. to phyai_ray.rank): {offenders}"
+
+
+def test_edges_and_runtimes_import_no_plugin():
+    paths = _modules("phyai_ray/serve") + _modules("phyai_ray/llm")
+    offenders = _importers_of("phyai_ray.models", paths)
+    assert not offenders, ("these import a plugin; what they need belongs in a runtime room (phyai_ray.llm, "
+                           f"phyai_ray.nn) or comes through the plugin's Entry: {offenders}")
 
 
 def test_the_dotted_check_sees_lazy_and_from_imports(tmp_path):

@@ -19,7 +19,7 @@ from phyai_ray import DeviceConfig, ParallelConfig
 from phyai_ray.executors.inline import build_inline_runner
 from phyai_ray.models.reference_dit.layers import norm
 from phyai_ray.models.reference_lm import ReferenceLMConfig, ReferenceLMEntry, full_weights, score
-from phyai_ray.models.reference_lm.config import sequence_seed
+from phyai_ray.llm.sampling import sequence_seed
 
 WEIGHTS = full_weights(ReferenceLMConfig(seed=0))
 SAMPLED = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}

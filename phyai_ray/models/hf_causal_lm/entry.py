@@ -64,7 +64,7 @@ class HFCausalLMEntry(Entry):
     def codec(self) -> Any:
         """The checkpoint's tokenizer and chat template (`TextCodec`), loaded on first use."""
         if self._codec is None:
-            from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec
+            from phyai_ray.llm.tokenizer import TextCodec
 
             self._codec = TextCodec.open(self._checked().model)
         return self._codec

@@ -25,9 +25,9 @@ from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint
 from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
-from phyai_ray.models.hf_causal_lm.tokenizer import TextCodec
-from phyai_ray.models.reference_lm.decoder import SlotDecoder
-from phyai_ray.models.reference_lm.slots import Batch, Slots
+from phyai_ray.llm.tokenizer import TextCodec
+from phyai_ray.llm.decoder import SlotDecoder
+from phyai_ray.llm.slots import Batch, Slots
 from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)

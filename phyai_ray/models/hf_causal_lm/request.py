@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from phyai_ray.models.reference_lm.config import Sampling, sequence_seed
+from phyai_ray.llm.sampling import Sampling, sequence_seed
 
 
 class TextRequest(Sampling):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from phyai_ray.models.hf_causal_lm.checkpoint import Architecture
-from phyai_ray.models.reference_lm.config import decoder_rules, refuse
+from phyai_ray.llm.topology import decoder_rules, refuse
 
 
 @dataclass(frozen=True)

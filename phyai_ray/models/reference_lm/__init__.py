@@ -2,9 +2,10 @@
 
     config.py   plugin_args, topology checks, the request model and its per-prompt sequences
     model.py    causal attention over slot KV caches (the reference model's layers), the iteration protocol
-    slots.py    running sequences, one KV-cache row each, packed; per-sequence sampling
     score.py    the trainer side: log-probs of a completion in plain torch (no engine, no cache)
     entry.py    the plugin entry (a request -> one sequence per prompt -> one TokenOutput per prompt)
+
+Its slots, sampling and decoder loop are the LLM runtime's (`phyai_ray.llm`), shared with `hf_causal_lm`.
 """
 
 from phyai_ray.models.reference_lm.config import ReferenceLMConfig

@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from phyai_ray.errors import ParallelConfigError
+from phyai_ray.llm.sampling import Sampling, sequence_seed
+from phyai_ray.llm.topology import decoder_rules, refuse
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
 
 
@@ -53,44 +54,11 @@ class ReferenceLMConfig(BaseModel):
                                   classes=1)
 
 
-def decoder_rules(parallel: Any) -> list[tuple[bool, str]]:
-    """What every slot decoder (reference_lm, hf_causal_lm) needs of a topology besides its own divisibility."""
-    return [(parallel.outer.pp_size == 1 and parallel.outer.cfg_size == 1, "pp and cfg must be 1"),
-            (getattr(parallel.attention, "cp_size", 1) == 1, "attention.cp must be 1 (decode is one token)"),
-            (all(getattr(parallel, d).dp_size == 1 for d in ("dense", "attention") if d in parallel.explicit_domains),
-             "an explicit dp must be 1 (the batch is not split)")]
-
-
-def refuse(plugin: str, parallel: Any, rules: list[tuple[bool, str]], where: str = "") -> None:
-    bad = [why for ok, why in rules if not ok]
-    if bad:
-        raise ParallelConfigError(f"{plugin} cannot run {parallel.describe()}{where}: {'; '.join(bad)}")
-
-
 def check_topology(cfg: ReferenceLMConfig, parallel: Any) -> None:
     ta, td, hidden = parallel.attention.tp_size, parallel.dense.tp_size, cfg.mlp_ratio * cfg.dim
     refuse("reference_lm", parallel, [(cfg.heads % ta == 0, f"heads={cfg.heads} % attention.tp={ta}"),
                                       (hidden % td == 0, f"hidden={hidden} % dense.tp={td}"),
                                       *decoder_rules(parallel)])
-
-
-class Sampling(BaseModel):
-    """How to continue prompts: the knobs every token plugin's request shares."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_tokens: int = Field(16, ge=1, le=1 << 20, description="Most tokens generated per prompt.")
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy; otherwise sample at this temperature.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0: all).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set with this probability mass.")
-    seed: int = Field(0, ge=0, description="Seed of sampling; equal seeds give equal samples.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Generation of a prompt ends at any of these.")
-    top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
-
-    def shared_payload(self, stop: list[int]) -> dict[str, Any]:
-        """The part of every sequence's payload (`Slots.admit`) that is the same for all prompts of a request."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "stop_token_ids": stop, "top_logprobs": self.top_logprobs}
 
 
 class GenerateRequest(Sampling):
@@ -122,11 +90,3 @@ class GenerateRequest(Sampling):
         """
         shared = self.shared_payload(list(self.stop_token_ids))
         return [{"prompt": list(p), **shared, "seed": sequence_seed(self.seed, i)} for i, p in enumerate(self.prompts)]
-
-
-def sequence_seed(seed: int, index: int) -> int:
-    """The sampling seed of prompt `index` of a request seeded `seed`; n copies of one prompt differ.
-
-        sequence_seed(0, 1) == 1      sequence_seed(1, 0) == 0x9E3779B1      always in [0, 2**63)
-    """
-    return (seed * 0x9E3779B1 + index) % 2 ** 63

@@ -18,7 +18,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from phyai_ray.models.hf_causal_lm.checkpoint import CheckpointError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -37,8 +36,8 @@ class TextCodec:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.exists():
-            raise CheckpointError(f"{path} does not exist: text prompts and chat need the checkpoint's tokenizer.json "
-                                  "(send token ids in `prompts` instead)")
+            raise ValueError(f"{path} does not exist: text prompts and chat need the checkpoint's tokenizer.json "
+                             "(send token ids in `prompts` instead)")
         try:
             from tokenizers import Tokenizer
         except ImportError:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_lm.slots import Batch, Slots, alternatives, sample
+from phyai_ray.llm.slots import Batch, Slots, alternatives, sample
 from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Delta
 

@@ -1,4 +1,4 @@
-"""Running sequences of `reference_lm` and their KV cache: one slot (cache row) per sequence.
+"""Running sequences of a slot decoder and their KV cache: one slot (cache row) per sequence.
 
     slots = Slots(layers=2, heads=4, head_dim=16, max_seq=256, to={"device": cpu, "dtype": torch.float32})
     slots.admit(7, {"prompt": [1, 2, 3], "max_tokens": 4, ...})   # fed at the next iteration

@@ -1,0 +1,10 @@
+"""The LLM runtime: what every token-generating plugin (`reference_lm`, `hf_causal_lm`) runs on.
+
+    slots.py      running sequences, one KV-cache row each, packed; per-sequence sampling
+    decoder.py    SlotDecoder: the iteration protocol and whole-request generation over `Slots`
+    sampling.py   Sampling, the request knobs every token plugin shares, and per-prompt seeds
+    topology.py   what a slot decoder asks of a topology (decoder_rules) and one refusal (refuse)
+    tokenizer.py  a checkpoint's tokenizer and chat template (tokenizers + jinja2), incremental text
+
+Plugins and the OpenAI edge import from here; nothing here imports a plugin (`phyai_ray.models`).
+"""
