@@ -180,3 +180,45 @@ def test_openai_completions_validate_once_and_a_refusal_is_400(lm, stream):
         error = refused.json()["error"]
         assert refused.status_code == 400 and error["type"] == "invalid_request_error", error
         assert "rejected the request" in error["message"] and lm.entry.take() == 1
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from phyai_ray.models.hf_causal_lm import HFCausalLMEntry
+    from tests.hf_checkpoints import write_checkpoint
+
+    class CountingHF(Counted, HFCausalLMEntry):
+        def __init__(self) -> None:
+            self.calls, self._lock = 0, threading.Lock()
+            super().__init__()
+
+        def validate_request(self, request: Any) -> Any:
+            self._count()
+            return super().validate_request(request)
+
+    folder = write_checkpoint(tmp_path_factory.mktemp("hf") / "tiny-qwen2", "qwen2")
+    with Engine(EngineArgs(plugin=CountingHF(), plugin_args={"model": str(folder)}, config=CPU)) as engine:
+        engine.entry.take()
+        yield engine
+
+
+def test_text_is_tokenized_once_and_the_chat_route_validates_once(hf, monkeypatch):
+    from fastapi import FastAPI
+
+    from phyai_ray.serve.openai_api import add_openai_routes
+
+    codec_type, encoded = type(hf.entry.codec), []
+    plain = codec_type.encode
+    monkeypatch.setattr(codec_type, "encode", lambda self, *a, **k: encoded.append(a) or plain(self, *a, **k))
+    runner = GroupRunner(EngineHolder(lambda: hf))
+    [out] = asyncio.run(runner.run({"text": ["The quick brown"], "max_tokens": 2}))  # a handle caller's request
+    assert out.text is not None and (hf.entry.take(), len(encoded)) == (1, 1)  # the parsed form ran
+    [out] = hf.step({"text": "The quick brown", "max_tokens": 2})
+    assert out.text is not None and (hf.entry.take(), len(encoded)) == (1, 2)
+    api = FastAPI()
+    add_openai_routes(api, runner)
+    with TestClient(api) as client:
+        reply = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 2})
+        assert reply.status_code == 200 and hf.entry.take() == 1, reply.text

@@ -85,10 +85,10 @@ class HFCausalLMEntry(Entry):
 
     def validate_request(self, request: Any) -> Parsed:
         """The request checked and its text tokenized, once: what `sequences` and `gather` receive."""
-        return request if isinstance(request, Parsed) else self.parse(request)
+        return self._parsed(request)
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self.validate_request(request).payloads()]
+        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self._parsed(request).payloads()]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""
@@ -103,6 +103,9 @@ class HFCausalLMEntry(Entry):
         from phyai_ray.models.hf_causal_lm.model import HFCausalLM
 
         return HFCausalLM(HFCausalLMConfig.from_args(plugin_args), ctx)
+
+    def _parsed(self, request: Any) -> Parsed:
+        return request if isinstance(request, Parsed) else self.parse(request)
 
     def _checked(self) -> HFCausalLMConfig:
         if self.config is None:
