@@ -5,7 +5,8 @@
                    "width": 832, "num_inference_steps": 30, "seed": 7}).result()["video"]  # uint8 [33, 480, 832, 3]
 
 plugin_args: `model` (a local folder; never a hub name), `dtype` (default float32 on CPU, else the
-folder's), `max_latent_tokens_per_step` (the per-iteration admission budget, see `cost`). The
+folder's), `max_latent_tokens_per_step` (the per-iteration admission budget, see `cost`),
+`safety_checker` (Cosmos: the guardrail's import path "package.module:Name", required, cosmos.py). The
 folder is checked here, in the dispatcher, before any rank starts (folder.py); each request is
 checked against it (request.py) and refused alone, naming the rule. Each request is ONE sequence
 of the iteration protocol, one denoising step per iteration, batched with every other running
@@ -45,13 +46,13 @@ class DiffusersPipelineEntry(Entry):
 
     def configure(self, plugin_args: dict[str, Any]) -> None:
         args = dict(plugin_args or {})
-        unknown = sorted(set(args) - {"model", "dtype", "max_latent_tokens_per_step"})
+        unknown = sorted(set(args) - {"model", "dtype", "max_latent_tokens_per_step", "safety_checker"})
         if unknown:
             raise PipelineFolderError(f"diffusers_pipeline: unknown plugin_args {unknown}; known: model, dtype, "
-                                      "max_latent_tokens_per_step")
+                                      "max_latent_tokens_per_step, safety_checker")
         if args.get("dtype") not in (None, *DTYPES):
             raise PipelineFolderError(f"diffusers_pipeline: dtype={args['dtype']!r} is not one of {list(DTYPES)}")
-        self.folder = Folder.open(args.get("model"))
+        self.folder = _guarded(Folder.open(args.get("model")), args)
         self.args = args
         self.limits = self._limits(self.folder)
 
@@ -61,17 +62,15 @@ class DiffusersPipelineEntry(Entry):
         return Limits(temporal=int(vae.get("scale_factor_temporal") or 4),
                       spatial=int(vae.get("scale_factor_spatial") or 8),
                       patch=tuple(int(p) for p in tf.get("patch_size", (1, 2, 2))),
-                      two_experts=folder.index.get("boundary_ratio") is not None)
+                      two_experts=folder.index.get("boundary_ratio") is not None,
+                      conditioning=folder.class_name == "Cosmos2_5_PredictBasePipeline")
 
     def served_name(self) -> str:
         return self._folder().path.resolve().name
 
     # -- checks before any rank starts -------------------------------------------------------------
     def validate_parallel(self, parallel: Any) -> None:
-        folder = self._folder()
-        if parallel.outer.pp_size > 1:
-            raise ParallelConfigError(f"diffusers_pipeline has no pipeline stages: outer.pp_size="
-                                      f"{parallel.outer.pp_size}; use outer.cfg_size=2, attention.cp_size or tp")
+        folder = self._folder()  # pipeline stages: refused by check_parallel (no "pipeline" domain)
         if folder.class_name == "WanPipeline":
             from phyai_ray.models.diffusers_pipeline.wan_parallel import validate_wan_parallel
 
@@ -81,7 +80,13 @@ class DiffusersPipelineEntry(Entry):
                                       f"{parallel.describe()} (sequence and tensor parallel are Wan's)")
 
     def validate_request(self, request: Any) -> VideoRequest:
-        return request if isinstance(request, VideoRequest) else VideoRequest.parse(request, self._limits_checked())
+        if isinstance(request, VideoRequest):
+            return request
+        if self._folder().class_name == "Cosmos2_5_PredictBasePipeline":
+            from phyai_ray.models.diffusers_pipeline.cosmos import cosmos_request
+
+            request = cosmos_request(request)
+        return VideoRequest.parse(request, self._limits_checked())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per request; cost = latent tokens x guidance branches; group = latent shape."""
@@ -106,7 +111,7 @@ class DiffusersPipelineEntry(Entry):
 
         from phyai_ray.models.diffusers_pipeline.model import PipelineModel
 
-        folder = Folder.open(plugin_args.get("model"))  # the folder may have changed since the entry checked it
+        folder = _guarded(Folder.open(plugin_args.get("model")), plugin_args)  # it may have changed since
         name = plugin_args.get("dtype")
         if name is None:
             on_cpu = torch.device(ctx.device).type == "cpu"
@@ -124,6 +129,15 @@ class DiffusersPipelineEntry(Entry):
     def _limits_checked(self) -> Limits:
         self._folder()
         return self.limits
+
+
+def _guarded(folder: Folder, plugin_args: dict[str, Any]) -> Folder:
+    """A Cosmos folder gets its guardrail's import path, or is refused saying why and how (cosmos.py)."""
+    if folder.class_name == "Cosmos2_5_PredictBasePipeline":
+        from phyai_ray.models.diffusers_pipeline.cosmos import guardrail_path
+
+        folder.guardrail = guardrail_path(plugin_args, folder.path)
+    return folder
 
 
 def _spec_args(payload: dict[str, Any], cost: int, group: tuple[int, ...]) -> dict[str, Any]:

@@ -54,6 +54,10 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
             out[name] = cls.from_pretrained(path, dtype=dtype).to(device).eval()
         else:
             out[name] = cls.from_pretrained(path, torch_dtype=dtype).to(device).eval()
+    if folder.guardrail is not None:  # Cosmos: the safety checker plugin_args names (cosmos.py)
+        from phyai_ray.models.diffusers_pipeline.cosmos import load_guardrail
+
+        out["safety_checker"] = load_guardrail(folder.guardrail)
     return out
 
 
@@ -73,6 +77,14 @@ class PipelineModel:
         self.weight_version: Any = None
         logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s", ctx.rank, folder.class_name,
                     folder.path, branches.cfg_rank, branches.cfg_size, dtype)
+
+    def step(self, request: Any) -> dict[str, Any] | None:
+        """One whole (checked) request through the same loop, alone: every step, then the result."""
+        payload = request.to_payload() if hasattr(request, "to_payload") else dict(request)
+        job = self.family.start(payload)
+        while not job.done:
+            self.family.step([job])
+        return self._result(job) if self.ctx.is_output_rank else None
 
     # -- the iteration protocol -------------------------------------------------------------------
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
