@@ -92,13 +92,22 @@ class DiffusersPipelineEntry(Entry):
         """One sequence per request; cost = latent tokens x guidance branches; group = latent shape."""
         parsed = self.validate_request(request)
         shape = parsed.latent_shape(int(self._folder().transformer_config().get("in_channels", 16)), self.limits)
-        return [SequenceSpec(**_spec_args(parsed.to_payload(), self.cost(parsed), shape))]
+        return [SequenceSpec(payload=parsed.to_payload(), cost=self.cost(parsed), group=shape)]
 
     def cost(self, request: VideoRequest) -> int:
         """Latent tokens (F * h/p_h * w/p_w) times guidance branches (2 when guidance_scale > 1)."""
         c, f, h, w = request.latent_shape(1, self._limits_checked())
         p = self.limits.patch
         return (f // p[0]) * (h // p[1]) * (w // p[2]) * (2 if request.guidance_scale > 1.0 else 1)
+
+    def admission(self, batching: Any) -> Any:
+        """Every running request re-costs its latent tokens x branches in every iteration (one denoising
+        step each): `CostBudget` of plugin_args["max_latent_tokens_per_step"] (default: the batching
+        config's max_num_batched_tokens). A request larger than the budget runs alone."""
+        from phyai_ray.plugins.admission import CostBudget
+
+        budget = self.args.get("max_latent_tokens_per_step") or batching.max_num_batched_tokens
+        return CostBudget(batching.max_num_seqs, int(budget))
 
     def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
         [out] = outputs
@@ -139,11 +148,3 @@ def _guarded(folder: Folder, plugin_args: dict[str, Any]) -> Folder:
         folder.guardrail = guardrail_path(plugin_args, folder.path)
     return folder
 
-
-def _spec_args(payload: dict[str, Any], cost: int, group: tuple[int, ...]) -> dict[str, Any]:
-    """SequenceSpec's arguments: `group` (the latent shape) once SequenceSpec takes it."""
-    fields = getattr(SequenceSpec, "__dataclass_fields__", {})
-    args: dict[str, Any] = {"payload": payload, "cost": cost}
-    if "group" in fields:
-        args["group"] = group
-    return args
