@@ -180,3 +180,57 @@ def test_torchvision_operations_supplied():
     assert torch.equal(tensor * 255, torch.from_numpy(IMAGE).permute(2, 0, 1).float())
     mask = torch.arange(16.0).view(1, 1, 4, 4)
     assert torch.equal(_resize(mask, [2, 2]), mask[:, :, ::2, ::2])
+
+
+# -- through the plugin: Engine(plugin="diffusers_pipeline") inline ---------------------------------------------
+PLUGIN = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
+
+
+def wire(r: dict) -> dict:
+    """The request as a client sends it: no None fields (the plugin fills Cosmos' defaults)."""
+    return {k: v for k, v in r.items() if v is not None}
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    from phyai_ray import Engine, EngineArgs
+
+    args = {"model": str(folder), "safety_checker": dc.STAND_IN}
+    with Engine(EngineArgs(plugin=PLUGIN, plugin_args=args)) as engine:
+        yield engine
+
+
+def test_engine_batches_text_image_video_requests_per_step(engine, pipe):
+    requests = [request("text", num_inference_steps=4, seed=21), request("image", num_inference_steps=2, seed=22),
+                request("video", num_inference_steps=3, guidance_scale=1.0, seed=23)]
+    futures = [engine.submit(wire(r)) for r in requests]
+    for future, r in zip(futures, requests):
+        latents = future.result(timeout=120)["video"]
+        assert_close(torch.as_tensor(latents), reference(pipe, r))
+
+
+def test_engine_video_is_uint8_after_the_guardrail(engine, pipe):
+    r = request("video", num_inference_steps=2, seed=24, output_type="uint8")
+    video = torch.as_tensor(engine.step(wire(r))["video"])
+    want = np.round(reference(pipe, r, output_type="np") * 255).astype(np.uint8)
+    assert video.dtype == torch.uint8 and tuple(video.shape) == want.shape
+    np.testing.assert_array_equal(video.numpy(), want)
+
+
+def test_engine_refuses_bad_cosmos_requests_and_serves_on(engine, pipe):
+    with pytest.raises(ValueError, match="last 5 frames"):
+        engine.step(wire(request(video=VIDEO[:3])))
+    with pytest.raises(ValueError, match="4k\\+1"):
+        engine.step(wire(request(num_frames=12)))
+    r = request("text", num_inference_steps=1, seed=25)
+    assert_close(torch.as_tensor(engine.step(wire(r))["video"]), reference(pipe, r))
+
+
+def test_engine_refuses_a_cosmos_folder_without_guardrail_before_any_rank(folder):
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.models.diffusers_pipeline.cosmos import GuardrailError
+
+    with pytest.raises(GuardrailError, match="licensed") as info:
+        Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}))
+    assert "plugin_args['safety_checker'] = 'package.module:Name'" in str(info.value) or \
+        "'package.module:Name'" in str(info.value)

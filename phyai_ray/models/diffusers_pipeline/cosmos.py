@@ -47,6 +47,7 @@ import torch
 
 from phyai_ray.errors import PhyAIError
 from phyai_ray.models.diffusers_pipeline.family import Family, Job
+from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
 
 PIPELINE = "Cosmos2_5_PredictBasePipeline"
 GUARDRAIL = "cosmos_guardrail:CosmosSafetyChecker"
@@ -133,12 +134,28 @@ def supply_torchvision() -> None:
 
 
 # -- conditioning frames --------------------------------------------------------------------------------------
+def cosmos_request(request: Any) -> Any:
+    """A Cosmos request dict with the pipeline's defaults filled in where a field is absent or None (the
+    negative prompt: diffusers' long default) and its conditioning frames checked, before request.py's rules."""
+    if not isinstance(request, dict):
+        return request  # VideoRequest.parse refuses it with an example
+    filled = dict(request)
+    for name, value in {**DEFAULTS, "negative_prompt": _default_negative()}.items():
+        if filled.get(name) is None:
+            filled[name] = value
+    check_conditioning(filled)
+    for name, ndim in (("image", 3), ("video", 4)):
+        if filled.get(name) is not None:
+            filled[name] = frames_array(filled[name], name, ndim)
+    return filled
+
+
 def frames_array(value: Any, name: str, ndim: int) -> np.ndarray:
-    """A request's `image` ([H, W, 3]) or `video` ([frames, H, W, 3]) as uint8 numpy; else a ValueError."""
+    """A request's `image` ([H, W, 3]) or `video` ([frames, H, W, 3]) as uint8 numpy; else a VideoRequestError."""
     array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if array.dtype != np.uint8 or array.ndim != ndim or array.shape[-1] != 3:
         want = "[H, W, 3]" if ndim == 3 else "[frames, H, W, 3]"
-        raise ValueError(f"{name} must be uint8 {want} (RGB), got {array.dtype} {list(array.shape)}")
+        raise VideoRequestError(f"{name} must be uint8 {want} (RGB), got {array.dtype} {list(array.shape)}")
     return array
 
 
@@ -146,7 +163,7 @@ def check_conditioning(request: dict[str, Any]) -> None:
     """The rules for `image` / `video` in a Cosmos request (run before the request reaches a rank)."""
     image, video = request.get("image"), request.get("video")
     if image is not None and video is not None:
-        raise ValueError("give `image` (image-to-world) or `video` (video-to-world), not both")
+        raise VideoRequestError("give `image` (image-to-world) or `video` (video-to-world), not both")
     if image is not None:
         frames_array(image, "image", 3)
     if video is not None:
@@ -154,7 +171,7 @@ def check_conditioning(request: dict[str, Any]) -> None:
         got = frames_array(video, "video", 4).shape[0]
         frames = request.get("num_frames", DEFAULTS["num_frames"])
         if got < need or frames < need:
-            raise ValueError(f"video-to-world conditions on the last {need} frames of `video` and needs "
+            raise VideoRequestError(f"video-to-world conditions on the last {need} frames of `video` and needs "
                              f"num_frames >= {need}; got a video of {got} frames and num_frames={frames}")
 
 

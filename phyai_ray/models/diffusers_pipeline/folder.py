@@ -36,12 +36,16 @@ class PipelineSpec:
     family: str
     required: tuple[str, ...]
     transformers: tuple[str, ...] = ("transformer",)  # at least the first; the rest are optional experts
+    mask_channels: int = 0  # transformer in_channels beyond the VAE's z_dim (Cosmos: the condition mask)
 
 
 PIPELINES: dict[str, PipelineSpec] = {
     "WanPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.wan:WanFamily",
                                 ("tokenizer", "text_encoder", "vae", "scheduler"),
                                 ("transformer", "transformer_2")),
+    "Cosmos2_5_PredictBasePipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos:CosmosFamily",
+                                                  ("tokenizer", "text_encoder", "vae", "scheduler"),
+                                                  mask_channels=1),
 }
 
 MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")  # weights checked against configs
@@ -55,6 +59,7 @@ class Folder:
     index: dict[str, Any]
     spec: PipelineSpec
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    guardrail: str | None = None  # import path of the safety checker (Cosmos; the entry sets it from plugin_args)
 
     @property
     def class_name(self) -> str:
@@ -63,7 +68,8 @@ class Folder:
     def components(self) -> list[str]:
         """The components present, in the order the index lists them."""
         return [name for name, value in self.index.items()
-                if not name.startswith("_") and isinstance(value, list) and value[0] is not None]
+                if not name.startswith("_") and isinstance(value, list) and value[0] is not None
+                and name != "safety_checker"]  # a guardrail is named by plugin_args, never loaded from here
 
     @classmethod
     def open(cls, model: Any) -> "Folder":
@@ -114,9 +120,11 @@ class Folder:
             if config is None:
                 continue
             where = self.path / name / "config.json"
-            if "z_dim" in vae and config.get("in_channels") != vae["z_dim"]:
+            extra = self.spec.mask_channels
+            if "z_dim" in vae and config.get("in_channels") != vae["z_dim"] + extra:
                 raise PipelineFolderError(f"{where}: in_channels={config.get('in_channels')} disagrees with the "
-                                          f"VAE's z_dim={vae['z_dim']} ({self.path / 'vae' / 'config.json'})")
+                                          f"VAE's z_dim={vae['z_dim']}" + (f" + {extra} mask channel" if extra else "")
+                                          + f" ({self.path / 'vae' / 'config.json'})")
             if "d_model" in text and config.get("text_dim") not in (None, text["d_model"]):
                 raise PipelineFolderError(
                     f"{where}: text_dim={config.get('text_dim')} disagrees with the text encoder's d_model="
@@ -152,12 +160,12 @@ def _check_shapes(folder: Path, entry: list, config: dict[str, Any]) -> None:
     if not files:
         raise PipelineFolderError(f"{folder}: no .safetensors weights (component {entry[1]}); save the pipeline "
                                   "with save_pretrained(safe_serialization=True)")
-    expected = _expected_shapes(entry, folder)
+    expected, rename = _expected_shapes(entry, folder)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 shape = tuple(handle.get_slice(key).get_shape())
-                want = expected.get(key)
+                want = expected.get(key, expected.get(rename(key)))
                 if want is None:
                     raise PipelineFolderError(f"{file}: tensor {key!r} is not a parameter of {entry[1]} as its "
                                               f"config.json describes it; the weights and config disagree")
@@ -166,8 +174,9 @@ def _check_shapes(folder: Path, entry: list, config: dict[str, Any]) -> None:
                                               f"built from {folder / 'config.json'} expects {list(want)}")
 
 
-def _expected_shapes(entry: list, folder: Path) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the model class `entry` ([library, class]) built from its config, without memory."""
+def _expected_shapes(entry: list, folder: Path) -> tuple[dict[str, tuple[int, ...]], Any]:
+    """{name: shape} of the model class `entry` ([library, class]) built from its config, without memory,
+    and the renaming of a saved tensor name to the model's (transformers renames some on load)."""
     import torch
     from accelerate import init_empty_weights
 
@@ -180,4 +189,20 @@ def _expected_shapes(entry: list, folder: Path) -> dict[str, tuple[int, ...]]:
             model = cls(AutoConfig.from_pretrained(folder))
         else:
             model = cls.from_config(cls.load_config(folder))
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    rename = _checkpoint_renaming(model, state) if library == "transformers" else (lambda key: key)
+    return {k: tuple(v.shape) for k, v in state.items()}, rename
+
+
+def _checkpoint_renaming(model: Any, state: dict[str, Any]) -> Any:
+    """Saved tensor name -> module name as transformers maps it on load: Qwen2.5-VL (Cosmos' text encoder)
+    saves 'model.layers.0...' for the module's 'model.language_model.layers.0...'."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4.x keeps saved names equal to module names here
+        return lambda key: key
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    return lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0]

@@ -9,9 +9,12 @@
      "seed": 0,                                         the latents are drawn as diffusers draws them with
                                                         generator=torch.Generator("cpu").manual_seed(seed)
      "max_sequence_length": 512,                        text tokens (padded / truncated), as diffusers
-     "output_type": "uint8"}                            "uint8" video [frames, H, W, 3] (default),
+     "output_type": "uint8",                            "uint8" video [frames, H, W, 3] (default),
                                                         "float" the same in [0, 1], "latent" the final
                                                         latents [C, F, h, w]
+     "image": None, "video": None}                      Cosmos only: uint8 [H, W, 3] (image-to-world) or
+                                                        [frames, H, W, 3] (video-to-world); the Cosmos
+                                                        defaults and rules are cosmos.py's (`cosmos_request`)
 
 Where diffusers rounds a bad size down with a warning, a request here is refused with the rule
 named: num_frames must be 4k+1 (the VAE's temporal factor), height and width multiples of the VAE's
@@ -27,7 +30,7 @@ from phyai_ray.errors import PhyAIError
 
 OUTPUT_TYPES = ("uint8", "float", "latent")
 FIELDS = ("prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
-          "guidance_scale_2", "seed", "max_sequence_length", "output_type")
+          "guidance_scale_2", "seed", "max_sequence_length", "output_type", "image", "video")
 
 
 class VideoRequestError(PhyAIError, ValueError):
@@ -42,6 +45,7 @@ class Limits:
     spatial: int  # VAE spatial factor
     patch: tuple[int, int, int]  # transformer patch (t, h, w)
     two_experts: bool  # boundary_ratio set: guidance_scale_2 allowed
+    conditioning: bool = False  # image / video conditioning frames allowed (Cosmos)
 
     @property
     def size_multiple(self) -> tuple[int, int]:
@@ -70,6 +74,8 @@ class VideoRequest:
     seed: int = 0
     max_sequence_length: int = 512
     output_type: str = "uint8"
+    image: Any = None  # uint8 [H, W, 3] (Cosmos image-to-world)
+    video: Any = None  # uint8 [frames, H, W, 3] (Cosmos video-to-world)
 
     @classmethod
     def parse(cls, request: Any, limits: Limits) -> "VideoRequest":
@@ -113,6 +119,9 @@ class VideoRequest:
         if self.guidance_scale_2 is not None and not limits.two_experts:
             raise VideoRequestError("guidance_scale_2 is for pipelines with two experts (boundary_ratio set); "
                                     "this folder has one transformer: leave guidance_scale_2 unset")
+        if (self.image is not None or self.video is not None) and not limits.conditioning:
+            raise VideoRequestError("image / video conditioning frames are for Cosmos2_5_PredictBasePipeline "
+                                    "folders; this pipeline generates from text only: leave them unset")
         if self.output_type not in OUTPUT_TYPES:
             raise VideoRequestError(f"output_type={self.output_type!r} is not one of {list(OUTPUT_TYPES)}")
         if not 0 <= self.seed < 2 ** 63:
