@@ -234,3 +234,10 @@ def test_engine_refuses_a_cosmos_folder_without_guardrail_before_any_rank(folder
         Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}))
     assert "plugin_args['safety_checker'] = 'package.module:Name'" in str(info.value) or \
         "'package.module:Name'" in str(info.value)
+
+
+def test_engine_refuses_an_unsafe_prompt_and_serves_on(engine, pipe):
+    with pytest.raises(Exception, match="guardrail refused the prompt"):
+        engine.step(wire(request(prompt=f"a {dc.UNSAFE_WORD} robot", num_inference_steps=1)))
+    r = request("image", num_inference_steps=1, seed=26)
+    assert_close(torch.as_tensor(engine.step(wire(r))["video"]), reference(pipe, r))
