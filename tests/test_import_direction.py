@@ -12,8 +12,12 @@ Inside `phyai_ray`, by dotted module name (lazy imports count here too):
 
 * nothing below the engine imports the trainer's side: `phyai_ray/engine*.py`, `executors/`, the rank
   room `rank/` and the plugins under `models/` never import `phyai_ray.rl` (`rl` imports them);
-* edges and runtimes import no plugin: nothing in `serve/` (the HTTP / gRPC edges) or `llm/` (the LLM
-  runtime the plugins share) imports `phyai_ray.models`;
+* edges and runtimes import no plugin: nothing in `serve/` (the HTTP / gRPC edges), `llm/` (the LLM
+  runtime), `nn/` (shared layers) or `policy/` (shared robot-policy checks) imports `phyai_ray.models`;
+* plugins import runtimes, never each other: a module under `phyai_ray/models/X/` imports no
+  `phyai_ray.models.Y` for Y != X;
+* no import cycle between the modules of the three packages, lazy imports counted too: a lazy import
+  that hides a cycle still ties the two modules together (move what both need below them instead).
 
 Run: .venv/bin/pytest tests/test_import_direction.py -q
 """
@@ -96,10 +100,22 @@ def test_nothing_below_the_engine_imports_the_trainers_side():
 
 
 def test_edges_and_runtimes_import_no_plugin():
-    paths = _modules("phyai_ray/serve") + _modules("phyai_ray/llm")
+    paths = [p for room in ("serve", "llm", "nn", "policy") for p in _modules(f"phyai_ray/{room}")]
     offenders = _importers_of("phyai_ray.models", paths)
     assert not offenders, ("these import a plugin; what they need belongs in a runtime room (phyai_ray.llm, "
                            f"phyai_ray.nn) or comes through the plugin's Entry: {offenders}")
+
+
+def test_plugins_never_import_each_other():
+    offenders = {}
+    for plugin in sorted(p.name for p in (ROOT / "phyai_ray" / "models").iterdir() if p.is_dir()):
+        others = _importers_of("phyai_ray.models", _modules(f"phyai_ray/models/{plugin}"))
+        for module, names in others.items():
+            foreign = [n for n in names if n.split(".")[2:3] not in ([plugin], [])]
+            if foreign:
+                offenders[module] = foreign
+    assert not offenders, ("plugins import other plugins; move what they share to a runtime room "
+                           f"(phyai_ray.llm, phyai_ray.nn, phyai_ray.policy): {offenders}")
 
 
 def test_the_dotted_check_sees_lazy_and_from_imports(tmp_path):
@@ -107,6 +123,65 @@ def test_the_dotted_check_sees_lazy_and_from_imports(tmp_path):
     probe.write_text("from phyai_ray import rl\ndef f():\n    from phyai_ray.rl.sender import WeightSender\n")
     assert _importers_of("phyai_ray.rl", [probe]) == {str(probe): ["phyai_ray.rl", "phyai_ray.rl.sender",
                                                                     "phyai_ray.rl.sender.WeightSender"]}
+
+
+def _import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """{module: the modules of `packages` it imports}; `from a import b` points at a.b when b is a module."""
+    paths = {_module_name_under(root, p): p for package in packages for p in sorted((root / package).rglob("*.py"))}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                            for a in node.names}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _module_name_under(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as [a, b, ..., a], or [] when the graph has none (depth-first, in name order)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return []
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if found := visit(nxt):
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    return next((c for node in sorted(graph) if (c := visit(node))), [])
+
+
+def test_no_import_cycle_between_modules_lazy_imports_included():
+    cycle = _a_cycle(_import_graph(ROOT, ("phyai_ray", "actors", "placement")))
+    assert not cycle, f"import cycle: {' -> '.join(cycle)}; move what both sides need into a module below them"
+
+
+def test_the_cycle_check_finds_a_cycle_made_of_lazy_imports(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("def g():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    graph = _import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    assert _a_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert _a_cycle({"pkg.a": {"pkg.b"}, "pkg.b": set()}) == []
 
 
 MAX_MODULE_LINES = 450  # about 400 is the aim; generated gRPC stubs are exempt

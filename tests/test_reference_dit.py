@@ -16,7 +16,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
 from phyai_ray.errors import ParallelConfigError, RequestRejectedError
 from phyai_ray.process_groups import GroupSet
 from phyai_ray.models.reference_dit import ReferenceDiTConfig, ReferenceDiTEntry, ReferenceDiTRequest
-from phyai_ray.models.reference_dit import weights as W
+from phyai_ray.nn import weights as W
 from phyai_ray.models.reference_dit.layouts import LAYOUTS, sample_requests
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.registry import resolve_plugin

@@ -17,7 +17,7 @@ import torch
 
 from phyai_ray import DeviceConfig, ParallelConfig
 from phyai_ray.executors.inline import build_inline_runner
-from phyai_ray.models.reference_dit.layers import norm
+from phyai_ray.nn.layers import norm
 from phyai_ray.models.reference_lm import ReferenceLMConfig, ReferenceLMEntry, full_weights, score
 from phyai_ray.llm.sampling import sequence_seed
 

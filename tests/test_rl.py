@@ -15,7 +15,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
                        EngineArgs, EngineConfig, EngineUnavailableError, ParallelConfig, PlacementSpec,
                        ReplicaStateError, RequestAbortedError, WeightSender, WorkerSupervisorConfig)
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
-from phyai_ray.models.reference_dit.weights import full_weights
+from phyai_ray.nn.weights import full_weights
 from tests.plugins.faults import SlowTPEntry
 from tests.helpers import wait_until
 from tests.plugins.rl import LinearPolicyEntry

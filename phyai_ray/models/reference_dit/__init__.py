@@ -2,9 +2,10 @@
 
     config.py   plugin_args and the topology checks
     request.py  request shape, JSON model and request-time layout checks
-    weights.py  seeded full weights, sliced per rank
-    layers.py   attention / dense MLP / MoE shards and their collectives
     model.py    pipeline stages, guidance branches, `step`
+
+Its shape, seeded weights and sharded layers are the layers room's (`phyai_ray.nn`), shared with
+`reference_lm` and the robot policies.
 """
 
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig

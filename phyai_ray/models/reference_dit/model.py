@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from phyai_ray.collectives import P
-from phyai_ray.models.reference_dit import weights as W
 from phyai_ray.models.reference_dit.config import ReferenceDiTConfig, check_topology
-from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, MoeMLP, norm
 from phyai_ray.models.reference_dit.request import ParsedRequest, batch_key, check_layout, parse_batch, parse_request
+from phyai_ray.nn import weights as W
+from phyai_ray.nn.layers import Attention, DenseMLP, MoeMLP, norm
 
 logger = logging.getLogger(__name__)
 

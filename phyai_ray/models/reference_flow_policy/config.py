@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_policy.entry import check_observation
-from phyai_ray.models.reference_policy.model import PolicyConfig, policy_args
+from phyai_ray.policy.config import PolicyConfig, policy_args
+from phyai_ray.policy.frames import check_observation
 
 OBSERVATION_KEYS = frozenset({"state", "step", "prompt", "noise_seed", "prev_actions", "inference_delay",
                               "execution_horizon"})

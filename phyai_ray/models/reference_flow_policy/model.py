@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_dit.layers import norm
 from phyai_ray.models.reference_flow_policy.config import FlowPolicyConfig, Frame, rtc_weights
-from phyai_ray.models.reference_policy.model import StepsInBatches, mlp_blocks, seeded_draw
+from phyai_ray.nn.layers import mlp_blocks, norm
+from phyai_ray.nn.weights import seeded_draw
 from phyai_ray.plugins.iteration import Delta
+from phyai_ray.policy.frames import StepsInBatches
 
 TIME_FREQS = 16
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from phyai_ray.llm.sampling import Sampling, sequence_seed
 from phyai_ray.llm.topology import decoder_rules, refuse
-from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
+from phyai_ray.nn.shape import TransformerShape
 
 
 class ReferenceLMConfig(BaseModel):
@@ -47,9 +47,9 @@ class ReferenceLMConfig(BaseModel):
         except ValidationError as exc:
             raise ValueError(f"invalid plugin_args for reference_lm: {exc}") from None
 
-    def blocks_config(self) -> ReferenceDiTConfig:
-        """The reference model's config whose dense blocks this LM reuses (same seeded draws)."""
-        return ReferenceDiTConfig(seed=self.seed, dim=self.dim, heads=self.heads, layers=self.layers,
+    def blocks_config(self) -> TransformerShape:
+        """The reference transformer's shape whose dense blocks this LM reuses (same seeded draws)."""
+        return TransformerShape(seed=self.seed, dim=self.dim, heads=self.heads, layers=self.layers,
                                   mlp_ratio=self.mlp_ratio, moe_every=0, vocab=self.vocab, max_seq=self.max_seq,
                                   classes=1)
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_dit.layers import Attention, DenseMLP, norm
-from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
 from phyai_ray.llm.decoder import SlotDecoder
-from phyai_ray.models.reference_lm.score import full_weights
 from phyai_ray.llm.slots import Batch, Slots
+from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
+from phyai_ray.models.reference_lm.score import full_weights
+from phyai_ray.nn.layers import Attention, DenseMLP, norm
 
 
 class CausalAttention(Attention):

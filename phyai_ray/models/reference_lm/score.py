@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phyai_ray.models.reference_dit import weights as W
+from phyai_ray.nn import weights as W
 from phyai_ray.models.reference_lm.config import ReferenceLMConfig
 
 Weights = dict[str, torch.Tensor]

@@ -16,6 +16,7 @@ from phyai_ray.models.reference_policy.model import PolicyConfig, ReferencePolic
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
 from phyai_ray.plugins.signature import TensorSpec
+from phyai_ray.policy.frames import check_observation
 
 OBSERVATION_KEYS = frozenset({"state", "step", "prompt"})
 
@@ -53,22 +54,3 @@ class ReferencePolicyEntry(Entry):
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> ReferencePolicy:
         return ReferencePolicy(PolicyConfig.from_args(plugin_args), ctx)
-
-
-def check_observation(request: Any, state_dim: int, keys: frozenset[str]) -> Any:
-    """A robot observation's `state` (a float32 tensor [state_dim]) after checking its keys and its
-    optional `step`; ValueError naming the field otherwise."""
-    import torch
-
-    if not isinstance(request, dict) or "state" not in request:
-        raise ValueError("an observation is a dict with 'state' (float32 [state_dim]), e.g. {'state': np.zeros(8)}")
-    unknown = sorted(set(request) - keys)
-    if unknown:
-        raise ValueError(f"unknown observation keys {unknown}; known: {sorted(keys)}")
-    state = torch.as_tensor(request["state"])
-    if state.numel() != state_dim or not (state.is_floating_point() or state.dtype == torch.int64):
-        raise ValueError(f"'state' must hold {state_dim} numbers, got shape {list(state.shape)} of {state.dtype}")
-    step = request.get("step", 0)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"'step' must be an int >= 0, got {step!r}")
-    return state.to(torch.float32).reshape(-1)

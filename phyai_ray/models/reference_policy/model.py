@@ -1,4 +1,4 @@
-"""`ReferencePolicy`: a small action-chunk policy built from the reference model's dense TP layers.
+"""`ReferencePolicy`: a small action-chunk policy built from the shared dense TP layers (`phyai_ray.nn`).
 
     state [state_dim] -> embed -> `blocks` x DenseMLP (hidden units split over dense_tp) -> norm -> head
       -> actions [horizon, action_dim]      (tanh: every action in (-1, 1))
@@ -12,58 +12,14 @@ consecutive frames of one robot differ while staying deterministic and bounded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from phyai_ray.models.reference_dit.layers import DenseMLP, norm
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """plugin_args of the policy: sizes and the seed."""
-
-    state_dim: int = 8
-    action_dim: int = 7
-    horizon: int = 10
-    dim: int = 64
-    hidden: int = 128
-    blocks: int = 2
-    seed: int = 0
-
-    @classmethod
-    def from_args(cls, args: dict[str, Any] | None) -> "PolicyConfig":
-        return policy_args(cls, args, "reference_policy")
-
-
-def policy_args(cls: type, args: dict[str, Any] | None, plugin: str, flags: tuple[str, ...] = ()) -> Any:
-    """`cls(**args)` of a policy's plugin_args: known names only, positive ints (seed: any int), `flags` bools."""
-    args = dict(args or {})
-    unknown = sorted(set(args) - set(cls.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"unknown {plugin} plugin_args {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-    cfg = cls(**args)
-    bad = {k: v for k, v in vars(cfg).items() if (not isinstance(v, bool) if k in flags else
-                                                   isinstance(v, bool) or not isinstance(v, int) or (v < 1 and k != "seed"))}
-    if bad:
-        raise ValueError(f"{plugin} plugin_args must be positive ints (seed: any int"
-                         f"{'; ' + ', '.join(flags) + ': bool' if flags else ''}), got {bad}")
-    return cfg
-
-
-def seeded_draw(seed: int) -> Any:
-    """draw(*shape, scale=None): seeded normal tensors, scaled by 1/sqrt(fan-in) unless `scale` is given."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def draw(*shape: int, scale: float | None = None) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * (scale if scale is not None else shape[-1] ** -0.5)
-    return draw
-
-
-def mlp_blocks(w: dict[str, torch.Tensor], blocks: int, ctx: Any, to: dict) -> list[DenseMLP]:
-    """The policy's residual MLP blocks ("{b}.w1" ... "{b}.b2"), each rank keeping its dense_tp shard."""
-    return [DenseMLP(None, {k: w[f"{b}.{k}"] for k in ("w1", "b1", "w2", "b2")}, ctx, to) for b in range(blocks)]
+from phyai_ray.nn.layers import mlp_blocks, norm
+from phyai_ray.nn.weights import seeded_draw
+from phyai_ray.policy.config import PolicyConfig
+from phyai_ray.policy.frames import StepsInBatches
 
 
 def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
@@ -74,15 +30,6 @@ def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
         w.update({f"{b}.w1": draw(cfg.hidden, cfg.dim), f"{b}.b1": draw(cfg.hidden, scale=0.02),
                   f"{b}.w2": draw(cfg.dim, cfg.hidden), f"{b}.b2": draw(cfg.dim, scale=0.02)})
     return w
-
-
-class StepsInBatches:
-    """`step(frame)` as a batch of one (`step_batch`): {"actions": ...} on the output rank, None elsewhere."""
-
-    @torch.inference_mode()
-    def step(self, request: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        out = self.step_batch([request])
-        return None if out is None else out[0]
 
 
 class ReferencePolicy(StepsInBatches):

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.collectives import P
-from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
-from phyai_ray.models.reference_dit.weights import Weights, shard
+from phyai_ray.nn.shape import TransformerShape
+from phyai_ray.nn.weights import Weights, shard
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def norm(x: torch.Tensor) -> torch.Tensor:
 class Attention:
     """Pre-norm multi-head self-attention (bidirectional, as in a DiT) with a residual."""
 
-    def __init__(self, cfg: ReferenceDiTConfig, w: Weights, ctx: Any, to: dict) -> None:
+    def __init__(self, cfg: TransformerShape, w: Weights, ctx: Any, to: dict) -> None:
         self.tp, self.cp, self.dp = split(ctx, "attention_tp"), split(ctx, "attention_cp"), batch_split(ctx, "attention")
         self.head_dim, self.local_heads = cfg.head_dim, cfg.heads // self.tp.count
         rows = (0, self.tp.index, self.tp.count)  # q/k/v rows = this rank's heads
@@ -90,7 +90,7 @@ class Attention:
 class DenseMLP:
     """Pre-norm GELU MLP; hidden units split over dense_tp."""
 
-    def __init__(self, cfg: ReferenceDiTConfig, w: Weights, ctx: Any, to: dict) -> None:
+    def __init__(self, cfg: TransformerShape, w: Weights, ctx: Any, to: dict) -> None:
         self.tp, self.dp = split(ctx, "dense_tp"), batch_split(ctx, "dense")
         self.w1 = shard(w["w1"], 0, self.tp.index, self.tp.count).to(**to)
         self.b1 = shard(w["b1"], 0, self.tp.index, self.tp.count).to(**to)
@@ -112,7 +112,7 @@ class MoeMLP:
     the missing hidden units and experts. Gates are the top-k softmax probabilities, renormalised.
     """
 
-    def __init__(self, cfg: ReferenceDiTConfig, w: Weights, ctx: Any, to: dict) -> None:
+    def __init__(self, cfg: TransformerShape, w: Weights, ctx: Any, to: dict) -> None:
         self.tp, self.ep, self.dp = split(ctx, "moe_tp"), split(ctx, "moe_ep"), batch_split(ctx, "moe")
         self.top_k, per_rank = cfg.top_k, cfg.experts // self.ep.count
         self.first = self.ep.index * per_rank
@@ -136,3 +136,8 @@ class MoeMLP:
                 out.index_add_(0, token, y * gates[token, slot, None])
         out = self.ep.reduce(self.tp.reduce(out)).view_as(xs)
         return x + self.dp.gather(out, 0)
+
+
+def mlp_blocks(w: dict[str, torch.Tensor], blocks: int, ctx: Any, to: dict) -> list[DenseMLP]:
+    """The policy's residual MLP blocks ("{b}.w1" ... "{b}.b2"), each rank keeping its dense_tp shard."""
+    return [DenseMLP(None, {k: w[f"{b}.{k}"] for k in ("w1", "b1", "w2", "b2")}, ctx, to) for b in range(blocks)]

@@ -1,4 +1,4 @@
-"""Deterministic full weights of the reference transformer.
+"""Deterministic full weights of the reference transformer (`reference_dit`, `reference_lm`), and seeded draws.
 
 Every rank generates the FULL tensors of the parts it needs with a seeded `torch.Generator`
 and slices its shard; nothing is loaded or communicated. Each part (embeddings, block i, head)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from phyai_ray.models.reference_dit.config import ReferenceDiTConfig
+from phyai_ray.nn.shape import TransformerShape
 
 Weights = dict[str, torch.Tensor]
 
@@ -35,7 +35,7 @@ class _Draw:
         return torch.randn(*shape, generator=self.gen, dtype=torch.float32) * 0.02
 
 
-def embedding_weights(cfg: ReferenceDiTConfig) -> Weights:
+def embedding_weights(cfg: TransformerShape) -> Weights:
     """Token [vocab, dim], position [max_seq, dim], label [classes + 1, dim] (row `classes` is null)."""
     draw = _Draw(cfg.seed, 0)
     return {"tokens": draw.weight(cfg.vocab, cfg.dim) * cfg.dim ** 0.5,
@@ -43,7 +43,7 @@ def embedding_weights(cfg: ReferenceDiTConfig) -> Weights:
             "labels": draw.weight(cfg.classes + 1, cfg.dim) * cfg.dim ** 0.5}
 
 
-def block_weights(cfg: ReferenceDiTConfig, index: int) -> Weights:
+def block_weights(cfg: TransformerShape, index: int) -> Weights:
     """Attention (q, k, v, o as [out, in]) plus a dense MLP or a MoE MLP for block `index`."""
     draw = _Draw(cfg.seed, 1 + index)
     d = cfg.dim
@@ -59,13 +59,13 @@ def block_weights(cfg: ReferenceDiTConfig, index: int) -> Weights:
     return out
 
 
-def head_weights(cfg: ReferenceDiTConfig) -> Weights:
+def head_weights(cfg: TransformerShape) -> Weights:
     """Output projection [vocab, dim] and bias [vocab]."""
     draw = _Draw(cfg.seed, 1 + cfg.layers)
     return {"w": draw.weight(cfg.vocab, cfg.dim), "b": draw.bias(cfg.vocab)}
 
 
-def full_weights(cfg: ReferenceDiTConfig) -> Weights:
+def full_weights(cfg: TransformerShape) -> Weights:
     """Every tensor of the model, named as `load_weights` expects: `embed.tokens`, `embed.positions`,
     `embed.labels`, `blocks.{i}.{wq,wk,wv,wo,bo,w1,b1,w2,b2[,router]}`, `head.w`, `head.b`.
 
@@ -93,3 +93,12 @@ def shard(tensor: torch.Tensor, dim: int, index: int, count: int) -> torch.Tenso
     """Contiguous chunk `index` of `count` equal chunks along `dim` (a copy, so the full tensor can go)."""
     size = tensor.shape[dim] // count
     return tensor.narrow(dim, index * size, size).clone()
+
+
+def seeded_draw(seed: int) -> Any:
+    """draw(*shape, scale=None): seeded normal tensors, scaled by 1/sqrt(fan-in) unless `scale` is given."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def draw(*shape: int, scale: float | None = None) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * (scale if scale is not None else shape[-1] ** -0.5)
+    return draw
