@@ -1,7 +1,7 @@
 """`reference_lm`: a small causal transformer that generates tokens, tensor-parallel, seeded weights.
 
     config.py   plugin_args, topology checks, the request model and its per-prompt sequences
-    model.py    causal attention over slot KV caches (the reference model's layers), the iteration protocol
+    model.py    causal attention over slot KV caches (the layers of `phyai_ray.nn`), the iteration protocol
     score.py    the trainer side: log-probs of a completion in plain torch (no engine, no cache)
     entry.py    the plugin entry (a request -> one sequence per prompt -> one TokenOutput per prompt)
 

@@ -12,7 +12,7 @@ iteration protocol's `admit` / `drop` / `recompute` / `iterate` drive the replic
 One iteration is one forward of every running sequence's new tokens (a prompt, a rebuilt history or
 the last sampled token), projected as N real tokens and padded to [B, S] queries only inside
 attention. Attention heads are split over attention_tp and MLP hidden units over dense_tp
-(`reference_dit.layers`); after the reductions every rank holds the same logits, so every rank
+(`phyai_ray.nn.layers`); after the reductions every rank holds the same logits, so every rank
 samples the same token from the same seeded generator and no extra collective is needed to agree.
 """
 
