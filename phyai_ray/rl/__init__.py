@@ -12,4 +12,8 @@
 A mismatch refuses the update before any weight changes (`WeightUpdateRefusedError`; the replicas
 keep their previous version); a lease that expires returns an untouched replica and fails one
 that loaded part of the update (`phyai_ray.executors.updates`, `phyai_ray.rank.loading`).
+
+This package is what a trainer holds: `EngineActor` (actor.py), `WeightSender` (sender.py) and the
+sending half of a transfer (transfer.py). What a rank runs (its control lane, loading, receiving
+buckets) is in `phyai_ray.rank`; nothing below the engine imports this package.
 """
