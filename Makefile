@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test bench install clean grpc-stubs
+.PHONY: demo test bench install clean grpc-stubs lerobot-reference
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,3 +36,12 @@ grpc-stubs:
 	/tmp/phyai-grpc-tools/bin/pip install -q "grpcio-tools>=1.75,<1.76"
 	/tmp/phyai-grpc-tools/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. \
 		phyai_ray/serve/grpc_v2/grpc_predict_v2.proto
+
+# tests/data/lerobot/: tiny random SmolVLA / pi0 / pi0.5 folders and LeRobot 0.4.4's action chunks for them,
+# made in venvs of their own (Python 3.11, /tmp/lerobot-venv and /tmp/lerobot-openpi-venv). The tests
+# never need these venvs; run this only to regenerate the files.
+lerobot-reference:
+	bash scripts/lerobot_reference/build_venv.sh
+	/tmp/lerobot-venv/bin/python scripts/lerobot_reference/make_reference.py --policy smolvla --out tests/data/lerobot
+	/tmp/lerobot-openpi-venv/bin/python scripts/lerobot_reference/make_reference.py --policy pi0 --out tests/data/lerobot
+	/tmp/lerobot-openpi-venv/bin/python scripts/lerobot_reference/make_reference.py --policy pi05 --out tests/data/lerobot
