@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from phyai_ray.errors import RequestRejectedError
 
 
@@ -62,11 +64,6 @@ def _field(exc: BaseException) -> str | None:
     field = getattr(exc, "field", None)
     if isinstance(field, str):
         return field
-    errors = getattr(exc, "errors", None)
-    if callable(errors) and type(exc).__name__ == "ValidationError":
-        try:
-            location = errors()[0].get("loc", ())
-        except Exception:  # not pydantic's errors() after all
-            return None
-        return ".".join(str(part) for part in location) or None
+    if isinstance(exc, ValidationError) and exc.errors():
+        return ".".join(str(part) for part in exc.errors()[0].get("loc", ())) or None
     return None

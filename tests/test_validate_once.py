@@ -116,6 +116,26 @@ def test_a_refusal_is_the_typed_rejection_with_the_plugins_message(doubler):
     assert info.value.plugin == "counting" and doubler.entry.take() == 1
 
 
+def test_the_rejection_names_the_field_and_survives_pickling():
+    import pickle
+
+    from pydantic import BaseModel
+
+    class Body(BaseModel):
+        steps: int
+
+    class Strict(Entry):
+        name = "strict"
+
+        def validate_request(self, request: Any) -> None:
+            Body.model_validate(request)
+
+    with pytest.raises(RequestRejectedError, match="plugin strict rejected the request: ValidationError") as info:
+        validate(Strict(), {"steps": "many"})
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.plugin, again.field, str(again)) == ("strict", "steps", str(info.value))
+
+
 def test_v1_step_validates_once_and_a_refusal_is_422(doubler):
     app = _app(doubler)
     status, _, body = asgi_request(app, "POST", "/v1/step", {"x": [1.0, 2.0]})
