@@ -38,7 +38,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.iteration_control import GATHER, IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
-from phyai_ray.executors.sequences import Deadlines, LoopRequest, LoopSequence, stream_chunk
+from phyai_ray.executors.sequences import Candidates, Deadlines, LoopRequest, LoopSequence, stream_chunk
 from phyai_ray.outputs import merge_token_chunks, version_order
 from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
@@ -53,7 +53,7 @@ _COMPACT_SLACK = 64  # left sequences `_waiting` may hold beyond twice the waiti
 
 class IterationLoop(IterationControl):
     """Waiting and running sequences of one replica, and the thread that iterates them (a request
-    queue of the replica: see frontends.py)."""
+    queue of the replica: see queues.py)."""
 
     iterative = True
 
@@ -235,7 +235,7 @@ class IterationLoop(IterationControl):
     def _admit(self) -> list[LoopSequence]:
         """Lock held: the waiting sequences the policy admits, head first; its first refusal ends the
         round (nothing overtakes the sequence it refused)."""
-        self.policy.begin([s.candidate() for s in self._running.values()])
+        self.policy.begin(Candidates(list(self._running.values())))
         admitted: list[LoopSequence] = []
         while self._waiting:
             seq = self._waiting[0]

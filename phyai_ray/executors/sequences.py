@@ -3,6 +3,7 @@
     LoopRequest     a request: its future, its own deadline, when it expires, sequences left, stream sink
     LoopSequence    a sequence: payload, cost, group; its tokens (log-probs, per-token weight versions)
                     or its value so far, and the weight version of its latest output
+    Candidates      the running sequences as an admission policy sees them, made only when read
     stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}
     Deadlines       the heap of the requests' own deadlines; a request leaves it when it ends
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from phyai_ray.executors.futures import EngineFuture
@@ -19,6 +21,8 @@ from phyai_ray.plugins.iteration import Candidate, Delta
 from phyai_ray.streams import ChunkSink
 
 _HEAP_SLACK = 64  # left entries the deadline heap may hold beyond its live ones
+_candidate = tuple.__new__  # Candidate(*fields) without the keyword handling: the loop makes one per running
+#                             sequence per plan while a sequence waits (0.2 us instead of 0.6 us each)
 
 
 class LoopRequest:
@@ -49,7 +53,7 @@ class LoopSequence:
     """One sequence: what its rank admits, what it costs, and its output so far (tokens or a value)."""
 
     __slots__ = ("ident", "request", "index", "payload", "cost", "group", "tokens", "log_probs", "versions",
-                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version", "_candidate")
+                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version")
 
     def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int,
                  group: Any = None) -> None:
@@ -65,18 +69,14 @@ class LoopSequence:
         self.cache_version: Any = None
         self.stale = False  # its state must be rebuilt from its history at its next iteration (recompute)
         self.state = "waiting"  # -> "running" (it has a slot) -> "done" (ended, or its request left)
-        self._candidate: Candidate | None = None
 
     @property
     def order(self) -> float:
         return self.request.order
 
     def candidate(self) -> Candidate:
-        """What the admission policy sees of it (made again only when something in it changed)."""
-        c = self._candidate
-        if c is None or c.generated != len(self.tokens) or c.rebuild != self.stale:
-            c = self._candidate = Candidate(self.cost, self.group, len(self.tokens), self.stale)
-        return c
+        """What the admission policy sees of it."""
+        return _candidate(Candidate, (self.cost, self.group, len(self.tokens), self.stale))
 
     def add(self, delta: Delta, version: Any) -> None:
         """Take one iteration's delta, produced under weight `version`."""
@@ -96,6 +96,27 @@ class LoopSequence:
         return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
                            weight_version=self.versions[-1] if self.versions else None,
                            weight_versions=self.versions, top_logprobs=self.tops)
+
+
+class Candidates(Sequence):
+    """The running sequences as an admission policy sees them (`Candidate`s), made only when read:
+    a policy that needs no more than `len(running)` reads nothing else."""
+
+    __slots__ = ("_seqs",)
+
+    def __init__(self, seqs: list[LoopSequence]) -> None:
+        self._seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [s.candidate() for s in self._seqs[i]]
+        return self._seqs[i].candidate()
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return (_candidate(Candidate, (s.cost, s.group, len(s.tokens), s.stale)) for s in self._seqs)
 
 
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:

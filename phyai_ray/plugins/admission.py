@@ -47,10 +47,11 @@ class _Budget:
 
     def begin(self, running: Sequence[Candidate]) -> None:
         self._running = len(running)
-        self._left = self.budget - sum(self.spent(c) for c in running)
+        if self._running < self.max_seqs:  # else nothing joins: the candidates need not be read
+            self._left = self.budget - self.spent(running)
 
-    def spent(self, running: Candidate) -> int:
-        """What a running sequence takes of this iteration's budget."""
+    def spent(self, running: Sequence[Candidate]) -> int:
+        """What the running sequences take of this iteration's budget."""
         raise NotImplementedError
 
     def admit(self, candidate: Candidate) -> bool:
@@ -69,16 +70,16 @@ class TokenBudget(_Budget):
     left of `budget` after the running rows (1 each) and the rebuilds (cost + generated each), and
     always when nothing runs (see the module docstring)."""
 
-    def spent(self, running: Candidate) -> int:
-        return running.cost + running.generated if running.rebuild else 1
+    def spent(self, running: Sequence[Candidate]) -> int:
+        return sum(c.cost + c.generated if c.rebuild else 1 for c in running)
 
 
 class CostBudget(_Budget):
     """Up to `max_seqs` running, and the costs of every running and admitted sequence within
     `budget` in every iteration; the head always joins when nothing runs (see the module docstring)."""
 
-    def spent(self, running: Candidate) -> int:
-        return running.cost
+    def spent(self, running: Sequence[Candidate]) -> int:
+        return sum(c.cost for c in running)
 
 
 class GroupLimit:
@@ -91,13 +92,16 @@ class GroupLimit:
             raise TypeError(f"GroupLimit: policy must have begin(running) and admit(candidate), got {policy!r}; "
                             "e.g. GroupLimit(CostBudget(64, 4096), max_groups=2)")
         self.policy, self.max_groups = policy, max_groups
-        self._groups: set[Hashable | None] = set()
+        self._running: Sequence[Candidate] = ()
+        self._groups: set[Hashable | None] | None = None
 
     def begin(self, running: Sequence[Candidate]) -> None:
-        self._groups = {c.group for c in running}
+        self._running, self._groups = running, None  # the groups are read at the first admit, if any
         self.policy.begin(running)
 
     def admit(self, candidate: Candidate) -> bool:
+        if self._groups is None:
+            self._groups = {c.group for c in self._running}
         fresh = candidate.group not in self._groups
         if fresh and len(self._groups) >= self.max_groups:
             return False

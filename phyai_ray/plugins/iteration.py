@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 ITERATION_METHODS = ("admit", "drop", "recompute", "iterate")
 
@@ -94,9 +94,10 @@ class IterationPlan:
         return not (self.admit or self.drop or self.recompute)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """What an admission policy sees of one sequence (waiting or running); no loop internals.
+    Immutable (a named tuple: the loop makes one per running sequence per plan, and a tuple is
+    made in a fraction of a frozen dataclass's time).
 
     cost        its `SequenceSpec.cost` (the plugin's own units)
     group       its `SequenceSpec.group`
