@@ -61,6 +61,13 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
     return out
 
 
+def _progress(job: Job) -> Delta:
+    """A running request's delta: {"step": i, "of": n} for its stream once Delta carries progress."""
+    if "progress" in getattr(Delta, "__dataclass_fields__", {}):
+        return Delta(progress={"step": job.i, "of": job.steps})
+    return Delta()
+
+
 class PipelineModel:
     """One rank: the components, the family's loop, the running jobs (see the module docstring)."""
 
@@ -115,7 +122,7 @@ class PipelineModel:
                 self.payloads.pop(ident, None)
                 out[ident] = Delta(stop_reason="completed", value=self._result(job))
             else:
-                out[ident] = Delta()
+                out[ident] = _progress(job)
         return out
 
     def _result(self, job: Job) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""`diffusers_pipeline` on a real Ray group: CFG over 2 rank actors (gloo), and weight updates by name.
+
+Run: flock /tmp/phyai-ray-tests.lock .venv/bin/python -m pytest tests/test_diffusers_pipeline_ray.py -q
+
+Cfg rank 0 runs the cond rows and cfg rank 1 the uncond rows of every request, gathered each step:
+one request equals WanPipeline (1e-6), requests of different step counts and guidance batched per
+step too (1e-5), one without guidance among them. A weight update by diffusers' own names
+(`transformer.blocks.0.attn1.to_q.weight`) is checked before anything changes and followed: the
+next result equals WanPipeline with the same tensor, and carries the update's version.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from phyai_ray import (DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, OuterParallelConfig,
+                       ParallelConfig, WeightSender, WeightUpdateRefusedError, WorkerSupervisorConfig)
+from tests.conftest import closed_without_leaks, init_local_ray
+from tests.test_diffusers_pipeline import BASE, PLUGIN, one_thread, reference, wan_folders  # noqa: F401
+
+Q = "transformer.blocks.0.attn1.to_q.weight"
+
+
+@pytest.fixture(scope="module")
+def cfg2(wan_folders):  # noqa: F811
+    import ray
+
+    if not ray.is_initialized():
+        init_local_ray()
+    engine = Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(wan_folders["wan21"])}, config=EngineConfig(
+        device=DeviceConfig(target="cpu"), parallel=ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))),
+        DeploymentConfig(mode="local", cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
+    yield from closed_without_leaks(engine)
+
+
+def test_cfg2_equals_wan_pipeline_alone_and_batched_per_step(cfg2, wan_folders):  # noqa: F811
+    folder = wan_folders["wan21"]
+    alone = {**BASE, "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 5}
+    torch.testing.assert_close(cfg2.step({**alone, "output_type": "latent"})["video"], reference(folder, alone),
+                               rtol=0, atol=1e-6)
+    frames = cfg2.step(alone)["video"]  # decoded on the output rank
+    assert torch.equal(frames, (reference(folder, alone, "float") * 255).round().to(torch.uint8))
+    requests = [{**BASE, "num_inference_steps": 4, "guidance_scale": 5.0, "seed": 1},
+                {**BASE, "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 2},  # cfg rank 1 sends zeros
+                {**BASE, "prompt": "a dog runs left", "num_inference_steps": 3, "guidance_scale": 2.5, "seed": 3}]
+    cfg2.pause(mode="keep")
+    futures = [cfg2.submit({**r, "output_type": "latent"}) for r in requests]
+    cfg2.resume()
+    wait(futures, timeout=120)
+    assert max(f.timing()["batch_size"] for f in futures) == 3
+    for future, request in zip(futures, requests):
+        torch.testing.assert_close(future.result()["video"], reference(folder, request), rtol=0, atol=1e-5)
+
+
+def test_a_weight_update_by_diffusers_names_is_checked_then_followed(cfg2, wan_folders):  # noqa: F811
+    from diffusers import WanPipeline
+
+    folder = wan_folders["wan21"]
+    request = {**BASE, "num_inference_steps": 2, "guidance_scale": 3.0, "seed": 9, "output_type": "latent"}
+    before = cfg2.step(request)["video"]
+    pipe = WanPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    new_q = pipe.transformer.blocks[0].attn1.to_q.weight.detach() * 1.5 + 0.01
+    sender = WeightSender("object_store", timeout_s=60)
+    sender.init_transfer(cfg2)
+    with pytest.raises(WeightUpdateRefusedError, match=r"'transformer.blocks.0.attn1.to_q.weight': shape \[24, 2\]"):
+        sender.update(cfg2, [(Q, new_q[:, :2].contiguous())], version=1)
+    with pytest.raises(WeightUpdateRefusedError, match=r"'transformer.blocks.7.attn1.to_q.weight' is not a weight"):
+        sender.update(cfg2, [("transformer.blocks.7.attn1.to_q.weight", new_q)], version=1)
+    torch.testing.assert_close(cfg2.step(request)["video"], before, rtol=0, atol=0)  # nothing changed
+    sender.update(cfg2, [(Q, new_q)], version=2)
+    future = cfg2.submit(request)
+    got = future.result(timeout=120)
+    with torch.no_grad():
+        pipe.transformer.blocks[0].attn1.to_q.weight.copy_(new_q)
+        kwargs = {k: v for k, v in request.items() if k not in ("seed", "output_type")}
+        want = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(9), output_type="latent").frames[0]
+    assert (got["video"] - before).abs().max() > 1e-3  # the update mattered
+    torch.testing.assert_close(got["video"], want, rtol=0, atol=1e-6)
+    assert got["weight_version"] == 2
