@@ -22,8 +22,8 @@ WORDS = ("a robot arm picks up the red cube and places it in bin blue green box 
          "camera moves left right slowly fast dog cat runs").split()
 
 
-def _tokenizer(folder: Path):
-    """A word-level fast tokenizer with T5's special tokens (pad 0, eos 1, unk 2), saved as transformers' fast tokenizer."""
+def _tokenizer():
+    """A word-level fast tokenizer with T5's special tokens (pad 0, eos 1, unk 2), as transformers' fast tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -78,7 +78,7 @@ def build_wan(folder: Path, *, two_experts: bool = False, ti2v: bool = False, se
 
     torch.manual_seed(seed)
     gen = torch.Generator("cpu").manual_seed(seed)
-    tokenizer = _tokenizer(folder)
+    tokenizer = _tokenizer()
     text_encoder = _text_encoder(len(tokenizer))
     channels = 48 if ti2v else 16
     transformer = _transformer(channels, channels)

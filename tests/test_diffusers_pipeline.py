@@ -111,7 +111,8 @@ def test_a_request_admitted_half_way_joins_at_the_next_step(wan_folders):
                           group_rank=lambda name: 0, group_size=lambda name: 1)
     model = entry.create({"model": str(wan_folders["wan21"])}, ctx)
     a = {**BASE, "num_inference_steps": 5, "seed": 11, "output_type": "latent"}
-    b = {**BASE, "prompt": "a cat", "num_inference_steps": 3, "guidance_scale": 2.0, "seed": 12, "output_type": "latent"}
+    b = {**BASE, "prompt": "a cat", "num_inference_steps": 3, "guidance_scale": 2.0, "seed": 12,
+         "output_type": "latent"}
     model.admit(1, entry.sequences(a)[0].payload)
     for _ in range(2):
         assert model.iterate()[1].stop_reason is None
@@ -178,8 +179,8 @@ def test_bad_folders_are_refused_naming_the_file(wan_folders, tmp_path):
     shapes = _copy(wan_folders["wan21"], tmp_path, "shapes")
     config = json.loads((shapes / "transformer" / "config.json").read_text())
     (shapes / "transformer" / "config.json").write_text(json.dumps({**config, "ffn_dim": 48}))
-    with pytest.raises(PipelineFolderError, match=r"transformer/diffusion_pytorch_model.safetensors: tensor "
-                                                  r"'blocks\.0\.ffn\.net\.0\.proj\.(weight|bias)' has shape \[32.*expects \[48"):
+    rule = r"transformer/diffusion_pytorch_model.safetensors: tensor 'blocks\.0\.ffn\.net\.0\.proj\.(weight|bias)' "
+    with pytest.raises(PipelineFolderError, match=rule + r"has shape \[32.*expects \[48"):
         DiffusersPipelineEntry({"model": str(shapes)})
     with pytest.raises(PipelineFolderError, match="model_index.json does not exist"):
         DiffusersPipelineEntry({"model": str(tmp_path / "nowhere")})

@@ -32,7 +32,8 @@ def cfg2(wan_folders):  # noqa: F811
         init_local_ray()
     engine = Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(wan_folders["wan21"])}, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))),
-        DeploymentConfig(mode="local", cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
+        DeploymentConfig(mode="local", cpus_per_rank=0.5,
+                         process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
     yield from closed_without_leaks(engine)
 
 
