@@ -209,7 +209,8 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
 
     def control(self, op: str, args: tuple, timeout_s: float) -> Future:
         """Run control op `op` on every rank's control lane (a thread gathers the replies)."""
-        refs = [a.control.remote(op, rank_args(op, args, rank, self.world_size)) for rank, a in enumerate(self._actors)]
+        refs = [actor.control.remote(op, rank_args(op, args, rank, self.world_size))
+                for rank, actor in enumerate(self._actors)]
         future: Future = Future()
 
         def gather() -> None:

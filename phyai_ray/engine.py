@@ -91,10 +91,9 @@ class Engine(EngineControl):
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
-        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size, deadline=_deadline(deadline_s))
-        if future.done():
-            return future.result()
-        limit = timeout if timeout is not None else self._default_wait_s()
+        future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size,
+                                         deadline=_deadline(deadline_s))
+        limit = timeout if timeout is not None else self._default_wait_s()  # done: no wait at all
         try:
             return future.result(timeout=limit)
         except TimeoutError:

@@ -73,12 +73,13 @@ class InlineTransport:
 
     def run_here(self, work: Work) -> None:
         """On the caller's thread (nothing else at the rank): the hang clock still watches it, and other
-        callers queue behind it; this thread is in the plugin and returns when it does."""
+        callers queue behind it; this thread is in the plugin and returns when it does. It was
+        dispatched just now, so it cannot have expired: it runs at once."""
         if self._device_guard is None:
-            self._run(work)
+            self._run_now(work)
         else:
             with self._device_guard():
-                self._run(work)
+                self._run_now(work)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` with the rank's CUDA device current (a fresh worker thread starts on device 0)."""
@@ -89,10 +90,13 @@ class InlineTransport:
 
     def _run(self, work: Work) -> None:
         """Run `work` unless its deadline already failed it (one rank: safe to skip)."""
-        link = self._link
         if self.skips_expired and not work.unfinished:
-            link.finished(work)
+            self._link.finished(work)
             return
+        self._run_now(work)
+
+    def _run_now(self, work: Work) -> None:
+        link = self._link
         if link.failure() is not None:
             link.complete(work, error=link.unavailable_error())
             return
@@ -118,7 +122,8 @@ class InlineTransport:
 
     def control(self, op: str, args: tuple, timeout_s: float) -> Future:
         """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""
-        return self._worker.call(lambda: [self._guarded(self._runner.control, op, rank_args(op, args, 0, self.world_size))])
+        args = rank_args(op, args, 0, self.world_size)
+        return self._worker.call(lambda: [self._guarded(self._runner.control, op, args)])
 
     def hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
         return 0, None, "rank(s) [0] had not replied"

@@ -59,7 +59,9 @@ class ReplicaScheduler(DeadlineClock):
         self.index, self.max_ongoing, self.max_queued = index, max_ongoing, max_queued
         self._launch, self._on_hung, self.delivery = launch, on_hung, delivery
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # the clock thread waits on it (clock.py)
+        self._idle = threading.Condition(self._lock)  # drain() waits on it: a finish must not wake the clock
+        self._draining = 0  # threads in drain()
         self._queued: deque[Work] = deque()
         self._dispatched: deque[Work] = deque()
         self._to_launch: deque[Work] = deque()  # dispatched, not yet sent (see _send_launches)
@@ -262,8 +264,8 @@ class ReplicaScheduler(DeadlineClock):
             self._head_since = time.monotonic()
             self._arm(self._head_since + self._dispatched[0].limit_s)
         self._pump()
-        if not self._dispatched:
-            self._cond.notify_all()  # wake drain()
+        if not self._dispatched and self._draining:
+            self._idle.notify_all()  # wake drain()
 
     def complete(self, work: Work, value: Any = None, error: BaseException | None = None) -> None:
         """`deliver` and `finished` in one lock hold (one rank: its reply is its finish). The slot is
@@ -298,12 +300,16 @@ class ReplicaScheduler(DeadlineClock):
         """Wait until nothing is at the ranks (call after `hold`); False when `timeout_s` ran out."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._dispatched and self._refusal is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(timeout=left)
-            return True
+            self._draining += 1
+            try:
+                while self._dispatched and self._refusal is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(timeout=left)
+                return True
+            finally:
+                self._draining -= 1
 
     def abort_queued(self, error: Callable[[], BaseException]) -> int:
         """Fail every queued request with `error()`; returns how many."""
@@ -324,6 +330,7 @@ class ReplicaScheduler(DeadlineClock):
             if fail_dispatched:
                 self._dispatched.clear()
             self._cond.notify_all()
+            self._idle.notify_all()
         for work in queued:
             if not (cancel_queued and work.future.cancel()):
                 self.deliver(work, error=refusal())
