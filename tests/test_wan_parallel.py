@@ -29,7 +29,7 @@ from phyai_ray.models.diffusers_pipeline.wan_layers import (HeadShardedRMSNorm, 
                                                             tokens_send_buffer, token_ranges)
 from phyai_ray.models.diffusers_pipeline.wan_parallel import (shard_wan, tp_shard_dim,  # noqa: E402
                                                               validate_wan_parallel)
-from tests.plugins.wan_shard import sample_inputs, tiny_wan, tiny_wan_config  # noqa: E402
+from tests.plugins.wan_shard import I2V, sample_inputs, tiny_wan, tiny_wan_config  # noqa: E402
 
 TOLERANCE = 1e-5
 CP2 = ParallelConfig(attention=A(cp_size=2))
@@ -136,12 +136,15 @@ def fake_ctx(parallel: ParallelConfig, tp_rank: int) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])
-def test_shard_wan_keeps_the_chunks_tp_shard_dim_names(tp_rank):
-    full = tiny_wan(0).state_dict()
-    shard = shard_wan(tiny_wan(0), fake_ctx(TP2, tp_rank)).state_dict()
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_shard_wan_keeps_the_chunks_tp_shard_dim_names(tp_rank, variant):
+    overrides = I2V if variant == "i2v" else {}
+    full = tiny_wan(0, **overrides).state_dict()
+    shard = shard_wan(tiny_wan(0, **overrides), fake_ctx(TP2, tp_rank)).state_dict()
     assert shard.keys() == full.keys()
     split = [name for name in full if tp_shard_dim(name) is not None]
-    assert len(split) == 2 * (2 * 9 + 3)  # per attention: q, k, v (weight, bias), 2 norms, out; FFN: 3
+    image = 5 if variant == "i2v" else 0  # add_k_proj, add_v_proj (weight, bias), norm_added_k
+    assert len(split) == 2 * (2 * 9 + image + 3)  # per attention: q, k, v (weight, bias), 2 norms, out; FFN 3
     for name, tensor in full.items():
         dim = tp_shard_dim(name)
         want = tensor if dim is None else tensor.chunk(2, dim)[tp_rank]
@@ -191,19 +194,20 @@ def test_validate_reads_a_transformer_config_object():
 
 # -- real gloo groups on Ray ---------------------------------------------------------------------------
 
-REQUESTS = [  # even split, uneven (27 tokens over 2), Wan 2.2 TI2V per-token timestep, batch of 1
+REQUESTS = [  # even split, uneven (27 tokens over 2), Wan 2.2 TI2V per-token timestep, batch of 1, I2V
     sample_inputs(seed=1),
     sample_inputs(seed=2, width=6),
     sample_inputs(seed=3, width=6, per_token_timestep=True),
     sample_inputs(seed=4, batch=1, frames=2, height=4, width=4),
+    sample_inputs(seed=5, image_tokens=4),
 ]
 
 
 @pytest.fixture(scope="module")
 @torch.no_grad()
 def expected() -> list[torch.Tensor]:
-    model = tiny_wan(0)
-    return [model(**r, return_dict=False)[0] for r in REQUESTS]
+    t2v, i2v = tiny_wan(0), tiny_wan(0, **I2V)
+    return [(i2v if "encoder_hidden_states_image" in r else t2v)(**r, return_dict=False)[0] for r in REQUESTS]
 
 
 @pytest.mark.ray
