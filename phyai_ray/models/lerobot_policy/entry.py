@@ -1,0 +1,102 @@
+"""`LeRobotPolicyEntry`: LeRobot SmolVLA checkpoints served one action-expert step per iteration.
+
+    phyai-ray serve lerobot_policy --plugin-args '{"model": "ckpt/pretrained_model", "vlm": "ckpt/smolvlm"}'
+    Engine(EngineArgs(plugin="lerobot_policy", plugin_args={"model": ..., "vlm": ...}))
+
+plugin_args:
+    model      a LeRobot `pretrained_model` folder (config.json "type": smolvla; pi0 / pi05 are read
+               and refused until their model code lands), model.safetensors, the pre/postprocessor
+               JSONs and their normalizer .safetensors
+    vlm        SmolVLA's backbone folder (config.json, tokenizer): its `vlm_model_name` as a local
+               folder; a hub name with no folder given is refused, naming the folder to give
+    tokenizer  pi0 / pi0.5: the local PaliGemma tokenizer folder
+
+Everything is checked here, before any rank starts: the folder, the policy type, the statistics the
+normalization modes need, and every tensor of model.safetensors against the shapes the model code
+builds from the config (a network on the meta device: no memory). A frame (see request.py) is one
+sequence; each iteration advances every running frame one Euler step (policy.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phyai_ray.errors import RequestAbortedError
+from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy, build_network, expected_weights
+from phyai_ray.models.lerobot_policy.processing import Normalizer
+from phyai_ray.models.lerobot_policy.request import Layout, parse_frame
+from phyai_ray.plugins.admission import CostBudget
+from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.iteration import SequenceSpec
+from phyai_ray.plugins.registry import register_plugin
+
+
+@register_plugin
+class LeRobotPolicyEntry(Entry):
+    """LeRobot vision-language-action policies (SmolVLA), one expert denoising step per iteration."""
+
+    name = "lerobot_policy"
+    parallel_domains = frozenset()
+
+    def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
+        self.folder: PolicyFolder | None = None
+        self.layout: Layout | None = None
+        if plugin_args:
+            self.configure(plugin_args)
+
+    def configure(self, plugin_args: dict[str, Any]) -> None:
+        folder = PolicyFolder.open(plugin_args)
+        norm = Normalizer(folder)
+        for kind, features in (("STATE", folder.features("STATE")), ("ACTION", folder.features("ACTION"))):
+            if len(features) != 1:
+                raise ValueError(f"lerobot_policy: {folder.path / 'config.json'} has {len(features)} {kind} features "
+                                 f"({sorted(features)}); supported: exactly one")
+            norm.check(next(iter(features)), kind)
+        if not folder.features("VISUAL"):
+            raise ValueError(f"lerobot_policy: {folder.path / 'config.json'} names no VISUAL input feature; "
+                             "SmolVLA / pi0 need at least one camera")
+        network = build_network(folder)
+        folder.check_weights(expected_weights(network))
+        cfg = folder.config
+        [(state_key, state_shape)] = folder.features("STATE").items()
+        [action_shape] = folder.features("ACTION").values()
+        self.folder = folder
+        self.layout = Layout(cameras=folder.features("VISUAL"), state_key=state_key, state_dim=state_shape[0],
+                             action_dim=action_shape[0], chunk=int(cfg["chunk_size"]),
+                             max_action_dim=int(cfg["max_action_dim"]))
+
+    def _require(self) -> Layout:
+        if self.layout is None:
+            raise ValueError('lerobot_policy needs plugin_args {"model": "<pretrained_model folder>", ...}')
+        return self.layout
+
+    def validate_request(self, request: Any) -> dict[str, Any]:
+        return parse_frame(request, self._require())
+
+    def sequences(self, request: Any) -> list[SequenceSpec]:
+        """One sequence per frame; its cost is its share of every expert step (one row)."""
+        payload = request if "images" in request else parse_frame(request, self._require())
+        return [SequenceSpec(payload=payload, cost=1)]
+
+    def admission(self, batching: Any) -> CostBudget:
+        """Every running frame costs one row of every expert step, up to max_num_seqs frames."""
+        return CostBudget(batching.max_num_seqs, batching.max_num_seqs)
+
+    def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
+        [out] = outputs
+        if not isinstance(out, dict):
+            raise RequestAbortedError("the frame was aborted before its last denoising step; send it again")
+        return out
+
+    def policy_metadata(self) -> dict[str, Any]:
+        layout, cfg = self._require(), self.folder.config
+        return {"policy": self.name, "type": cfg["type"], "cameras": sorted(layout.cameras),
+                "state_key": layout.state_key, "state_dim": layout.state_dim, "action_dim": layout.action_dim,
+                "action_horizon": layout.chunk, "num_steps": int(cfg.get("num_steps", 10)),
+                "real_time_chunking": ["prev_actions", "inference_delay", "execution_horizon"]}
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> LeRobotPolicy:
+        if self.folder is None:
+            self.configure(plugin_args)
+        return LeRobotPolicy(self.folder, ctx)

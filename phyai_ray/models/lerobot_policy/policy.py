@@ -1,0 +1,153 @@
+"""One rank of a LeRobot policy: the iteration protocol, ONE action-expert Euler step per iteration.
+
+    admit(frame)    preprocess (normalize the state, resize the cameras, tokenize the task), run the
+                    prefix through the VLM once and keep its KV cache (and SmolVLA's projected
+                    cross-attention K/V); the frame's noise becomes x at time 1
+    iterate()       every running frame of every robot takes its next step in ONE expert forward:
+                    prefixes stacked with right padding and pad masks, each frame at its own time
+                    (1 + j * dt), RTC per robot; a frame whose last step this was ends with its
+                    actions, sliced to the real action dim and unnormalized
+    drop / recompute   forget a frame / start it again from its noise (after a weight update)
+
+A frame that arrives while others run joins at the next iteration; its rows never mix with another
+frame's, so a robot's chunk is the same alone or batched (to float rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad
+from phyai_ray.models.lerobot_policy.rtc import Guidance, RTCSettings
+from phyai_ray.plugins.iteration import Delta
+
+
+def build_network(folder: PolicyFolder, device: Any = "meta") -> torch.nn.Module:
+    """The policy's network under LeRobot's parameter names, on `device` (meta: shapes only, no memory)."""
+    with torch.device(device):
+        if folder.type == "smolvla":
+            from phyai_ray.models.lerobot_policy.smolvla import SmolVLA
+
+            return SmolVLA(folder.config, folder.backbone)
+    raise ValueError(f"lerobot_policy: policy type {folder.type!r} is not implemented yet; implemented: smolvla")
+
+
+def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
+    """{checkpoint name: shape} the network loads ("model." + its own parameter names)."""
+    return {f"model.{k}": v.shape for k, v in network.state_dict().items()}
+
+
+@dataclass
+class Running:
+    """One frame on its way: its prefix cache, sample, steps taken and RTC guidance."""
+
+    prefix: Any
+    x: torch.Tensor  # [chunk, max_action_dim]
+    payload: dict[str, Any]
+    j: int = 0
+    guidance: Guidance | None = None
+
+
+class LeRobotPolicy:
+    """The per-rank model of `lerobot_policy` (see the module docstring)."""
+
+    def __init__(self, folder: PolicyFolder, ctx: Any) -> None:
+        self.folder, self.ctx = folder, ctx
+        self.device = torch.device(getattr(ctx, "device", "cpu") or "cpu")
+        cfg = folder.config
+        net = build_network(folder, self.device)
+        weights = folder.load_weights("model.")
+        net.load_state_dict({k: weights[k] for k in net.state_dict()})
+        self.net = net.to(dtype=torch.float32).eval()
+        self.chunk, self.num_steps = int(cfg["chunk_size"]), int(cfg.get("num_steps", 10))
+        self.max_state, self.max_action = int(cfg["max_state_dim"]), int(cfg["max_action_dim"])
+        self.resize = cfg.get("resize_imgs_with_padding")
+        self.norm = Normalizer(folder)
+        self.tokenizer = PromptTokenizer(folder.backbone, int(cfg.get("tokenizer_max_length", 48)))
+        self.rtc = RTCSettings.from_config(cfg.get("rtc_config"))
+        self.state_key = next(iter(folder.features("STATE")))
+        self.cameras = list(folder.features("VISUAL"))
+        self.action_dim = next(iter(folder.features("ACTION").values()))[0]
+        self.running: dict[int, Running] = {}
+        self.weight_version: Any = None
+
+    # -- the iteration protocol -----------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, ident: int, payload: dict[str, Any]) -> None:
+        self.running[ident] = self._start(payload)
+
+    def drop(self, ident: int) -> None:
+        self.running.pop(ident, None)
+
+    @torch.inference_mode()
+    def recompute(self, ident: int) -> None:
+        if ident in self.running:
+            self.running[ident] = self._start(self.running[ident].payload)
+
+    @torch.inference_mode()
+    def iterate(self) -> dict[int, Delta]:
+        """ONE Euler step of the action expert for every running frame (see the module docstring)."""
+        if not self.running:
+            return {}
+        idents = list(self.running)
+        frames = [self.running[i] for i in idents]
+        self._advance(frames)
+        out: dict[int, Delta] = {}
+        for ident, frame in zip(idents, frames):
+            if frame.j == self.num_steps:
+                del self.running[ident]
+                out[ident] = Delta(stop_reason="completed", value={"actions": self._postprocess(frame.x)})
+        return out
+
+    def step(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A whole frame alone: every step of one frame (the same math as per iteration)."""
+        frame = self._start(payload)
+        for _ in range(self.num_steps):
+            self._advance([frame])
+        return {"actions": self._postprocess(frame.x)}
+
+    # -- the math -------------------------------------------------------------------------------
+    def _start(self, payload: dict[str, Any]) -> Running:
+        dev = self.device
+        state = self.norm.apply(payload["state"].to(dev), self.state_key, "STATE")
+        state = pad_vector(state, self.max_state)
+        images = []
+        for key in self.cameras:
+            img = payload["images"][key].to(dev)[None]
+            if self.resize:
+                img = resize_with_pad(img, *self.resize, pad_value=0)
+            images.append(img[0] * 2.0 - 1.0)
+        tokens = self.tokenizer(payload["task"]).to(dev)
+        prefix = self.net.encode_prefix(images, tokens, state)
+        noise = payload.get("noise")
+        if noise is None:
+            gen = torch.Generator(device="cpu").manual_seed(int(payload["noise_seed"]))
+            noise = torch.randn(self.chunk, self.max_action, generator=gen)
+        frame = Running(prefix, noise.to(dev, torch.float32).clone(), payload)
+        prev = payload.get("prev_actions")
+        if prev is not None:
+            model_space = self.norm.apply(prev.to(dev), "action", "ACTION")
+            frame.guidance = Guidance.build(self.rtc, model_space, int(payload["inference_delay"]),
+                                            payload.get("execution_horizon"), self.chunk, self.max_action)
+        return frame
+
+    def _advance(self, frames: list[Running]) -> None:
+        dt = -1.0 / self.num_steps
+        times = [1.0 + f.j * dt for f in frames]
+        x = torch.stack([f.x for f in frames])
+        v = self.net.velocity([f.prefix for f in frames], x,
+                              torch.tensor(times, dtype=torch.float32, device=self.device))
+        for row, frame in enumerate(frames):
+            vi = v[row]
+            if frame.guidance is not None:
+                vi = frame.guidance.correct(frame.x, vi, times[row])
+            frame.x = frame.x + dt * vi
+            frame.j += 1
+
+    def _postprocess(self, x: torch.Tensor) -> torch.Tensor:
+        actions = x[:, :self.action_dim]
+        return self.norm.apply(actions, "action", "ACTION", inverse=True).cpu()

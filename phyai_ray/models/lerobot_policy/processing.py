@@ -1,0 +1,118 @@
+"""LeRobot's pre- and postprocessing of one robot frame, as its saved pipelines do it.
+
+    norm = Normalizer(folder)                 # the statistics and modes of the folder
+    state = norm.apply(state, "observation.state", "STATE")          # (x - mean) / (std + eps), ...
+    actions = norm.apply(actions, "action", "ACTION", inverse=True)  # back to the robot's units
+    image = resize_with_pad(image, 512, 512)  # bilinear, aspect kept, padded on the left and top
+    tokens = PromptTokenizer(folder.backbone, max_length=48)("pick up the cube")  # "\\n" appended first
+
+Images: a float tensor is LeRobot's CHW in [0, 1]; a uint8 array is a camera's HWC (openpi) and is
+scaled by 1/255 and moved to CHW first. SigLIP then sees image * 2 - 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+
+
+class Normalizer:
+    """LeRobot's NormalizerProcessorStep / UnnormalizerProcessorStep for the folder's features."""
+
+    def __init__(self, folder: PolicyFolder) -> None:
+        self.stats, self.eps, self.modes = folder.stats, folder.eps, folder.norm_modes
+
+    def check(self, key: str, kind: str) -> None:
+        """Fail now (not per frame) when a mode needs statistics the folder lacks."""
+        mode = self.modes.get(kind, "IDENTITY")
+        need = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"),
+                "QUANTILE10": ("q10", "q90")}.get(mode, ())
+        have = self.stats.get(key, {})
+        if need and key in self.stats and not all(n in have for n in need):
+            raise ValueError(f"lerobot_policy: {kind} normalization {mode} of {key!r} needs the statistics "
+                             f"{need}, the folder's normalizer file has {sorted(have)}")
+
+    def apply(self, x: torch.Tensor, key: str, kind: str, inverse: bool = False) -> torch.Tensor:
+        mode = self.modes.get(kind, "IDENTITY")
+        stats = self.stats.get(key)
+        if mode == "IDENTITY" or stats is None:  # LeRobot leaves a feature without statistics as it is
+            return x
+        s = {k: v.to(device=x.device, dtype=x.dtype) for k, v in stats.items()}
+        if mode == "MEAN_STD":
+            return x * s["std"] + s["mean"] if inverse else (x - s["mean"]) / (s["std"] + self.eps)
+        low, high = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}[mode]
+        denom = s[high] - s[low]
+        denom = torch.where(denom == 0, torch.tensor(self.eps, device=x.device, dtype=x.dtype), denom)
+        if inverse:
+            return (x + 1.0) * denom / 2.0 + s[low]
+        return 2.0 * (x - s[low]) / denom - 1.0
+
+
+def as_image(value: Any, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A camera frame as float CHW in [0, 1]: float CHW as given, uint8 HWC scaled and transposed."""
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"'{key}' must be an image array, got {type(value).__name__}") from exc
+    if value.dim() != 3:
+        raise ValueError(f"'{key}' must be an image with 3 dimensions (float CHW in [0, 1] or uint8 HWC), "
+                         f"got shape {list(value.shape)}")
+    if value.dtype == torch.uint8:
+        if value.shape[-1] != 3:
+            raise ValueError(f"'{key}': a uint8 image is HWC with 3 channels, got shape {list(value.shape)}")
+        value = value.permute(2, 0, 1).to(torch.float32) / 255.0
+    elif value.is_floating_point():
+        if value.shape[0] != 3:
+            raise ValueError(f"'{key}': a float image is CHW with 3 channels in [0, 1], got shape {list(value.shape)}")
+        value = value.to(torch.float32)
+    else:
+        raise ValueError(f"'{key}' must be uint8 HWC or float CHW, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"'{key}' holds NaN or infinite values")
+    return value
+
+
+def resize_with_pad(img: torch.Tensor, width: int, height: int, pad_value: float = 0.0) -> torch.Tensor:
+    """[B, C, H, W] resized (bilinear) to fit width x height with its aspect ratio, padded on the left/top."""
+    cur_h, cur_w = img.shape[2:]
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    out = F.interpolate(img, size=(new_h, new_w), mode="bilinear", align_corners=False)
+    return F.pad(out, (max(0, int(width - new_w)), 0, max(0, int(height - new_h)), 0), value=pad_value)
+
+
+def pad_vector(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The last dimension zero-padded to `dim` (LeRobot's pad_vector)."""
+    if x.shape[-1] == dim:
+        return x
+    out = torch.zeros(*x.shape[:-1], dim, dtype=x.dtype, device=x.device)
+    out[..., :x.shape[-1]] = x
+    return out
+
+
+class PromptTokenizer:
+    """The task string as LeRobot tokenizes it: a newline appended when missing, truncated to
+    `max_length`, one frame alone (no padding: frames are stacked with pad masks later)."""
+
+    def __init__(self, folder: Path, max_length: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.max_length = max_length
+
+    def __call__(self, task: str) -> torch.Tensor:
+        if not task.endswith("\n"):
+            task = f"{task}\n"
+        out = self.tokenizer(task, max_length=self.max_length, truncation=True, padding="longest",
+                             padding_side="right", return_tensors="pt")
+        ids, mask = out["input_ids"][0], out["attention_mask"][0].bool()
+        return ids[mask]

@@ -1,0 +1,217 @@
+"""SmolVLA (LeRobot `type: smolvla`) on transformers 5's SmolVLM and Llama building blocks.
+
+    prefix  = [SigLIP(image_c) -> pixel shuffle -> projection, * sqrt(d)] per camera
+              + [token embeddings * sqrt(d)] + [state_proj(state)]        attends: images+language
+                                                                           both ways, the state all
+    cache   = per VLM layer (the first num_vlm_layers of SmolVLM's text model) its keys (rotated)
+              and values: ONE pass per frame, at admission
+    cross   = per cross-attention layer, the expert's k_proj / v_proj of that layer's cached keys
+              and values: also once per frame (LeRobot recomputes them every step)
+    step    = the expert (a narrower Llama) over the chunk's action tokens:
+              action_in_proj(x_t) ++ sin-cos(time) -> mlp -> layers -> norm -> action_out_proj = v
+              even layers (self_attn_every_n_layers) attend to the prefix cache and causally to
+              the chunk, the others cross-attend to the projected prefix
+              x_{t+dt} = x_t + dt * v, dt = -1 / num_steps, time from 1 down to 0
+
+The module tree mirrors LeRobot's, so parameter names are the checkpoint's own
+(`model.vlm_with_expert.lm_expert.layers.0.self_attn.q_proj.weight`, ...): weights load and update by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phyai_ray.models.lerobot_policy.layers import apply_rope, att_2d_masks, attention, pad_mask, stack_right, \
+    time_embedding
+
+
+def expert_intermediate(hidden: int, multiplier: int = 4, multiple_of: int = 256) -> int:
+    hidden = int(multiplier * int(2 * hidden / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class Prefix:
+    """One frame's encoded prefix: per VLM layer (keys, values) [L, KV, D], per cross layer the
+    expert's projections of them, and its length L."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    cross: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    length: int
+
+
+class _VLM(nn.Module):
+    def __init__(self, config: Any, num_layers: int) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
+
+        self.model = nn.Module()
+        self.model.vision_model = SmolVLMVisionTransformer(config.vision_config)
+        self.model.connector = SmolVLMConnector(config)
+        text = AutoModel.from_config(config.text_config)
+        if num_layers > 0:
+            text.layers = text.layers[:num_layers]
+        self.model.text_model = text
+
+
+class SmolVLA(nn.Module):
+    """The SmolVLA network under LeRobot's parameter names (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], vlm_folder: Path) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModel
+
+        self.cfg = config
+        if config.get("attention_mode", "cross_attn") not in ("cross_attn", "self_attn"):
+            raise ValueError(f"lerobot_policy: smolvla attention_mode={config.get('attention_mode')!r}; "
+                             "supported: cross_attn, self_attn")
+        if config.get("add_image_special_tokens") or config.get("empty_cameras", 0) or config.get("prefix_length", -1) > 0:
+            raise ValueError("lerobot_policy: smolvla with add_image_special_tokens, empty_cameras or prefix_length "
+                             "> 0 is not supported; supported: the defaults (False, 0, -1)")
+        vlm_config = AutoConfig.from_pretrained(str(vlm_folder), local_files_only=True)
+        text = vlm_config.text_config
+        self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.hidden = text.hidden_size
+        self.vlm_with_expert = nn.Module()
+        self.vlm_with_expert.vlm = _VLM(vlm_config, int(config.get("num_vlm_layers", -1)))
+        self.num_vlm_layers = len(self.vlm_with_expert.vlm.model.text_model.layers)
+        expert_config = copy.deepcopy(text)
+        width = int(text.hidden_size * float(config.get("expert_width_multiplier", 0.75)))
+        expert_config.hidden_size = width
+        expert_config.intermediate_size = expert_intermediate(width)
+        expert_config.head_dim = self.head_dim
+        num_expert = int(config.get("num_expert_layers", -1))
+        expert_config.num_hidden_layers = num_expert if num_expert > 0 else self.num_vlm_layers
+        if self.num_vlm_layers % expert_config.num_hidden_layers:
+            raise ValueError(f"lerobot_policy: num_vlm_layers={self.num_vlm_layers} is not a multiple of "
+                             f"num_expert_layers={num_expert}")
+        expert = AutoModel.from_config(expert_config)
+        expert.embed_tokens = None
+        self.every = int(config.get("self_attn_every_n_layers", 2))
+        self.cross_mode = "cross" in config.get("attention_mode", "cross_attn")
+        for i, layer in enumerate(expert.layers):
+            if self.cross_mode and not (self.every > 0 and i % self.every == 0):
+                kv_in, kv_out = self.kv_heads * self.head_dim, expert_config.num_key_value_heads * self.head_dim
+                layer.self_attn.k_proj = nn.Linear(kv_in, kv_out, bias=expert_config.attention_bias)
+                layer.self_attn.v_proj = nn.Linear(kv_in, kv_out, bias=expert_config.attention_bias)
+        self.vlm_with_expert.lm_expert = expert
+        self.width = width
+        max_state, max_action = int(config["max_state_dim"]), int(config["max_action_dim"])
+        self.state_proj = nn.Linear(max_state, self.hidden)
+        self.action_in_proj = nn.Linear(max_action, width)
+        self.action_out_proj = nn.Linear(width, max_action)
+        self.action_time_mlp_in = nn.Linear(width * 2, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+        multiple = self.num_vlm_layers // expert_config.num_hidden_layers
+        self.expert_at = [None if multiple > 0 and i > 0 and i % multiple else expert.layers[i // multiple]
+                          for i in range(self.num_vlm_layers)]
+
+    def _is_self_attn(self, i: int) -> bool:
+        return not self.cross_mode or (self.every > 0 and i % self.every == 0)
+
+    def _vision(self, pixels: torch.Tensor) -> torch.Tensor:
+        """SmolVLM's vision tower on [1, 3, h, w], with the patch positions of transformers 4.5x, which
+        SmolVLA checkpoints were trained with and LeRobot 0.4.4 runs: fractional coordinates i / n * (1 - 1e-6)
+        (transformers 5 clamps i / n instead, which moves every patch but the first to the next bucket)."""
+        tower = self.vlm_with_expert.vlm.model.vision_model
+        emb = tower.embeddings
+        patches = emb.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        n_h, n_w = pixels.shape[2] // emb.patch_size, pixels.shape[3] // emb.patch_size
+        side = emb.num_patches_per_side
+        bounds = torch.arange(1 / side, 1.0, 1 / side, device=pixels.device)
+        coords = [torch.arange(n, device=pixels.device, dtype=pixels.dtype) / n * (1 - 1e-6) for n in (n_h, n_w)]
+        rows, cols = (torch.bucketize(c, bounds, right=True) for c in coords)
+        positions = (rows[:, None] * side + cols).flatten()
+        h = patches + emb.position_embedding(positions)[None]
+        h = tower.encoder(inputs_embeds=h, attention_mask=None).last_hidden_state
+        return tower.post_layernorm(h)
+
+    # -- the prefix, once per frame ---------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_prefix(self, images: list[torch.Tensor], tokens: torch.Tensor, state: torch.Tensor) -> Prefix:
+        """images: [3, h, w] in [-1, 1] already resized; tokens [T]; state [max_state_dim] -> its cache."""
+        vlm = self.vlm_with_expert.vlm.model
+        embs = []
+        for img in images:
+            h = vlm.connector(self._vision(img[None]))
+            embs.append(h[0] * torch.tensor(h.shape[-1] ** 0.5, dtype=h.dtype, device=h.device))
+        lang = vlm.text_model.get_input_embeddings()(tokens)
+        embs.append(lang * math.sqrt(lang.shape[-1]))
+        embs.append(self.state_proj(state)[None])
+        x = torch.cat(embs)[None]  # [1, L, d]
+        length = x.shape[1]
+        att = torch.zeros(1, length, dtype=torch.long, device=x.device)
+        att[0, -1] = 1  # images and language do not see the state; the state sees everything
+        mask = att_2d_masks(torch.ones(1, length, dtype=torch.bool, device=x.device), att)
+        pos = torch.arange(length, device=x.device)[None]
+        keys, values, cross = [], [], {}
+        for i, layer in enumerate(vlm.text_model.layers):
+            h = layer.input_layernorm(x)
+            shape = (1, length, -1, self.head_dim)
+            q = apply_rope(layer.self_attn.q_proj(h).view(shape), pos)
+            k = apply_rope(layer.self_attn.k_proj(h).view(shape), pos)
+            v = layer.self_attn.v_proj(h).view(shape)
+            keys.append(k[0])
+            values.append(v[0])
+            out = layer.self_attn.o_proj(attention(mask, q, k, v, self.heads, self.kv_heads)) + x
+            x = layer.mlp(layer.post_attention_layernorm(out)) + out
+            expert = self.expert_at[i]
+            if expert is not None and not self._is_self_attn(i):
+                ck = expert.self_attn.k_proj(k.reshape(1, length, -1)).view(length, -1, self.head_dim)
+                cv = expert.self_attn.v_proj(v.reshape(1, length, -1)).view(length, -1, self.head_dim)
+                cross[i] = (ck, cv)
+        return Prefix(keys, values, cross, length)
+
+    # -- one expert step for a stack of frames --------------------------------------------------------
+    def _embed_suffix(self, x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        action = self.action_in_proj(x)
+        temb = time_embedding(time, self.width, float(self.cfg.get("min_period", 4e-3)),
+                              float(self.cfg.get("max_period", 4.0))).to(action.dtype)
+        h = torch.cat([action, temb[:, None, :].expand_as(action)], dim=2)
+        return self.action_time_mlp_out(nn.functional.silu(self.action_time_mlp_in(h)))
+
+    @torch.inference_mode()
+    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """v for B frames at once: x [B, chunk, max_action_dim], time [B] float32, each frame its own prefix."""
+        b, s = x.shape[:2]
+        lengths = [p.length for p in prefixes]
+        lmax = max(lengths)
+        dev = x.device
+        prefix_pad = pad_mask(lengths, lmax, dev)[:, None, :].expand(b, s, lmax)
+        causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None].expand(b, s, s)
+        self_mask = torch.cat([prefix_pad, causal], dim=2)
+        self_pos = torch.tensor(lengths, device=dev)[:, None] + torch.arange(s, device=dev)[None]
+        cross_pos = torch.arange(s, device=dev)[None].expand(b, s)
+        h = self._embed_suffix(x, time)
+        for i in range(self.num_vlm_layers):
+            layer = self.expert_at[i]
+            if layer is None:
+                continue
+            n = layer.input_layernorm(h)
+            shape = (b, s, -1, self.head_dim)
+            if self._is_self_attn(i):
+                q = apply_rope(layer.self_attn.q_proj(n).view(shape), self_pos)
+                k = apply_rope(layer.self_attn.k_proj(n).view(shape), self_pos)
+                v = layer.self_attn.v_proj(n).view(shape)
+                k = torch.cat([stack_right([p.keys[i] for p in prefixes], lmax), k], dim=1)
+                v = torch.cat([stack_right([p.values[i] for p in prefixes], lmax), v], dim=1)
+                att = attention(self_mask, q, k, v, self.heads, self.kv_heads)
+            else:
+                q = apply_rope(layer.self_attn.q_proj(n).view(shape), cross_pos)
+                k = stack_right([p.cross[i][0] for p in prefixes], lmax)
+                v = stack_right([p.cross[i][1] for p in prefixes], lmax)
+                att = attention(prefix_pad, q, k, v, self.heads, self.kv_heads)
+            out = layer.self_attn.o_proj(att) + h
+            h = layer.mlp(layer.post_attention_layernorm(out)) + out
+        h = self.vlm_with_expert.lm_expert.norm(h)
+        return self.action_out_proj(h.to(torch.float32))
