@@ -232,8 +232,18 @@ def test_engine_refuses_a_cosmos_folder_without_guardrail_before_any_rank(folder
 
     with pytest.raises(GuardrailError, match="licensed") as info:
         Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}))
-    assert "plugin_args['safety_checker'] = 'package.module:Name'" in str(info.value) or \
-        "'package.module:Name'" in str(info.value)
+    assert "plugin_args['safety_checker']" in str(info.value) and "'package.module:Name'" in str(info.value)
+
+
+def test_conditioning_frames_are_refused_for_text_only_pipelines():
+    from phyai_ray.models.diffusers_pipeline.request import Limits, VideoRequest, VideoRequestError
+
+    wan = Limits(temporal=4, spatial=8, patch=(1, 2, 2), two_experts=False)
+    with pytest.raises(VideoRequestError, match="for Cosmos2_5_PredictBasePipeline folders"):
+        VideoRequest.parse({"prompt": "a cube", "height": 32, "width": 32, "image": IMAGE}, wan)
+    cosmos = Limits(temporal=4, spatial=8, patch=(1, 2, 2), two_experts=False, conditioning=True)
+    parsed = VideoRequest.parse({"prompt": "a cube", "height": 32, "width": 32, "image": IMAGE}, cosmos)
+    assert parsed.image is IMAGE and parsed.video is None
 
 
 def test_engine_refuses_an_unsafe_prompt_and_serves_on(engine, pipe):
