@@ -14,8 +14,11 @@ build() {  # build DIR [overlay requirement]
     local dir=$1 overlay=${2:-}
     if [ -f "$dir/.installed" ]; then return; fi
     [ -x "$dir/bin/python" ] || "$PY311" -m venv "$dir"
-    "$dir/bin/pip" install -q "lerobot[smolvla]==0.4.4" "torch<2.11" "tokenizers" "safetensors"
-    if [ -n "$overlay" ]; then "$dir/bin/pip" install -q --no-deps "$overlay"; fi
+    "$dir/bin/pip" install -q "lerobot[smolvla]==0.4.4" "torch<2.11" "safetensors"
+    if [ -n "$overlay" ]; then  # over transformers 4.57's files (its metadata stays: LeRobot checks it)
+        "$dir/bin/pip" install -q --no-deps --force-reinstall "$overlay"
+        "$dir/bin/pip" install -q "tokenizers>=0.21,<0.22"  # what transformers-openpi 4.53.3 imports with
+    fi
     touch "$dir/.installed"
 }
 

@@ -136,6 +136,76 @@ def smolvla_policy(backbone: Path):
     return SmolVLAPolicy(cfg)
 
 
+# pi0 / pi0.5: tiny sizes under LeRobot's GemmaConfig and SigLIP's field names (plugin_args["sizes"] of the
+# tests); LeRobot builds only its named variants, so the reference patches its constructors here.
+PI_SIZES = {
+    "paligemma": {"width": 32, "depth": 2, "mlp_dim": 64, "num_heads": 4, "num_kv_heads": 1, "head_dim": 8},
+    "action_expert": {"width": 16, "depth": 2, "mlp_dim": 32, "num_heads": 4, "num_kv_heads": 1, "head_dim": 8},
+    "vision": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+               "patch_size": 8},
+}
+PALIGEMMA = "google/paligemma-3b-pt-224"  # the name LeRobot's pi0 / pi0.5 processors load
+
+
+def pi_backbone(folder: Path) -> int:
+    """A tiny PaliGemma-like tokenizer (byte-level BPE with <bos> prepended, as PaliGemma's does)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = CORPUS + ["Task: pick up the red cube, State: 0 12 127 128 200 255 31 64 99;\nAction: "] * 4
+    raw = train_bpe(corpus, 360, ["<pad>", "<eos>", "<bos>", "<unk>"])
+    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
+def pi_policy(kind: str, backbone: Path):
+    """A tiny pi0 / pi0.5: LeRobot's variant table and its PaliGemma / Gemma constructors patched to PI_SIZES."""
+    import importlib
+
+    from lerobot.configs.types import RTCAttentionSchedule
+    from lerobot.policies.rtc.configuration_rtc import RTCConfig
+    import lerobot.processor.tokenizer_processor as tokenizer_processor
+
+    vocab = pi_backbone(backbone)
+    modeling = importlib.import_module(f"lerobot.policies.{kind}.modeling_{kind}")
+    configuration = importlib.import_module(f"lerobot.policies.{kind}.configuration_{kind}")
+    sizes = {"gemma_2b": PI_SIZES["paligemma"], "gemma_300m": PI_SIZES["action_expert"]}
+    modeling.get_gemma_config = lambda variant: modeling.GemmaConfig(**sizes[variant])
+    real_vlm, real_expert = modeling.PaliGemmaForConditionalGeneration, modeling.GemmaForCausalLM
+
+    def tiny_vlm(config):
+        for key, value in PI_SIZES["vision"].items():
+            setattr(config.vision_config, key, value)
+        config.vision_config.projection_dim = PI_SIZES["paligemma"]["width"]
+        config.text_config.vocab_size = vocab
+        config._vocab_size = vocab  # noqa: SLF001
+        config.image_token_index = 0
+        return real_vlm(config=config)
+
+    def tiny_expert(config):
+        config.vocab_size = vocab
+        return real_expert(config=config)
+
+    modeling.PaliGemmaForConditionalGeneration, modeling.GemmaForCausalLM = tiny_vlm, tiny_expert
+    real_tokenizer = tokenizer_processor.AutoTokenizer.from_pretrained
+    tokenizer_processor.AutoTokenizer.from_pretrained = \
+        lambda name, *a, **k: real_tokenizer(str(backbone) if name == PALIGEMMA else name, *a, **k)
+    config_class = configuration.PI0Config if kind == "pi0" else configuration.PI05Config
+    policy_class = modeling.PI0Policy if kind == "pi0" else modeling.PI05Policy
+    inputs, outputs = features()
+    cfg = config_class(
+        input_features=inputs, output_features=outputs, normalization_mapping=normalization(),
+        chunk_size=10, n_action_steps=10, max_state_dim=8, max_action_dim=8, num_inference_steps=5,
+        image_resolution=(32, 32), tokenizer_max_length=48 if kind == "pi05" else 16, device="cpu",
+        rtc_config=RTCConfig(enabled=True, prefix_attention_schedule=RTCAttentionSchedule.LINEAR,
+                             max_guidance_weight=8.0, execution_horizon=6))
+    return policy_class(cfg), vocab
+
+
 def observations(gen: torch.Generator, n: int) -> list[dict]:
     frames = []
     for i in range(n):
@@ -171,7 +241,11 @@ def make(policy_name: str, out: Path) -> None:
     backbone = root / "backbone"
     if policy_name == "smolvla":
         smolvla_backbone(backbone)
-        policy = smolvla_policy(Path(os.path.relpath(backbone)) if False else backbone)
+        policy = smolvla_policy(backbone)
+        sizes = None
+    elif policy_name in ("pi0", "pi05"):
+        policy, vocab = pi_policy(policy_name, backbone)
+        sizes = {**PI_SIZES, "vocab_size": vocab}
     else:
         raise SystemExit(f"unknown policy {policy_name!r}; one of smolvla, pi0, pi05")
     policy.eval()
@@ -201,7 +275,7 @@ def make(policy_name: str, out: Path) -> None:
     save_file({k: v.contiguous().float() for k, v in tensors.items()}, str(root / "cases.safetensors"))
     meta = {"policy": policy_name, "prompts": [f["task"] for f in frames], "cameras": list(CAMERAS),
             "rtc": [{"k": k, "inference_delay": d, "execution_horizon": s} for k, d, s in RTC],
-            "lerobot": __import__("lerobot").__version__, "torch": torch.__version__,
+            "sizes": sizes, "lerobot": __import__("lerobot").__version__, "torch": torch.__version__,
             "transformers": __import__("transformers").__version__}
     (root / "cases.json").write_text(json.dumps(meta, indent=1) + "\n")
     # the folder names its backbone by the path given at build time; keep it relative to the repo
