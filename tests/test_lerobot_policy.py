@@ -106,20 +106,39 @@ def test_noise_seed_draws_the_noise(served):
     assert (a - engine.step({**frame, "noise_seed": 6})["actions"]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("change,needle", [
+def test_openpi_client_keys_and_uint8_images_map_onto_the_checkpoint(served):
+    engine, cases = served
+    frame = cases.frame(2)
+    top, wrist = cases.meta["cameras"]
+    hwc = {k: (frame[k] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy() for k in (top, wrist)}
+    openpi = {"observation/image": hwc[top], "observation/wrist_image": hwc[wrist],
+              "observation/state": frame["observation.state"].numpy().astype("float64"), "prompt": frame["task"],
+              "noise": frame["noise"]}
+    lerobot = {**frame, **{k: torch.from_numpy(v).permute(2, 0, 1).float() / 255 for k, v in hwc.items()}}
+    torch.testing.assert_close(engine.step(openpi)["actions"], engine.step(lerobot)["actions"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RequestRejectedError, match="twice"):
+        engine.step({**openpi, "task": "again"})
+
+
+BAD_FRAMES = [  # (what is wrong, the words the error must say)
     (lambda f, c: f.pop(c.meta["cameras"][1]), "lacks"),
     (lambda f, c: f.update({"observation.state": torch.zeros(3)}), "observation.state"),
     (lambda f, c: f.update({"noise": torch.zeros(2, 2)}), "noise"),
     (lambda f, c: f.update({"gripper": 1}), "unknown frame keys"),
     (lambda f, c: f.update({c.meta["cameras"][0]: torch.zeros(4, 5)}), "3 dimensions"),
+    (lambda f, c: f.update({c.meta["cameras"][0]: torch.zeros(8, 8, 4, dtype=torch.uint8)}), "HWC with 3"),
     (lambda f, c: f.update({"inference_delay": 2}), "inference_delay"),
-])
-def test_bad_frames_are_refused_and_the_engine_goes_on(served, change, needle):
+    (lambda f, c: f.update({"task": 7}), "task"),
+]
+
+
+def test_bad_frames_are_refused_and_the_engine_goes_on(served):
     engine, cases = served
-    frame = cases.frame(0)
-    change(frame, cases)
-    with pytest.raises(RequestRejectedError, match=needle):
-        engine.step(frame)
+    for change, needle in BAD_FRAMES:
+        frame = cases.frame(0)
+        change(frame, cases)
+        with pytest.raises(RequestRejectedError, match=needle):
+            engine.step(frame)
     torch.testing.assert_close(engine.step(cases.frame(1))["actions"], cases.t["alone"][1], rtol=1e-5, atol=1e-5)
 
 

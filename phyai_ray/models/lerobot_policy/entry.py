@@ -10,6 +10,8 @@ plugin_args:
     vlm        SmolVLA's backbone folder (config.json, tokenizer): its `vlm_model_name` as a local
                folder; a hub name with no folder given is refused, naming the folder to give
     tokenizer  pi0 / pi0.5: the local PaliGemma tokenizer folder
+    openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
+               "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
 Everything is checked here, before any rank starts: the folder, the policy type, the statistics the
 normalization modes need, and every tensor of model.safetensors against the shapes the model code
@@ -25,7 +27,7 @@ from phyai_ray.errors import RequestAbortedError
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy, build_network, expected_weights
 from phyai_ray.models.lerobot_policy.processing import Normalizer
-from phyai_ray.models.lerobot_policy.request import Layout, parse_frame
+from phyai_ray.models.lerobot_policy.request import Layout, openpi_aliases, parse_frame
 from phyai_ray.plugins.admission import CostBudget
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
@@ -62,9 +64,11 @@ class LeRobotPolicyEntry(Entry):
         [(state_key, state_shape)] = folder.features("STATE").items()
         [action_shape] = folder.features("ACTION").values()
         self.folder = folder
-        self.layout = Layout(cameras=folder.features("VISUAL"), state_key=state_key, state_dim=state_shape[0],
+        cameras = folder.features("VISUAL")
+        aliases = openpi_aliases(list(cameras), state_key, plugin_args.get("openpi_keys"))
+        self.layout = Layout(cameras=cameras, state_key=state_key, state_dim=state_shape[0],
                              action_dim=action_shape[0], chunk=int(cfg["chunk_size"]),
-                             max_action_dim=int(cfg["max_action_dim"]))
+                             max_action_dim=int(cfg["max_action_dim"]), aliases=aliases)
 
     def _require(self) -> Layout:
         if self.layout is None:
@@ -94,6 +98,7 @@ class LeRobotPolicyEntry(Entry):
         return {"policy": self.name, "type": cfg["type"], "cameras": sorted(layout.cameras),
                 "state_key": layout.state_key, "state_dim": layout.state_dim, "action_dim": layout.action_dim,
                 "action_horizon": layout.chunk, "num_steps": int(cfg.get("num_steps", 10)),
+                "openpi_keys": layout.aliases,
                 "real_time_chunking": ["prev_actions", "inference_delay", "execution_horizon"]}
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> LeRobotPolicy:

@@ -71,7 +71,7 @@ class LeRobotPolicy:
         self.rtc = RTCSettings.from_config(cfg.get("rtc_config"))
         self.state_key = next(iter(folder.features("STATE")))
         self.cameras = list(folder.features("VISUAL"))
-        self.action_dim = next(iter(folder.features("ACTION").values()))[0]
+        [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
         self.running: dict[int, Running] = {}
         self.weight_version: Any = None
 
@@ -130,7 +130,7 @@ class LeRobotPolicy:
         frame = Running(prefix, noise.to(dev, torch.float32).clone(), payload)
         prev = payload.get("prev_actions")
         if prev is not None:
-            model_space = self.norm.apply(prev.to(dev), "action", "ACTION")
+            model_space = self.norm.apply(prev.to(dev), self.action_key, "ACTION")
             frame.guidance = Guidance.build(self.rtc, model_space, int(payload["inference_delay"]),
                                             payload.get("execution_horizon"), self.chunk, self.max_action)
         return frame
@@ -150,4 +150,4 @@ class LeRobotPolicy:
 
     def _postprocess(self, x: torch.Tensor) -> torch.Tensor:
         actions = x[:, :self.action_dim]
-        return self.norm.apply(actions, "action", "ACTION", inverse=True).cpu()
+        return self.norm.apply(actions, self.action_key, "ACTION", inverse=True).cpu()

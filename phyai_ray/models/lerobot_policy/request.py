@@ -9,6 +9,9 @@
 
 `prev_actions` are in the space of the returned actions (the robot's units); they are normalized
 like LeRobot's actions before guiding. 0 <= d <= k <= chunk_size and 1 <= s <= chunk_size.
+openpi-client frames name their fields openpi's way; `Layout.aliases` renames them first (default
+below, `plugin_args["openpi_keys"]` replaces it): "observation/image" -> the first camera,
+"observation/wrist_image" -> the second, "observation/state" -> the state feature, "prompt" -> "task".
 Without `noise` and `noise_seed` the seed is derived from the state, the task and `step`, so a frame
 sent again gets the same chunk.
 """
@@ -38,6 +41,24 @@ class Layout:
     action_dim: int
     chunk: int
     max_action_dim: int
+    aliases: dict[str, str]
+
+
+def openpi_aliases(cameras: list[str], state_key: str, given: dict[str, str] | None) -> dict[str, str]:
+    """{openpi-client key: checkpoint key}: `given` (checked against the checkpoint's keys) or the default."""
+    if given is None:
+        names = ("observation/image", "observation/wrist_image", "observation/left_wrist_image")
+        out = dict(zip(names, cameras))
+        return {**out, "observation/state": state_key, "prompt": "task"}
+    if not isinstance(given, dict):
+        raise ValueError(f'lerobot_policy: plugin_args["openpi_keys"] must be a dict {{openpi key: checkpoint key}}, '
+                         f"got {type(given).__name__}")
+    known = {*cameras, state_key, "task"}
+    bad = {k: v for k, v in given.items() if v not in known}
+    if bad:
+        raise ValueError(f'lerobot_policy: plugin_args["openpi_keys"] maps to keys this checkpoint does not have: '
+                         f"{bad}; its keys: {sorted(known)}")
+    return dict(given)
 
 
 def _tensor(value: Any, key: str) -> torch.Tensor:
@@ -76,6 +97,13 @@ def parse_frame(frame: Any, layout: Layout) -> dict[str, Any]:
     if not isinstance(frame, dict):
         raise ValueError(f"a frame is a dict with {layout.state_key!r}, the cameras {sorted(layout.cameras)} "
                          f"and 'task'; got {type(frame).__name__}")
+    renamed: dict[str, Any] = {}
+    for key, value in frame.items():
+        name = layout.aliases.get(key, key)
+        if name in renamed:
+            raise ValueError(f"the frame gives {name!r} twice (as {key!r} and under its own or another name)")
+        renamed[name] = value
+    frame = renamed
     known = CONTROL_KEYS | {layout.state_key} | set(layout.cameras)
     unknown = sorted(set(frame) - known)
     if unknown:
