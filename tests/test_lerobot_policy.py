@@ -170,3 +170,23 @@ def test_bad_folders_are_refused_before_any_rank_starts(tmp_path, policy):
     refused({**args, "model": str(folder)}, "state_proj")
     (folder / "policy_postprocessor.json").unlink()
     refused({**args, "model": str(folder)}, "policy_postprocessor.json")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_weights_update_by_the_checkpoints_names(policy):
+    from types import SimpleNamespace
+
+    from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
+
+    entry = LeRobotPolicyEntry(args_of(policy))
+    rank = entry.create({}, SimpleNamespace(device="cpu"))
+    cases = Cases(policy)
+    specs = rank.weight_specs()
+    saved = load_file(str(DATA / policy / "pretrained_model" / "model.safetensors"))
+    assert set(specs) <= set(saved) and all(tuple(saved[k].shape) == specs[k][0] for k in specs)
+    frame = entry.validate_request(cases.frame(0))
+    name = "model.action_out_proj.weight"
+    rank.load_weights([(name, saved[name] * 2)])
+    assert (rank.step(frame)["actions"] - cases.t["alone"][0]).abs().max() > 1e-3
+    rank.load_weights([(name, saved[name])])
+    torch.testing.assert_close(rank.step(frame)["actions"], cases.t["alone"][0], rtol=1e-5, atol=1e-5)

@@ -110,6 +110,21 @@ class LeRobotPolicy:
             self._advance([frame])
         return {"actions": self._postprocess(frame.x)}
 
+    # -- weight updates by the checkpoint's own names ----------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """{"model.action_out_proj.weight": (shape, dtype), ...}: model.safetensors' names, checked
+        (names, shapes, dtypes) before any tensor of an update changes."""
+        return {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.net.state_dict().items()}
+
+    @torch.no_grad()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into the parameter of that checkpoint name; running frames are rebuilt
+        by the loop (`recompute`) before their next step, so no prefix cache of the old weights is used."""
+        state = self.net.state_dict()
+        for name, tensor in weights:
+            target = state[name.removeprefix("model.")]
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
     # -- the math -------------------------------------------------------------------------------
     def _start(self, payload: dict[str, Any]) -> Running:
         dev = self.device
