@@ -16,25 +16,29 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from phyai_ray import (DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, OuterParallelConfig,
-                       ParallelConfig, WeightSender, WeightUpdateRefusedError, WorkerSupervisorConfig)
+from phyai_ray import (AttentionParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
+                       OuterParallelConfig, ParallelConfig, WeightSender, WeightUpdateRefusedError,
+                       WorkerSupervisorConfig)
 from tests.conftest import closed_without_leaks, init_local_ray
 from tests.test_diffusers_pipeline import BASE, PLUGIN, one_thread, reference, wan_folders  # noqa: F401
 
 Q = "transformer.blocks.0.attn1.to_q.weight"
 
 
-@pytest.fixture(scope="module")
-def cfg2(wan_folders):  # noqa: F811
+def _group(folder, parallel: ParallelConfig) -> Engine:
     import ray
 
     if not ray.is_initialized():
         init_local_ray()
-    engine = Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(wan_folders["wan21"])}, config=EngineConfig(
-        device=DeviceConfig(target="cpu"), parallel=ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))),
+    return Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}, config=EngineConfig(
+        device=DeviceConfig(target="cpu"), parallel=parallel)),
         DeploymentConfig(mode="local", cpus_per_rank=0.5,
                          process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
-    yield from closed_without_leaks(engine)
+
+
+@pytest.fixture(scope="module")
+def cfg2(wan_folders):  # noqa: F811
+    yield from closed_without_leaks(_group(wan_folders["wan21"], ParallelConfig(outer=OuterParallelConfig(cfg_size=2))))
 
 
 def test_cfg2_equals_wan_pipeline_alone_and_batched_per_step(cfg2, wan_folders):  # noqa: F811
@@ -82,3 +86,20 @@ def test_a_weight_update_by_diffusers_names_is_checked_then_followed(cfg2, wan_f
     assert (got["video"] - before).abs().max() > 1e-3  # the update mattered
     torch.testing.assert_close(got["video"], want, rtol=0, atol=1e-6)
     assert got["weight_version"] == 2
+
+
+@pytest.fixture(scope="module")
+def cp2(wan_folders):  # noqa: F811
+    parallel = ParallelConfig(attention=AttentionParallelConfig(cp_size=2))
+    yield from closed_without_leaks(_group(wan_folders["wan22"], parallel))
+
+
+def test_ulysses_over_2_ranks_through_the_step_loop_equals_wan_pipeline(cp2, wan_folders):  # noqa: F811
+    """attention.cp_size=2 on Wan 2.2: every rank holds every request, each forward split over the tokens."""
+    folder = wan_folders["wan22"]
+    requests = [{**BASE, "num_inference_steps": 3, "guidance_scale": 4.0, "guidance_scale_2": 2.0, "seed": 1},
+                {**BASE, "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 2}]
+    futures = [cp2.submit({**r, "output_type": "latent"}) for r in requests]
+    wait(futures, timeout=120)
+    for future, request in zip(futures, requests):
+        torch.testing.assert_close(future.result()["video"], reference(folder, request), rtol=0, atol=1e-5)
