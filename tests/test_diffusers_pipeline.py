@@ -207,3 +207,15 @@ def test_cost_is_latent_tokens_times_guidance_branches(wan_folders):
     assert guided.cost == 2 * 3 * 2 * 2 and plain.cost == 3 * 2 * 2  # 3 latent frames x (4/2) x (4/2) tokens
     with pytest.raises(VideoRequestError, match="4k\\+1"):
         entry.sequences({**BASE, "num_frames": 8})
+
+
+def test_a_streamed_request_reports_each_step_then_its_video(wan21, wan_folders):
+    from phyai_ray.plugins.iteration import Delta
+
+    if "progress" not in Delta.__dataclass_fields__:
+        pytest.skip("the iteration loop streams token chunks only: Delta has no `progress` for a value plugin's "
+                    "per-step report yet")
+    request = {**BASE, "num_inference_steps": 3, "seed": 2, "output_type": "latent"}
+    items = list(wan21.stream(request, timeout=120))
+    assert items[:3] == [{"step": i, "of": 3} for i in (1, 2, 3)] and len(items) == 4
+    torch.testing.assert_close(items[-1]["video"], reference(wan_folders["wan21"], request), rtol=0, atol=1e-6)

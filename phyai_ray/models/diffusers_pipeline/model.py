@@ -62,7 +62,7 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
 
 
 def _progress(job: Job) -> Delta:
-    """A running request's delta: {"step": i, "of": n} for its stream once Delta carries progress."""
+    """A request's delta after its step i of n: {"step": i, "of": n} for its stream once Delta carries progress."""
     if "progress" in getattr(Delta, "__dataclass_fields__", {}):
         return Delta(progress={"step": job.i, "of": job.steps})
     return Delta()
@@ -117,12 +117,11 @@ class PipelineModel:
             self.family.step(jobs)
         out: dict[int, Delta] = {}
         for ident, job in list(self.jobs.items()):
+            out[ident] = _progress(job)
             if job.done:
                 del self.jobs[ident]
                 self.payloads.pop(ident, None)
-                out[ident] = Delta(stop_reason="completed", value=self._result(job))
-            else:
-                out[ident] = _progress(job)
+                out[ident].stop_reason, out[ident].value = "completed", self._result(job)
         return out
 
     def _result(self, job: Job) -> dict[str, Any]:
