@@ -1,15 +1,16 @@
-"""`LeRobotPolicyEntry`: LeRobot SmolVLA checkpoints served one action-expert step per iteration.
+"""`LeRobotPolicyEntry`: LeRobot SmolVLA, pi0 and pi0.5 checkpoints, one action-expert step per iteration.
 
     phyai-ray serve lerobot_policy --plugin-args '{"model": "ckpt/pretrained_model", "vlm": "ckpt/smolvlm"}'
     Engine(EngineArgs(plugin="lerobot_policy", plugin_args={"model": ..., "vlm": ...}))
 
 plugin_args:
-    model      a LeRobot `pretrained_model` folder (config.json "type": smolvla; pi0 / pi05 are read
-               and refused until their model code lands), model.safetensors, the pre/postprocessor
-               JSONs and their normalizer .safetensors
+    model      a LeRobot `pretrained_model` folder (config.json "type": smolvla, pi0 or pi05),
+               model.safetensors, the pre/postprocessor JSONs and their normalizer .safetensors
     vlm        SmolVLA's backbone folder (config.json, tokenizer): its `vlm_model_name` as a local
                folder; a hub name with no folder given is refused, naming the folder to give
-    tokenizer  pi0 / pi0.5: the local PaliGemma tokenizer folder
+    tokenizer  pi0 / pi0.5: the local PaliGemma tokenizer folder (their processors name
+               google/paligemma-3b-pt-224, which is never downloaded)
+    sizes      pi0 / pi0.5 sizes other than their variant names' (see pi0.py), e.g. tiny test models
     openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
                "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
@@ -36,7 +37,7 @@ from phyai_ray.plugins.registry import register_plugin
 
 @register_plugin
 class LeRobotPolicyEntry(Entry):
-    """LeRobot vision-language-action policies (SmolVLA), one expert denoising step per iteration."""
+    """LeRobot vision-language-action policies (SmolVLA, pi0, pi0.5), one expert denoising step per iteration."""
 
     name = "lerobot_policy"
     parallel_domains = frozenset()
@@ -59,7 +60,11 @@ class LeRobotPolicyEntry(Entry):
             raise ValueError(f"lerobot_policy: {folder.path / 'config.json'} names no VISUAL input feature; "
                              "SmolVLA / pi0 need at least one camera")
         network = build_network(folder)
-        folder.check_weights(expected_weights(network))
+        expected = expected_weights(network)
+        for name, stored in getattr(network, "checkpoint_aliases", dict)().items():
+            if name in expected:  # a tied tensor the checkpoint keeps under another name
+                expected[stored] = expected.pop(name)
+        folder.check_weights(expected)
         cfg = folder.config
         [(state_key, state_shape)] = folder.features("STATE").items()
         [action_shape] = folder.features("ACTION").values()

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
-from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad
+from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad, \
+    resize_with_pad_centered
 from phyai_ray.models.lerobot_policy.rtc import Guidance, RTCSettings
 from phyai_ray.plugins.iteration import Delta
 
@@ -33,7 +34,9 @@ def build_network(folder: PolicyFolder, device: Any = "meta") -> torch.nn.Module
             from phyai_ray.models.lerobot_policy.smolvla import SmolVLA
 
             return SmolVLA(folder.config, folder.backbone)
-    raise ValueError(f"lerobot_policy: policy type {folder.type!r} is not implemented yet; implemented: smolvla")
+        from phyai_ray.models.lerobot_policy.pi0 import PiZero
+
+        return PiZero(folder.config, folder.sizes)
 
 
 def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
@@ -50,6 +53,7 @@ class Running:
     payload: dict[str, Any]
     j: int = 0
     guidance: Guidance | None = None
+    state: torch.Tensor | None = None  # normalized, padded to max_state_dim (pi0's suffix takes it)
 
 
 class LeRobotPolicy:
@@ -61,11 +65,16 @@ class LeRobotPolicy:
         cfg = folder.config
         net = build_network(folder, self.device)
         weights = folder.load_weights("model.")
+        for name, stored in getattr(net, "checkpoint_aliases", dict)().items():
+            weights.setdefault(name.removeprefix("model."), weights.get(stored.removeprefix("model.")))
         net.load_state_dict({k: weights[k] for k in net.state_dict()})
         self.net = net.to(dtype=torch.float32).eval()
         self.chunk, self.num_steps = int(cfg["chunk_size"]), int(cfg.get("num_steps", 10))
         self.max_state, self.max_action = int(cfg["max_state_dim"]), int(cfg["max_action_dim"])
-        self.resize = cfg.get("resize_imgs_with_padding")
+        self.kind = folder.type
+        self.resize = cfg.get("resize_imgs_with_padding") if self.kind == "smolvla" else cfg.get("image_resolution")
+        if self.kind != "smolvla":
+            self.num_steps = int(cfg.get("num_inference_steps", 10))
         self.norm = Normalizer(folder)
         self.tokenizer = PromptTokenizer(folder.backbone, int(cfg.get("tokenizer_max_length", 48)))
         self.rtc = RTCSettings.from_config(cfg.get("rtc_config"))
@@ -114,15 +123,19 @@ class LeRobotPolicy:
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         """{"model.action_out_proj.weight": (shape, dtype), ...}: model.safetensors' names, checked
         (names, shapes, dtypes) before any tensor of an update changes."""
-        return {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.net.state_dict().items()}
+        specs = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.net.state_dict().items()}
+        for name, stored in getattr(self.net, "checkpoint_aliases", dict)().items():
+            specs[stored] = specs[name]  # a tied tensor: either of its names
+        return specs
 
     @torch.no_grad()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor into the parameter of that checkpoint name; running frames are rebuilt
         by the loop (`recompute`) before their next step, so no prefix cache of the old weights is used."""
         state = self.net.state_dict()
+        tied = {stored: name for name, stored in getattr(self.net, "checkpoint_aliases", dict)().items()}
         for name, tensor in weights:
-            target = state[name.removeprefix("model.")]
+            target = state[tied.get(name, name).removeprefix("model.")]
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
     # -- the math -------------------------------------------------------------------------------
@@ -133,16 +146,21 @@ class LeRobotPolicy:
         images = []
         for key in self.cameras:
             img = payload["images"][key].to(dev)[None]
-            if self.resize:
+            if self.kind == "smolvla" and self.resize:
                 img = resize_with_pad(img, *self.resize, pad_value=0)
+            elif self.resize:
+                img = resize_with_pad_centered(img, *self.resize)
             images.append(img[0] * 2.0 - 1.0)
-        tokens = self.tokenizer(payload["task"]).to(dev)
-        prefix = self.net.encode_prefix(images, tokens, state)
+        if self.kind == "pi05":
+            tokens = self.tokenizer(self.net.state_prompt(payload["task"], state), newline=False)
+        else:
+            tokens = self.tokenizer(payload["task"])
+        prefix = self.net.encode_prefix(images, tokens.to(dev), state)
         noise = payload.get("noise")
         if noise is None:
             gen = torch.Generator(device="cpu").manual_seed(int(payload["noise_seed"]))
             noise = torch.randn(self.chunk, self.max_action, generator=gen)
-        frame = Running(prefix, noise.to(dev, torch.float32).clone(), payload)
+        frame = Running(prefix, noise.to(dev, torch.float32).clone(), payload, state=state)
         prev = payload.get("prev_actions")
         if prev is not None:
             model_space = self.norm.apply(prev.to(dev), self.action_key, "ACTION")
@@ -155,7 +173,8 @@ class LeRobotPolicy:
         times = [1.0 + f.j * dt for f in frames]
         x = torch.stack([f.x for f in frames])
         v = self.net.velocity([f.prefix for f in frames], x,
-                              torch.tensor(times, dtype=torch.float32, device=self.device))
+                              torch.tensor(times, dtype=torch.float32, device=self.device),
+                              torch.stack([f.state for f in frames]))
         for row, frame in enumerate(frames):
             vi = v[row]
             if frame.guidance is not None:

@@ -90,6 +90,20 @@ def resize_with_pad(img: torch.Tensor, width: int, height: int, pad_value: float
     return F.pad(out, (max(0, int(width - new_w)), 0, max(0, int(height - new_h)), 0), value=pad_value)
 
 
+def resize_with_pad_centered(img: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """openpi's resize for pi0 / pi0.5: [B, C, H, W] in [0, 1] resized (bilinear, clamped to [-1, 1]) and
+    padded with -1 evenly on both sides; an image already height x width is left as it is."""
+    cur_h, cur_w = img.shape[2:]
+    if (cur_h, cur_w) == (height, width):
+        return img
+    ratio = max(cur_w / width, cur_h / height)
+    new_h, new_w = int(cur_h / ratio), int(cur_w / ratio)
+    out = F.interpolate(img, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+    top, rem_h = divmod(height - new_h, 2)
+    left, rem_w = divmod(width - new_w, 2)
+    return F.pad(out, (left, left + rem_w, top, top + rem_h), mode="constant", value=-1.0)
+
+
 def pad_vector(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The last dimension zero-padded to `dim` (LeRobot's pad_vector)."""
     if x.shape[-1] == dim:
@@ -109,8 +123,8 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self.max_length = max_length
 
-    def __call__(self, task: str) -> torch.Tensor:
-        if not task.endswith("\n"):
+    def __call__(self, task: str, newline: bool = True) -> torch.Tensor:
+        if newline and not task.endswith("\n"):
             task = f"{task}\n"
         out = self.tokenizer(task, max_length=self.max_length, truncation=True, padding="longest",
                              padding_side="right", return_tensors="pt")

@@ -74,7 +74,8 @@ class SmolVLA(nn.Module):
         if config.get("attention_mode", "cross_attn") not in ("cross_attn", "self_attn"):
             raise ValueError(f"lerobot_policy: smolvla attention_mode={config.get('attention_mode')!r}; "
                              "supported: cross_attn, self_attn")
-        if config.get("add_image_special_tokens") or config.get("empty_cameras", 0) or config.get("prefix_length", -1) > 0:
+        extras = config.get("add_image_special_tokens"), config.get("empty_cameras", 0), config.get("prefix_length", -1)
+        if extras[0] or extras[1] or extras[2] > 0:
             raise ValueError("lerobot_policy: smolvla with add_image_special_tokens, empty_cameras or prefix_length "
                              "> 0 is not supported; supported: the defaults (False, 0, -1)")
         vlm_config = AutoConfig.from_pretrained(str(vlm_folder), local_files_only=True)
@@ -181,7 +182,8 @@ class SmolVLA(nn.Module):
         return self.action_time_mlp_out(nn.functional.silu(self.action_time_mlp_in(h)))
 
     @torch.inference_mode()
-    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor,
+                 states: torch.Tensor | None = None) -> torch.Tensor:
         """v for B frames at once: x [B, chunk, max_action_dim], time [B] float32, each frame its own prefix."""
         b, s = x.shape[:2]
         lengths = [p.length for p in prefixes]

@@ -1,0 +1,256 @@
+"""pi0 and pi0.5 (LeRobot `type: pi0` / `pi05`): PaliGemma's prefix, a Gemma action expert, as LeRobot 0.4.4.
+
+    prefix  = [SigLIP(image_c) -> projector] per camera + [token embeddings * sqrt(width)]
+              (pi0.5: the state is written into the prompt as 256-bin integers); all tokens see each other
+    cache   = per Gemma layer its keys (rotated) and values: ONE pass per frame, at admission
+    step    = the expert (a narrower Gemma, same heads and depth) over the suffix, attending to the
+              prefix cache and to the suffix: pi0: [state_proj(state)] + action tokens
+              (action_in_proj(x_t) ++ sin-cos(time) -> mlp); pi0.5: action tokens only, the time's
+              mlp conditioning every RMSNorm of the expert (scale, shift, gate: adaptive RMSNorm and
+              gated residuals) -> norm -> action_out_proj on the chunk's tokens = v
+              x_{t+dt} = x_t + dt * v, dt = -1 / num_steps, time from 1 down to 0
+
+Sizes follow LeRobot's variant names (gemma_2b, gemma_300m; SigLIP so400m) unless plugin_args["sizes"]
+gives them: {"paligemma": {width, depth, mlp_dim, num_heads, num_kv_heads, head_dim}, "action_expert":
+{...}, "vision": {hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, patch_size},
+"vocab_size": n}. Parameter names are the checkpoint's own (`model.paligemma_with_expert...`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from phyai_ray.models.lerobot_policy.layers import att_2d_masks, pad_mask, stack_right, time_embedding
+
+VARIANTS = {
+    "gemma_2b": {"width": 2048, "depth": 18, "mlp_dim": 16384, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
+    "gemma_300m": {"width": 1024, "depth": 18, "mlp_dim": 4096, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
+}
+SIGLIP = {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16, "intermediate_size": 4304,
+          "patch_size": 14}
+GEMMA_FIELDS = ("width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
+MASK_VALUE = -2.3819763e38  # openpi's attention mask value
+
+
+def pi_sizes(config: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any]:
+    """The model sizes: `given` (plugin_args["sizes"], every field checked) or the config's variants."""
+    if given:
+        for part, fields in (("paligemma", GEMMA_FIELDS), ("action_expert", GEMMA_FIELDS), ("vision", tuple(SIGLIP))):
+            missing = [f for f in fields if not isinstance((given.get(part) or {}).get(f), int)]
+            if missing:
+                raise ValueError(f'lerobot_policy: plugin_args["sizes"]["{part}"] lacks the ints {missing}; '
+                                 f"it needs {list(fields)}")
+        if not isinstance(given.get("vocab_size"), int):
+            raise ValueError('lerobot_policy: plugin_args["sizes"] needs "vocab_size" (an int)')
+        return given
+    out = {}
+    for part, key in (("paligemma", "paligemma_variant"), ("action_expert", "action_expert_variant")):
+        name = config.get(key, "gemma_2b" if part == "paligemma" else "gemma_300m")
+        if name not in VARIANTS:
+            raise ValueError(f"lerobot_policy: {key}={name!r}; supported: {sorted(VARIANTS)} or plugin_args['sizes']")
+        out[part] = VARIANTS[name]
+    return {**out, "vision": SIGLIP, "vocab_size": 257152}
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Gemma's rotary embedding (transformers' rotate_half form) of x [B, L, H, D] at positions [B, L]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
+    freqs = positions[..., None].float() * inv_freq[None, None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """Gemma's RMSNorm (weight as 1 + w) or, with `cond_dim`, pi0.5's adaptive one: scale, shift, gate."""
+
+    def __init__(self, dim: int, cond_dim: int | None = None, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        if cond_dim is None:
+            self.weight = nn.Parameter(torch.zeros(dim))
+        else:
+            self.dense = nn.Linear(cond_dim, dim * 3)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        normed = x * torch.rsqrt(torch.mean(torch.square(x.float()), dim=-1, keepdim=True) + self.eps)
+        if cond is None:
+            return normed * (1.0 + self.weight.float()), None
+        scale, shift, gate = torch.chunk(self.dense(cond)[:, None, :], 3, dim=-1)
+        return normed * (1 + scale) + shift, gate
+
+
+def gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return x + y if gate is None else x + y * gate
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, s: dict[str, int], cond_dim: int | None) -> None:
+        super().__init__()
+        w, h, kv, d = s["width"], s["num_heads"], s["num_kv_heads"], s["head_dim"]
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(w, h * d, bias=False)
+        self.self_attn.k_proj = nn.Linear(w, kv * d, bias=False)
+        self.self_attn.v_proj = nn.Linear(w, kv * d, bias=False)
+        self.self_attn.o_proj = nn.Linear(h * d, w, bias=False)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(w, s["mlp_dim"], bias=False)
+        self.mlp.up_proj = nn.Linear(w, s["mlp_dim"], bias=False)
+        self.mlp.down_proj = nn.Linear(s["mlp_dim"], w, bias=False)
+        self.input_layernorm = RMSNorm(w, cond_dim)
+        self.post_attention_layernorm = RMSNorm(w, cond_dim)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, d: int, cond: torch.Tensor | None):
+        h, gate = self.input_layernorm(x, cond)
+        shape = (*x.shape[:2], -1, d)
+        q = rope(self.self_attn.q_proj(h).view(shape), positions)
+        k = rope(self.self_attn.k_proj(h).view(shape), positions)
+        return q, k, self.self_attn.v_proj(h).view(shape), gate
+
+    def finish(self, x: torch.Tensor, att: torch.Tensor, gate: Any, cond: torch.Tensor | None) -> torch.Tensor:
+        out = gated(x, self.self_attn.o_proj(att), gate)
+        h, gate2 = self.post_attention_layernorm(out, cond)
+        m = self.mlp.down_proj(nn.functional.gelu(self.mlp.gate_proj(h), approximate="tanh") * self.mlp.up_proj(h))
+        return gated(out, m, gate2)
+
+
+def gemma_attention(q, k, v, mask, heads: int, kv_heads: int) -> torch.Tensor:
+    """transformers' eager attention with openpi's additive mask: q [B, S, H, D], k / v [B, T, KV, D]."""
+    b, s, _, d = q.shape
+    rep = heads // kv_heads
+    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)
+    v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = torch.matmul(q.transpose(1, 2), k.transpose(2, 3)) * d ** -0.5
+    scores = scores + torch.where(mask[:, None], 0.0, MASK_VALUE)
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+
+
+@dataclass
+class Prefix:
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+
+class PiZero(nn.Module):
+    """pi0 / pi0.5 under LeRobot's parameter names (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], sizes: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import SiglipVisionConfig, SiglipVisionModel
+
+        self.cfg, self.pi05 = config, config["type"] == "pi05"
+        sizes = pi_sizes(config, sizes)
+        self.pg, self.ex = sizes["paligemma"], sizes["action_expert"]
+        if (self.pg["depth"], self.pg["num_heads"], self.pg["head_dim"]) != \
+                (self.ex["depth"], self.ex["num_heads"], self.ex["head_dim"]):
+            raise ValueError(f"lerobot_policy: the PaliGemma and expert sizes must share depth, num_heads and "
+                             f"head_dim, got {self.pg} and {self.ex}")
+        image = int((config.get("image_resolution") or [224])[0])
+        vision = SiglipVisionConfig(**sizes["vision"], image_size=image, hidden_act="gelu_pytorch_tanh",
+                                    layer_norm_eps=1e-6, vision_use_head=False)
+        pwe = self.paligemma_with_expert = nn.Module()
+        pwe.paligemma = nn.Module()
+        pg = pwe.paligemma.model = nn.Module()
+        pg.vision_tower = nn.Module()
+        pg.vision_tower.vision_model = SiglipVisionModel(vision)
+        pg.multi_modal_projector = nn.Module()
+        pg.multi_modal_projector.linear = nn.Linear(sizes["vision"]["hidden_size"], self.pg["width"])
+        pg.language_model = nn.Module()
+        pg.language_model.embed_tokens = nn.Embedding(sizes["vocab_size"], self.pg["width"])
+        pg.language_model.layers = nn.ModuleList(GemmaLayer(self.pg, None) for _ in range(self.pg["depth"]))
+        cond = self.ex["width"] if self.pi05 else None
+        pwe.gemma_expert = nn.Module()
+        expert = pwe.gemma_expert.model = nn.Module()
+        expert.layers = nn.ModuleList(GemmaLayer(self.ex, cond) for _ in range(self.ex["depth"]))
+        expert.norm = RMSNorm(self.ex["width"], cond)
+        w, a = self.ex["width"], int(config["max_action_dim"])
+        self.action_in_proj = nn.Linear(a, w)
+        self.action_out_proj = nn.Linear(w, a)
+        if self.pi05:
+            self.time_mlp_in, self.time_mlp_out = nn.Linear(w, w), nn.Linear(w, w)
+        else:
+            self.state_proj = nn.Linear(int(config["max_state_dim"]), w)
+            self.action_time_mlp_in, self.action_time_mlp_out = nn.Linear(2 * w, w), nn.Linear(w, w)
+
+    @staticmethod
+    def checkpoint_aliases() -> dict[str, str]:
+        """Tensors a checkpoint may store under a tied name: the embedding is PaliGemma's lm_head."""
+        p = "model.paligemma_with_expert.paligemma."
+        return {p + "model.language_model.embed_tokens.weight": p + "lm_head.weight"}
+
+    @staticmethod
+    def state_prompt(task: str, state: torch.Tensor) -> str:
+        """pi0.5's prompt: the normalized, padded state as 256-bin integers after the cleaned task."""
+        bins = np.digitize(state.cpu().numpy(), bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+        cleaned = task.strip().replace("_", " ").replace("\n", " ")
+        return f"Task: {cleaned}, State: {' '.join(map(str, bins))};\nAction: "
+
+    # -- the prefix, once per frame ---------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_prefix(self, images: list[torch.Tensor], tokens: torch.Tensor, state: torch.Tensor) -> Prefix:
+        pg = self.paligemma_with_expert.paligemma.model
+        embs = []
+        for img in images:
+            h = pg.vision_tower.vision_model(pixel_values=img[None]).last_hidden_state
+            embs.append(pg.multi_modal_projector.linear(h)[0])
+        lang = pg.language_model.embed_tokens(tokens)
+        embs.append(lang * math.sqrt(lang.shape[-1]))
+        x = torch.cat(embs)[None]
+        length = x.shape[1]
+        mask = torch.ones(1, length, length, dtype=torch.bool, device=x.device)
+        pos = torch.arange(length, device=x.device)[None]
+        keys, values = [], []
+        d, heads, kv = self.pg["head_dim"], self.pg["num_heads"], self.pg["num_kv_heads"]
+        for layer in pg.language_model.layers:
+            q, k, v, gate = layer.qkv(x, pos, d, None)
+            keys.append(k[0])
+            values.append(v[0])
+            x = layer.finish(x, gemma_attention(q, k, v, mask, heads, kv), gate, None)
+        return Prefix(keys, values, length)
+
+    # -- one expert step for a stack of frames --------------------------------------------------------
+    def _suffix(self, x: torch.Tensor, time: torch.Tensor, states: torch.Tensor | None):
+        w = self.ex["width"]
+        temb = time_embedding(time, w, float(self.cfg.get("min_period", 4e-3)),
+                              float(self.cfg.get("max_period", 4.0))).to(torch.float32)
+        action = self.action_in_proj(x)
+        if self.pi05:
+            cond = nn.functional.silu(self.time_mlp_out(nn.functional.silu(self.time_mlp_in(temb))))
+            return action, cond, [1] + [0] * (x.shape[1] - 1)
+        h = torch.cat([action, temb[:, None, :].expand_as(action)], dim=2)
+        h = self.action_time_mlp_out(nn.functional.silu(self.action_time_mlp_in(h)))
+        h = torch.cat([self.state_proj(states)[:, None, :], h], dim=1)
+        return h, None, [1, 1] + [0] * (x.shape[1] - 1)
+
+    @torch.inference_mode()
+    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor,
+                 states: torch.Tensor | None = None) -> torch.Tensor:
+        """v for B frames: x [B, chunk, max_action_dim], time [B], states [B, max_state_dim] (pi0)."""
+        b, chunk = x.shape[:2]
+        h, cond, att = self._suffix(x, time, states)
+        s, dev = h.shape[1], x.device
+        lengths = [p.length for p in prefixes]
+        lmax = max(lengths)
+        suffix_mask = att_2d_masks(torch.ones(b, s, dtype=torch.bool, device=dev),
+                                   torch.tensor(att, device=dev)[None].expand(b, s))
+        mask = torch.cat([pad_mask(lengths, lmax, dev)[:, None, :].expand(b, s, lmax), suffix_mask], dim=2)
+        pos = torch.tensor(lengths, device=dev)[:, None] + torch.arange(s, device=dev)[None]
+        d, heads, kv = self.ex["head_dim"], self.ex["num_heads"], self.ex["num_kv_heads"]
+        expert = self.paligemma_with_expert.gemma_expert.model
+        for i, layer in enumerate(expert.layers):
+            q, k, v, gate = layer.qkv(h, pos, d, cond)
+            k = torch.cat([stack_right([p.keys[i] for p in prefixes], lmax), k], dim=1)
+            v = torch.cat([stack_right([p.values[i] for p in prefixes], lmax), v], dim=1)
+            h = layer.finish(h, gemma_attention(q, k, v, mask, heads, kv), gate, cond)
+        h, _ = expert.norm(h, cond)
+        return self.action_out_proj(h[:, -chunk:].to(torch.float32))
