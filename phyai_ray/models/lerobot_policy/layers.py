@@ -78,3 +78,25 @@ def stack_right(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
 def pad_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:
     """[B, length] True on each row's first L_i positions."""
     return torch.arange(length, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
+
+
+class StackedPrefixes:
+    """The prefix caches of the frames of one expert step, stacked with right padding, per layer and
+    on first use; kept while the same frames run, so an unchanged batch re-stacks nothing.
+
+    kind "k" / "v": a layer's keys / values; "ck" / "cv": SmolVLA's projected cross-attention ones.
+    """
+
+    def __init__(self, prefixes: list) -> None:
+        self.prefixes = prefixes
+        self.lengths = [p.length for p in prefixes]
+        self.lmax = max(self.lengths)
+        self._stacked: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, kind: str, layer: int) -> torch.Tensor:
+        key = (kind, layer)
+        if key not in self._stacked:
+            pick = {"k": lambda p: p.keys[layer], "v": lambda p: p.values[layer],
+                    "ck": lambda p: p.cross[layer][0], "cv": lambda p: p.cross[layer][1]}[kind]
+            self._stacked[key] = stack_right([pick(p) for p in self.prefixes], self.lmax)
+        return self._stacked[key]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import att_2d_masks, pad_mask, stack_right, time_embedding
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, pad_mask, time_embedding
 
 VARIANTS = {
     "gemma_2b": {"width": 2048, "depth": 18, "mlp_dim": 16384, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
@@ -233,14 +233,13 @@ class PiZero(nn.Module):
         return h, None, [1, 1] + [0] * (x.shape[1] - 1)
 
     @torch.inference_mode()
-    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor,
+    def velocity(self, prefixes: StackedPrefixes, x: torch.Tensor, time: torch.Tensor,
                  states: torch.Tensor | None = None) -> torch.Tensor:
         """v for B frames: x [B, chunk, max_action_dim], time [B], states [B, max_state_dim] (pi0)."""
         b, chunk = x.shape[:2]
         h, cond, att = self._suffix(x, time, states)
         s, dev = h.shape[1], x.device
-        lengths = [p.length for p in prefixes]
-        lmax = max(lengths)
+        lengths, lmax = prefixes.lengths, prefixes.lmax
         suffix_mask = att_2d_masks(torch.ones(b, s, dtype=torch.bool, device=dev),
                                    torch.tensor(att, device=dev)[None].expand(b, s))
         mask = torch.cat([pad_mask(lengths, lmax, dev)[:, None, :].expand(b, s, lmax), suffix_mask], dim=2)
@@ -249,8 +248,8 @@ class PiZero(nn.Module):
         expert = self.paligemma_with_expert.gemma_expert.model
         for i, layer in enumerate(expert.layers):
             q, k, v, gate = layer.qkv(h, pos, d, cond)
-            k = torch.cat([stack_right([p.keys[i] for p in prefixes], lmax), k], dim=1)
-            v = torch.cat([stack_right([p.values[i] for p in prefixes], lmax), v], dim=1)
+            k = torch.cat([prefixes.get("k", i), k], dim=1)
+            v = torch.cat([prefixes.get("v", i), v], dim=1)
             h = layer.finish(h, gemma_attention(q, k, v, mask, heads, kv), gate, cond)
         h, _ = expert.norm(h, cond)
         return self.action_out_proj(h[:, -chunk:].to(torch.float32))

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes
 from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad, \
     resize_with_pad_centered
 from phyai_ray.models.lerobot_policy.rtc import Guidance, RTCSettings
@@ -82,6 +83,7 @@ class LeRobotPolicy:
         self.cameras = list(folder.features("VISUAL"))
         [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
         self.running: dict[int, Running] = {}
+        self._stacked: tuple[tuple[int, ...], StackedPrefixes] | None = None
         self.weight_version: Any = None
 
     # -- the iteration protocol -----------------------------------------------------------------
@@ -172,7 +174,10 @@ class LeRobotPolicy:
         dt = -1.0 / self.num_steps
         times = [1.0 + f.j * dt for f in frames]
         x = torch.stack([f.x for f in frames])
-        v = self.net.velocity([f.prefix for f in frames], x,
+        key = tuple(id(f.prefix) for f in frames)
+        if self._stacked is None or self._stacked[0] != key:  # the batch changed: stack its prefixes anew
+            self._stacked = (key, StackedPrefixes([f.prefix for f in frames]))
+        v = self.net.velocity(self._stacked[1], x,
                               torch.tensor(times, dtype=torch.float32, device=self.device),
                               torch.stack([f.state for f in frames]))
         for row, frame in enumerate(frames):

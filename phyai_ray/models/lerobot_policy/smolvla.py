@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import apply_rope, att_2d_masks, attention, pad_mask, stack_right, \
-    time_embedding
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, apply_rope, att_2d_masks, attention, \
+    pad_mask, time_embedding
 
 
 def expert_intermediate(hidden: int, multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -182,12 +182,11 @@ class SmolVLA(nn.Module):
         return self.action_time_mlp_out(nn.functional.silu(self.action_time_mlp_in(h)))
 
     @torch.inference_mode()
-    def velocity(self, prefixes: list[Prefix], x: torch.Tensor, time: torch.Tensor,
+    def velocity(self, prefixes: StackedPrefixes, x: torch.Tensor, time: torch.Tensor,
                  states: torch.Tensor | None = None) -> torch.Tensor:
         """v for B frames at once: x [B, chunk, max_action_dim], time [B] float32, each frame its own prefix."""
         b, s = x.shape[:2]
-        lengths = [p.length for p in prefixes]
-        lmax = max(lengths)
+        lengths, lmax = prefixes.lengths, prefixes.lmax
         dev = x.device
         prefix_pad = pad_mask(lengths, lmax, dev)[:, None, :].expand(b, s, lmax)
         causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None].expand(b, s, s)
@@ -205,13 +204,12 @@ class SmolVLA(nn.Module):
                 q = apply_rope(layer.self_attn.q_proj(n).view(shape), self_pos)
                 k = apply_rope(layer.self_attn.k_proj(n).view(shape), self_pos)
                 v = layer.self_attn.v_proj(n).view(shape)
-                k = torch.cat([stack_right([p.keys[i] for p in prefixes], lmax), k], dim=1)
-                v = torch.cat([stack_right([p.values[i] for p in prefixes], lmax), v], dim=1)
+                k = torch.cat([prefixes.get("k", i), k], dim=1)
+                v = torch.cat([prefixes.get("v", i), v], dim=1)
                 att = attention(self_mask, q, k, v, self.heads, self.kv_heads)
             else:
                 q = apply_rope(layer.self_attn.q_proj(n).view(shape), cross_pos)
-                k = stack_right([p.cross[i][0] for p in prefixes], lmax)
-                v = stack_right([p.cross[i][1] for p in prefixes], lmax)
+                k, v = prefixes.get("ck", i), prefixes.get("cv", i)
                 att = attention(prefix_pad, q, k, v, self.heads, self.kv_heads)
             out = layer.self_attn.o_proj(att) + h
             h = layer.mlp(layer.post_attention_layernorm(out)) + out

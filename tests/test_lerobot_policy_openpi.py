@@ -1,0 +1,93 @@
+"""openpi-client robots against a real Serve app serving the tiny SmolVLA of tests/data/lerobot/ (CPU).
+
+Run: flock /tmp/phyai-ray-tests.lock .venv/bin/python -m pytest tests/test_lerobot_policy_openpi.py -q
+
+Three robots run `openpi_client.WebsocketClientPolicy` in the clients' venv (tests/client_venv.py),
+sending uint8 HWC camera frames, the state and the prompt under openpi's keys; their chunks must
+equal `Engine.step` of the same frames on one inline rank, the metadata frame names the key
+mapping, and robots share expert steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineConfig
+from phyai_ray.config.deployment import WorkerSupervisorConfig
+from phyai_ray.config.engine import DeviceConfig
+from tests.client_venv import client_python, run_client
+from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.helpers import free_port
+
+KEY = "robot-key-lerobot"
+ROOT = Path(__file__).resolve().parent / "data" / "lerobot" / "smolvla"
+PLUGIN = "phyai_ray.models.lerobot_policy:LeRobotPolicyEntry"
+ARGS = {"model": str(ROOT / "pretrained_model"), "vlm": str(ROOT / "backbone")}
+CPU = EngineConfig(device=DeviceConfig(target="cpu"))
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    import ray
+    from ray import serve
+
+    from phyai_ray.serve import create_app
+
+    client_python()  # build the clients' venv before the app holds the cluster
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
+        startup_timeout_s=120, execution_timeout_s=60))
+    try:
+        serve.run(create_app(EngineArgs(plugin=PLUGIN, plugin_args=ARGS, config=CPU), deployment, api_key=KEY),
+                  name="lerobot", route_prefix="/")
+        yield f"ws://127.0.0.1:{port}/v1/openpi"
+    finally:
+        serve.shutdown()
+        actors, groups = wait_for_no_leaks(30)
+        assert not actors and not groups, f"left behind: {actors} {groups}"
+
+
+def openpi_frames() -> dict[str, np.ndarray]:
+    t = load_file(str(ROOT / "cases.safetensors"))
+    meta = json.loads((ROOT / "cases.json").read_text())
+    top, wrist = meta["cameras"]
+    out = {}
+    for r in range(t["state"].shape[0]):
+        out[f"image_{r}"] = (t[top][r] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        out[f"wrist_image_{r}"] = (t[wrist][r] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        out[f"state_{r}"] = t["state"][r].numpy()
+        out[f"noise_{r}"] = t["noise"][r].numpy()
+        out[f"prompt_{r}"] = np.array(meta["prompts"][r])
+    return out
+
+
+def test_openpi_client_robots_get_the_inline_engines_chunks(server: str, tmp_path: Path) -> None:
+    frames = openpi_frames()
+    path = tmp_path / "frames.npz"
+    np.savez(path, **frames)
+    out = run_client("lerobot_openpi_robots.py", server, KEY, str(path), "4", timeout_s=300)
+    with Engine(EngineArgs(plugin=PLUGIN, plugin_args=ARGS, config=CPU)) as engine:
+        for r in range(3):
+            robot = out[str(r)]
+            assert robot["error"] is None, robot["error"]
+            meta = robot["metadata"]
+            assert meta["type"] == "smolvla" and meta["openpi_keys"]["observation/state"] == "observation.state"
+            want = engine.step({"observation/image": frames[f"image_{r}"],
+                                "observation/wrist_image": frames[f"wrist_image_{r}"],
+                                "observation/state": frames[f"state_{r}"], "prompt": str(frames[f"prompt_{r}"]),
+                                "noise": frames[f"noise_{r}"]})["actions"].numpy()
+            assert len(robot["actions"]) == 4
+            for actions in robot["actions"]:
+                np.testing.assert_allclose(np.array(actions, dtype=np.float32), want, rtol=1e-5, atol=1e-5)
+    assert max(max(out[str(r)]["batch_sizes"]) for r in range(3)) >= 2  # robots shared expert steps
