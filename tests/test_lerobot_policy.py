@@ -196,3 +196,17 @@ def test_weights_update_by_the_checkpoints_names(policy):
     assert (rank.step(frame)["actions"] - cases.t["alone"][0]).abs().max() > 1e-3
     rank.load_weights([(name, saved[name])])
     torch.testing.assert_close(rank.step(frame)["actions"], cases.t["alone"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_prefix_cache_goes_through_the_admission_seam():
+    from phyai_ray import BatchingConfig
+    from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
+
+    entry = LeRobotPolicyEntry({**args_of("smolvla"), "max_prefix_cache": 1000})
+    cases = Cases("smolvla")
+    [spec] = entry.sequences(entry.validate_request(cases.frame(0)))
+    assert spec.cost == (2 * 4 + 16 + 1) * 4  # (2 cameras x 4 image tokens + 16 prompt + state) x 4 layers
+    policy = entry.admission(BatchingConfig())
+    assert policy.budget == 1000
+    with pytest.raises(ValueError, match="max_prefix_cache"):
+        LeRobotPolicyEntry({**args_of("smolvla"), "max_prefix_cache": 0})

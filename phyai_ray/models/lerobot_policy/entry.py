@@ -11,6 +11,8 @@ plugin_args:
     tokenizer  pi0 / pi0.5: the local PaliGemma tokenizer folder (their processors name
                google/paligemma-3b-pt-224, which is never downloaded)
     sizes      pi0 / pi0.5 sizes other than their variant names' (see pi0.py), e.g. tiny test models
+    max_prefix_cache  the admission seam: frames join an expert step while their prefix caches
+               ((cameras x image tokens + tokenizer_max_length [+ 1 state]) x VLM layers each) fit it
     openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
                "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
@@ -65,6 +67,12 @@ class LeRobotPolicyEntry(Entry):
             if name in expected:  # a tied tensor the checkpoint keeps under another name
                 expected[stored] = expected.pop(name)
         folder.check_weights(expected)
+        self._image_tokens, self._layers = network.image_tokens(), network.num_vlm_layers
+        budget = plugin_args.get("max_prefix_cache", 2 ** 62)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f'lerobot_policy: plugin_args["max_prefix_cache"] must be an int >= 1 (prefix tokens x '
+                             f"layers of the frames running together), got {budget!r}")
+        self._cache_budget = budget
         cfg = folder.config
         [(state_key, state_shape)] = folder.features("STATE").items()
         [action_shape] = folder.features("ACTION").values()
@@ -84,13 +92,21 @@ class LeRobotPolicyEntry(Entry):
         return parse_frame(request, self._require())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        """One sequence per frame; its cost is its share of every expert step (one row)."""
+        """One sequence per frame; its cost is the KV cache it keeps while it runs: prefix tokens x layers."""
         payload = request if "images" in request else parse_frame(request, self._require())
-        return [SequenceSpec(payload=payload, cost=1)]
+        return [SequenceSpec(payload=payload, cost=self.prefix_cost(payload))]
+
+    def prefix_cost(self, payload: dict[str, Any]) -> int:
+        """(cameras x image tokens + prompt tokens + the state token) x VLM layers, the prompt counted
+        at its longest (tokenizer_max_length) so the dispatcher need not tokenize."""
+        cfg = self.folder.config
+        text = int(cfg.get("tokenizer_max_length", 48)) + (1 if cfg["type"] == "smolvla" else 0)
+        return (len(self.layout.cameras) * self._image_tokens + text) * self._layers
 
     def admission(self, batching: Any) -> CostBudget:
-        """Every running frame costs one row of every expert step, up to max_num_seqs frames."""
-        return CostBudget(batching.max_num_seqs, batching.max_num_seqs)
+        """Up to max_num_seqs frames per expert step whose prefix caches (prefix tokens x layers each)
+        fit plugin_args["max_prefix_cache"] together (unlimited by default); a frame always runs alone."""
+        return CostBudget(batching.max_num_seqs, self._cache_budget)
 
     def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
         [out] = outputs

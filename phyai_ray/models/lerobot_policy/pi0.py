@@ -182,6 +182,15 @@ class PiZero(nn.Module):
             self.state_proj = nn.Linear(int(config["max_state_dim"]), w)
             self.action_time_mlp_in, self.action_time_mlp_out = nn.Linear(2 * w, w), nn.Linear(w, w)
 
+    def image_tokens(self) -> int:
+        """Prefix tokens per camera: SigLIP's patches of the resized image."""
+        emb = self.paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings
+        return emb.num_patches
+
+    @property
+    def num_vlm_layers(self) -> int:
+        return self.pg["depth"]
+
     @staticmethod
     def checkpoint_aliases() -> dict[str, str]:
         """Tensors a checkpoint may store under a tied name: the embedding is PaliGemma's lm_head."""

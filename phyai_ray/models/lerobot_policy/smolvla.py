@@ -117,6 +117,13 @@ class SmolVLA(nn.Module):
         self.expert_at = [None if multiple > 0 and i > 0 and i % multiple else expert.layers[i // multiple]
                           for i in range(self.num_vlm_layers)]
 
+    def image_tokens(self) -> int:
+        """Prefix tokens per camera: the resized image's patches after the pixel shuffle."""
+        vision = self.vlm_with_expert.vlm.model.vision_model.embeddings
+        size = (self.cfg.get("resize_imgs_with_padding") or [vision.image_size])[0]
+        scale = self.vlm_with_expert.vlm.model.connector.scale_factor
+        return (size // vision.patch_size) ** 2 // scale ** 2
+
     def _is_self_attn(self, i: int) -> bool:
         return not self.cross_mode or (self.every > 0 and i % self.every == 0)
 
