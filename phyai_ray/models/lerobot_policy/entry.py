@@ -118,7 +118,8 @@ class LeRobotPolicyEntry(Entry):
         layout, cfg = self._require(), self.folder.config
         return {"policy": self.name, "type": cfg["type"], "cameras": sorted(layout.cameras),
                 "state_key": layout.state_key, "state_dim": layout.state_dim, "action_dim": layout.action_dim,
-                "action_horizon": layout.chunk, "num_steps": int(cfg.get("num_steps", 10)),
+                "action_horizon": layout.chunk,
+                "num_steps": int(cfg.get("num_steps", cfg.get("num_inference_steps", 10))),  # smolvla / pi0, pi05
                 "openpi_keys": layout.aliases,
                 "real_time_chunking": ["prev_actions", "inference_delay", "execution_horizon"]}
 

@@ -1,0 +1,118 @@
+"""pi0 and pi0.5 on one rank, step by step, against LeRobot 0.4.4's committed chunks; their pure pieces.
+
+Run: `.venv/bin/python -m pytest tests/test_lerobot_pi0.py -q` (inline, no Ray, no LeRobot).
+
+The engine tests (tests/test_lerobot_policy.py) batch frames through the scheduler, where which step
+a late frame joins at depends on timing. Here the rank's iteration protocol is driven by hand, so a
+frame provably joins while others are half-way: robots 0 and 1 (robot 1 with RTC) start together,
+robot 2 is admitted after two expert steps, and each chunk still equals LeRobot's for that robot alone.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
+from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, pi_sizes
+from tests.test_lerobot_policy import Cases, args_of
+
+PI_POLICIES = ["pi0", "pi05"]
+
+
+def rank_of(policy: str):
+    entry = LeRobotPolicyEntry(args_of(policy))
+    return entry, entry.create({}, SimpleNamespace(device="cpu"))
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_a_frame_joining_half_way_equals_lerobot(policy):
+    entry, rank = rank_of(policy)
+    cases = Cases(policy)
+    rank.admit(0, entry.validate_request(cases.frame(0)))
+    rank.admit(1, entry.validate_request(cases.frame(1, rtc=True)))
+    done: dict[int, torch.Tensor] = {}
+    for _ in range(2):
+        assert rank.iterate() == {}
+    rank.admit(2, entry.validate_request(cases.frame(2)))
+    assert [rank.running[i].j for i in (0, 1, 2)] == [2, 2, 0]  # three robots, two different steps
+    while rank.running:
+        for ident, delta in rank.iterate().items():
+            assert delta.stop_reason == "completed"
+            done[ident] = delta.value["actions"]
+    assert sorted(done) == [0, 1, 2]
+    torch.testing.assert_close(done[0], cases.t["alone"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(done[1], cases.t["rtc"][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(done[2], cases.t["alone"][2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_a_dropped_frame_leaves_the_others_exact(policy):
+    entry, rank = rank_of(policy)
+    cases = Cases(policy)
+    for i in range(3):
+        rank.admit(i, entry.validate_request(cases.frame(i)))
+    rank.iterate()
+    rank.drop(1)  # the batch shrinks: the remaining prefixes are stacked anew
+    out = {}
+    while rank.running:
+        out.update({k: d.value["actions"] for k, d in rank.iterate().items()})
+    assert sorted(out) == [0, 2]
+    for i in (0, 2):
+        torch.testing.assert_close(out[i], cases.t["alone"][i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_the_metadata_names_the_policys_own_step_count(policy):
+    entry, _ = rank_of(policy)
+    meta = entry.policy_metadata()
+    assert meta["type"] == policy
+    assert meta["num_steps"] == entry.folder.config["num_inference_steps"] == 5
+
+
+def test_pi05_writes_the_state_into_the_prompt_as_256_bins():
+    state = torch.tensor([-1.0, -0.999, 0.0, 0.5, 0.99999, 1.0, 3.0, -2.0])
+    prompt = PiZero.state_prompt("  pick_up the\ncube ", state)
+    # bins of width 2/256 from -1: -1 -> 0, 0 -> 128, 0.5 -> 192, 1 and beyond -> 255, below -1 -> -1
+    assert prompt == "Task: pick up the cube, State: 0 0 128 192 255 255 255 -1;\nAction: "
+
+
+def test_sizes_come_from_the_variant_names_or_are_given_whole():
+    sizes = pi_sizes({"paligemma_variant": "gemma_2b", "action_expert_variant": "gemma_300m"}, None)
+    assert sizes["paligemma"] == VARIANTS["gemma_2b"] and sizes["action_expert"]["width"] == 1024
+    assert sizes["vocab_size"] == 257152 and sizes["vision"]["patch_size"] == 14
+    with pytest.raises(ValueError, match="paligemma_variant='gemma_7b'.*plugin_args\\['sizes'\\]"):
+        pi_sizes({"paligemma_variant": "gemma_7b"}, None)
+    tiny = Cases("pi0").meta["sizes"]
+    assert pi_sizes({}, tiny) is tiny
+    broken = {**tiny, "action_expert": {k: v for k, v in tiny["action_expert"].items() if k != "head_dim"}}
+    with pytest.raises(ValueError, match="action_expert.*head_dim"):
+        pi_sizes({}, broken)
+    with pytest.raises(ValueError, match="vocab_size"):
+        pi_sizes({}, {k: v for k, v in tiny.items() if k != "vocab_size"})
+
+
+def test_the_expert_must_share_depth_and_heads_with_paligemma():
+    sizes = Cases("pi0").meta["sizes"]
+    sizes = {**sizes, "action_expert": {**sizes["action_expert"], "depth": 3}}
+    config = {"type": "pi0", "max_action_dim": 8, "max_state_dim": 8, "image_resolution": [32, 32]}
+    with torch.device("meta"), pytest.raises(ValueError, match="share depth, num_heads and head_dim"):
+        PiZero(config, sizes)
+
+
+def test_adaptive_rmsnorm_and_the_gated_residual():
+    torch.manual_seed(0)
+    x, cond = torch.randn(2, 3, 4), torch.randn(2, 6)
+    plain = RMSNorm(4)
+    normed, gate = plain(x)
+    rms = x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    torch.testing.assert_close(normed, x * rms)  # weight 0 means a scale of 1 (Gemma's 1 + w)
+    assert gate is None and torch.equal(gated(x, normed, None), x + normed)
+    ada = RMSNorm(4, cond_dim=6)
+    out, gate = ada(x, cond)
+    scale, shift, g = ada.dense(cond)[:, None, :].chunk(3, dim=-1)
+    torch.testing.assert_close(out, x * rms * (1 + scale) + shift)
+    torch.testing.assert_close(gate, g)
+    torch.testing.assert_close(gated(x, out, gate), x + out * g)  # the time decides how much a block adds
