@@ -6,13 +6,15 @@ The per-rank model (`model.py`) owns the loop and knows nothing of any family:
                                         latents as the diffusers pipeline does for one prompt, a deep
                                         copy of the scheduler with its timesteps set
     family.step(jobs)                   ONE denoising step of every job in `jobs` (they share a latent
-                                        shape, `job.group`): one transformer forward for all their
-                                        rows, then each job's own scheduler.step; advances job.i
+                                        shape, `job.group`): the rows of every job stacked into one
+                                        transformer forward per guidance branch (and expert), then
+                                        each job's own scheduler.step; advances job.i
     family.decode(job)                  -> float video [frames, H, W, 3] in [0, 1] (the VAE), after the
                                         last step (`job.done`)
 
-A family module (`wan.py`, `cosmos.py`) subclasses `Family` and is named in `FAMILIES` (`model.py`)
-by the pipeline class of the folder's model_index.json. Every rank of a replica runs the same
+A family module (`wan.py`, `cosmos.py`) subclasses `Family` and is named in `folder.PIPELINES` by
+the pipeline class of the folder's model_index.json; `parallelize(ctx)` shards its transformers
+and `shard_of` cuts a weight update's full tensor to this rank's part. Every rank of a replica runs the same
 calls in the same order; collectives (the CFG gather) happen inside `step`. `Branches` says which
 guidance branches this rank computes: all of them on one rank, or cond on cfg rank 0 and uncond
 on cfg rank 1 (`outer.cfg_size=2`), gathered with `Branches.gather`.
