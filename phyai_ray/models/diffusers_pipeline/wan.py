@@ -8,9 +8,10 @@ What `WanPipeline.__call__` does for one prompt, split where the iteration proto
               a deep copy of the scheduler, set_timesteps(n), set_begin_index(0)
     step      per job: t = timesteps[i]; the expert is `transformer` while t >= boundary_ratio *
               num_train_timesteps (always, without boundary_ratio), else `transformer_2` with
-              guidance_scale_2; ONE forward per (expert, text length) over the cond rows of every
-              job and the uncond rows of those with guidance, noise = u + g (c - u), then the job's
-              own scheduler.step
+              guidance_scale_2; per (expert, text length): ONE forward over the cond rows of every
+              job, ONE over the uncond rows of those with guidance (as the pipeline's two calls, so
+              one request alone equals it bit for bit), noise = u + g (c - u), then the job's own
+              scheduler.step
     decode    latents / latents_std + latents_mean -> VAE decode -> (x / 2 + 0.5).clamp(0, 1)
 
 TI2V (`expand_timesteps`): the timestep is given per latent token ([B, F * h/2 * w/2]), all equal
