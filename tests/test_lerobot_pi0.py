@@ -10,6 +10,8 @@ robot 2 is admitted after two expert steps, and each chunk still equals LeRobot'
 
 from __future__ import annotations
 
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
 from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, pi_sizes
-from tests.test_lerobot_policy import Cases, args_of
+from tests.test_lerobot_policy import DATA, Cases, args_of
 
 PI_POLICIES = ["pi0", "pi05"]
 
@@ -70,6 +72,24 @@ def test_the_metadata_names_the_policys_own_step_count(policy):
     meta = entry.policy_metadata()
     assert meta["type"] == policy
     assert meta["num_steps"] == entry.folder.config["num_inference_steps"] == 5
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_empty_camera_placeholders_are_not_asked_for(tmp_path, policy):
+    # LeRobot 0.4.4 saves `empty_cameras: 2` as two more VISUAL features that it feeds as masked -1
+    # images; its chunks are the same as without them (checked in its venv: max difference 0.0)
+    folder = tmp_path / "pretrained_model"
+    shutil.copytree(DATA / policy / "pretrained_model", folder)
+    config = json.loads((folder / "config.json").read_text())
+    for i in range(2):
+        config["input_features"][f"observation.images.empty_camera_{i}"] = {"type": "VISUAL", "shape": [3, 32, 32]}
+    (folder / "config.json").write_text(json.dumps({**config, "empty_cameras": 2}))
+    entry = LeRobotPolicyEntry({**args_of(policy), "model": str(folder)})
+    assert sorted(entry.layout.cameras) == Cases(policy).meta["cameras"]
+    rank = entry.create({}, SimpleNamespace(device="cpu"))
+    cases = Cases(policy)
+    got = rank.step(entry.validate_request(cases.frame(0)))["actions"]
+    torch.testing.assert_close(got, cases.t["alone"][0], rtol=1e-5, atol=1e-5)
 
 
 def test_pi05_writes_the_state_into_the_prompt_as_256_bins():

@@ -139,9 +139,17 @@ class PolicyFolder:
         return local_folder(name, f"{config['type']}'s PaliGemma tokenizer", "tokenizer", ("tokenizer_config.json",))
 
     def features(self, kind: str) -> dict[str, tuple[int, ...]]:
-        """{key: shape} of the config's input features of one type (VISUAL, STATE) or output ACTION."""
+        """{key: shape} of the config's input features of one type (VISUAL, STATE) or output ACTION.
+
+        pi0 / pi0.5's `empty_cameras` placeholders (observation.images.empty_camera_<i>) are left out:
+        LeRobot feeds them as masked -1 images, which changes no number (its chunks are the same as
+        without them), and no robot sends them."""
         table = self.config.get("output_features" if kind == "ACTION" else "input_features") or {}
-        return {k: tuple(v.get("shape", ())) for k, v in table.items() if v.get("type") == kind}
+        out = {k: tuple(v.get("shape", ())) for k, v in table.items() if v.get("type") == kind}
+        if kind == "VISUAL" and self.type in ("pi0", "pi05"):
+            empty = {f"observation.images.empty_camera_{i}" for i in range(int(self.config.get("empty_cameras", 0)))}
+            out = {k: v for k, v in out.items() if k not in empty}
+        return out
 
     def check_weights(self, expected: dict[str, torch.Size]) -> None:
         """model.safetensors against the parameter shapes the model code expects, named when they differ."""
