@@ -19,6 +19,8 @@ import torch
 
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
 from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, pi_sizes
+from safetensors.torch import load_file, save_file
+
 from tests.test_lerobot_policy import DATA, Cases, args_of
 
 PI_POLICIES = ["pi0", "pi05"]
@@ -90,6 +92,23 @@ def test_empty_camera_placeholders_are_not_asked_for(tmp_path, policy):
     cases = Cases(policy)
     got = rank.step(entry.validate_request(cases.frame(0)))["actions"]
     torch.testing.assert_close(got, cases.t["alone"][0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_the_tied_embedding_loads_under_either_name(tmp_path, policy):
+    # LeRobot saves PaliGemma's token embedding as lm_head.weight (the committed folders); a folder
+    # written from the model's own state dict names it embed_tokens: both serve the same chunk
+    folder = tmp_path / "pretrained_model"
+    shutil.copytree(DATA / policy / "pretrained_model", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    prefix = "model.paligemma_with_expert.paligemma."
+    weights[prefix + "model.language_model.embed_tokens.weight"] = weights.pop(prefix + "lm_head.weight")
+    save_file(weights, str(folder / "model.safetensors"))
+    entry = LeRobotPolicyEntry({**args_of(policy), "model": str(folder)})
+    rank = entry.create({}, SimpleNamespace(device="cpu"))
+    cases = Cases(policy)
+    got = rank.step(entry.validate_request(cases.frame(1)))["actions"]
+    torch.testing.assert_close(got, cases.t["alone"][1], rtol=1e-5, atol=1e-5)
 
 
 def test_pi05_writes_the_state_into_the_prompt_as_256_bins():

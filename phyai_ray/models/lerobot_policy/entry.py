@@ -62,11 +62,7 @@ class LeRobotPolicyEntry(Entry):
             raise ValueError(f"lerobot_policy: {folder.path / 'config.json'} names no VISUAL input feature; "
                              "SmolVLA / pi0 need at least one camera")
         network = build_network(folder)
-        expected = expected_weights(network)
-        for name, stored in getattr(network, "checkpoint_aliases", dict)().items():
-            if name in expected:  # a tied tensor the checkpoint keeps under another name
-                expected[stored] = expected.pop(name)
-        folder.check_weights(expected)
+        folder.check_weights(expected_weights(network), getattr(network, "checkpoint_aliases", dict)())
         self._image_tokens, self._layers = network.image_tokens(), network.num_vlm_layers
         budget = plugin_args.get("max_prefix_cache", 2 ** 62)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

@@ -151,11 +151,15 @@ class PolicyFolder:
             out = {k: v for k, v in out.items() if k not in empty}
         return out
 
-    def check_weights(self, expected: dict[str, torch.Size]) -> None:
-        """model.safetensors against the parameter shapes the model code expects, named when they differ."""
+    def check_weights(self, expected: dict[str, torch.Size], aliases: dict[str, str] | None = None) -> None:
+        """model.safetensors against the parameter shapes the model code expects, named when they differ;
+        `aliases` {name: other name}: a tied tensor the file may hold under the other name instead."""
         path = self.path / "model.safetensors"
         with safe_open(str(path), "pt") as f:
             have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        for name, other in (aliases or {}).items():
+            if name not in have and other in have:
+                have[name] = have[other]
         missing = sorted(set(expected) - set(have))
         if missing:
             raise PolicyFolderError(f"lerobot_policy: {path} lacks {len(missing)} tensors the {self.type} model "
