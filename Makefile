@@ -45,3 +45,4 @@ lerobot-reference:
 	/tmp/lerobot-venv/bin/python scripts/lerobot_reference/make_reference.py --policy smolvla --out tests/data/lerobot
 	/tmp/lerobot-openpi-venv/bin/python scripts/lerobot_reference/make_reference.py --policy pi0 --out tests/data/lerobot
 	/tmp/lerobot-openpi-venv/bin/python scripts/lerobot_reference/make_reference.py --policy pi05 --out tests/data/lerobot
+	/tmp/lerobot-openpi-venv/bin/python scripts/lerobot_reference/full_size_shapes.py --out tests/data/lerobot

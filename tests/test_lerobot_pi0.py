@@ -111,6 +111,29 @@ def test_the_tied_embedding_loads_under_either_name(tmp_path, policy):
     torch.testing.assert_close(got, cases.t["alone"][1], rtol=1e-5, atol=1e-5)
 
 
+UNUSED_FULL_SIZE = {  # LeRobot builds them, the chunk never reads them (the prefix keeps only its KV cache)
+    "model.paligemma_with_expert.paligemma.model.language_model.norm.weight",
+    "model.paligemma_with_expert.paligemma.lm_head.weight",  # tied: the embedding under its other name
+    "model.paligemma_with_expert.gemma_expert.lm_head.weight",
+}
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_full_size_variants_have_lerobots_shapes(policy):
+    # the shapes of LeRobot 0.4.4's 3B pi0 / pi0.5 built on the meta device, per layer folded
+    # (scripts/lerobot_reference/full_size_shapes.py); ours built from the same config's variant names
+    from scripts.lerobot_reference.full_size_shapes import folded
+
+    ref = json.loads((DATA / "full_size_pi.json").read_text())[policy]
+    with torch.device("meta"):
+        net = PiZero(ref["config"], None)
+    ours = folded({f"model.{k}": list(v.shape) for k, v in net.state_dict().items()})
+    theirs = ref["shapes"]
+    assert {k: theirs.get(k) for k in ours} == ours
+    assert set(theirs) - set(ours) == UNUSED_FULL_SIZE
+    assert net.image_tokens() == 256 and net.num_vlm_layers == 18  # 224 / 14 = 16 x 16 patches
+
+
 def test_pi05_writes_the_state_into_the_prompt_as_256_bins():
     state = torch.tensor([-1.0, -0.999, 0.0, 0.5, 0.99999, 1.0, 3.0, -2.0])
     prompt = PiZero.state_prompt("  pick_up the\ncube ", state)
