@@ -84,8 +84,9 @@ class HFCausalLMEntry(Entry):
                                  self.codec if wants_text else None)
 
     def validate_request(self, request: Any) -> Parsed:
-        """The request checked and its text tokenized, once: what `sequences` and `gather` receive."""
-        return self._parsed(request)
+        """The request checked and its text tokenized, once: what `sequences`, `gather` and the ranks
+        receive. An unseeded request gets its fresh seed here, so every rank samples alike."""
+        return self._parsed(request).seeded()
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self._parsed(request).payloads()]

@@ -3,7 +3,7 @@
     {"prompts": [[1, 2, 3]], "max_tokens": 16}                     token ids, as reference_lm takes them
     {"text": ["Hello", "Bonjour"], "max_tokens": 16, "temperature": 0.7, "seed": 1}
                                                                    tokenized with the checkpoint's tokenizer
-    knobs: temperature, top_k, top_p, seed, stop_token_ids, ignore_eos (vLLM's name: keep going past EOS),
+    knobs: temperature, top_k, top_p, seed (unset: a fresh random one per request), stop_token_ids, ignore_eos (vLLM's name: keep going past EOS),
            top_logprobs (k: each token's k most likely alternatives in TokenOutput.top_logprobs)
 
 Generation of a prompt ends at the checkpoint's end-of-sequence ids (generation_config.json, else
@@ -72,6 +72,11 @@ class Parsed:
     @property
     def gave_text(self) -> bool:
         return self.request.texts is not None
+
+    def seeded(self) -> "Parsed":
+        """This request with its seed fixed (`Sampling.seeded`): a fresh random one when it gave none."""
+        request = self.request.seeded()
+        return self if request is self.request else Parsed(request, self.prompts, self.eos)
 
     def payloads(self) -> list[dict[str, Any]]:
         """One sequence payload per prompt (what `Slots.admit` takes), seeded by `sequence_seed`."""

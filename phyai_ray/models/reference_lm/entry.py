@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phyai_ray.llm.sampling import fresh_seed
 from phyai_ray.models.reference_lm.config import GenerateRequest, ReferenceLMConfig, check_topology
 from phyai_ray.models.reference_lm.model import ReferenceLM
 from phyai_ray.outputs import TokenOutput
@@ -40,8 +41,13 @@ class ReferenceLMEntry(Entry):
     def max_sequence_tokens(self) -> int:
         return self.config.max_seq
 
-    def validate_request(self, request: Any) -> None:
-        GenerateRequest.parse(request, self.config)
+    def validate_request(self, request: Any) -> Any:
+        """None (run it as given), or the request with a fresh seed when it gave none: drawn here,
+        once, so every rank samples alike and unseeded requests of one prompt differ."""
+        req = GenerateRequest.parse(request, self.config)
+        if req.seed is not None:
+            return None
+        return {**request, "seed": fresh_seed()} if isinstance(request, dict) else req.seeded()
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per prompt, seeded `sequence_seed(seed, i)` as `step` seeds it; costs its prompt length."""
