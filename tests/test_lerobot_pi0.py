@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
-from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, pi_sizes
+from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, gemma_attention, pi_sizes
 from safetensors.torch import load_file, save_file
 
 from tests.test_lerobot_policy import DATA, Cases, args_of
@@ -178,3 +178,18 @@ def test_adaptive_rmsnorm_and_the_gated_residual():
     torch.testing.assert_close(out, x * rms * (1 + scale) + shift)
     torch.testing.assert_close(gate, g)
     torch.testing.assert_close(gated(x, out, gate), x + out * g)  # the time decides how much a block adds
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (4, 2), (4, 4)])
+def test_grouped_queries_read_their_shared_key_head(heads, kv_heads):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 5, heads, 8), torch.randn(3, 9, kv_heads, 8), torch.randn(3, 9, kv_heads, 8)
+    mask = torch.rand(3, 5, 9) > 0.4
+    mask[..., 0] = True
+    got = gemma_attention(q, k, v, mask, heads, kv_heads)
+    rep = heads // kv_heads  # the plain way: every key / value head repeated for its queries
+    kr, vr = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q, kr) * 8 ** -0.5
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    want = torch.einsum("bhst,bthd->bshd", probs, vr).reshape(3, 5, heads * 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

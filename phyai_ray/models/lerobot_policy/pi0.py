@@ -123,15 +123,22 @@ class GemmaLayer(nn.Module):
 
 
 def gemma_attention(q, k, v, mask, heads: int, kv_heads: int) -> torch.Tensor:
-    """transformers' eager attention with openpi's additive mask: q [B, S, H, D], k / v [B, T, KV, D]."""
+    """transformers' eager attention with openpi's additive mask: q [B, S, H, D], k / v [B, T, KV, D],
+    mask [B, S, T] (True: attend) -> [B, S, H * D].
+
+    Grouped queries without copying keys: head h reads key/value head h // (H / KV) (transformers'
+    repeat_kv), so the H / KV query heads of a group are laid side by side as rows of one matmul
+    against their shared keys: [B, KV, (H / KV) * S, D] @ [B, KV, D, T]. pi0's PaliGemma has 8 query
+    heads on 1 key/value head; repeating the prefix cache 8 times per layer and step is what this avoids.
+    """
     b, s, _, d = q.shape
-    rep = heads // kv_heads
-    k = k.repeat_interleave(rep, dim=2).transpose(1, 2)
-    v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    scores = torch.matmul(q.transpose(1, 2), k.transpose(2, 3)) * d ** -0.5
+    t, rep = k.shape[1], heads // kv_heads
+    q = q.view(b, s, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * s, d)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).view(b, heads, s, t) * d ** -0.5
     scores = scores + torch.where(mask[:, None], 0.0, MASK_VALUE)
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
-    return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).view(b, kv_heads, rep * s, t)
+    out = torch.matmul(probs, v.transpose(1, 2)).view(b, heads, s, d)
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 @dataclass
