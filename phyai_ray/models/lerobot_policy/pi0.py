@@ -215,13 +215,10 @@ class PiZero(nn.Module):
     @torch.inference_mode()
     def encode_prefix(self, images: list[torch.Tensor], tokens: torch.Tensor, state: torch.Tensor) -> Prefix:
         pg = self.paligemma_with_expert.paligemma.model
-        embs = []
-        for img in images:
-            h = pg.vision_tower.vision_model(pixel_values=img[None]).last_hidden_state
-            embs.append(pg.multi_modal_projector.linear(h)[0])
+        # the cameras (all resized to image_resolution) through SigLIP as one batch, in camera order
+        h = pg.vision_tower.vision_model(pixel_values=torch.stack(images)).last_hidden_state
         lang = pg.language_model.embed_tokens(tokens)
-        embs.append(lang * math.sqrt(lang.shape[-1]))
-        x = torch.cat(embs)[None]
+        x = torch.cat([pg.multi_modal_projector.linear(h).flatten(0, 1), lang * math.sqrt(lang.shape[-1])])[None]
         length = x.shape[1]
         mask = torch.ones(1, length, length, dtype=torch.bool, device=x.device)
         pos = torch.arange(length, device=x.device)[None]
