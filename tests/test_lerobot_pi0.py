@@ -193,3 +193,17 @@ def test_grouped_queries_read_their_shared_key_head(heads, kv_heads):
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     want = torch.einsum("bhst,bthd->bshd", probs, vr).reshape(3, 5, heads * 8)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", PI_POLICIES)
+def test_a_frames_cost_bounds_its_prefix_cache(policy):
+    entry, rank = rank_of(policy)
+    cases = Cases(policy)
+    payload = entry.validate_request(cases.frame(0))
+    [spec] = entry.sequences(payload)
+    text = entry.folder.config["tokenizer_max_length"]  # pi0: 16, pi0.5: 48 (the state is in the prompt)
+    assert spec.cost == (2 * 16 + text) * 2  # (2 cameras x (32 / 8)^2 patches + prompt) x 2 layers
+    rank.admit(0, payload)
+    prefix = rank.running[0].prefix
+    assert 2 * 16 < prefix.length <= 2 * 16 + text
+    assert len(prefix.keys) == 2 and prefix.keys[0].shape[0] == prefix.length
