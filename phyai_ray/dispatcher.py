@@ -38,19 +38,19 @@ class RequestDispatcher:
         self.max_sessions = 65536
 
     def submit(self, request: Any, session: Any = None, *, caller_runs: bool = False, key: Any = None,
-               size: int = 1, deadline: float | None = None) -> Future:
+               size: int = 1, deadline: float | None = None, late: str = "finish") -> Future:
         """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
 
         With a `session` key, the request goes to the replica the session last used while that
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
         the session follows it. The map is a bounded LRU of `max_sessions` keys. `caller_runs` is
         passed on to the chosen replica (see `ScheduledReplica.submit`), and so are the batch `key`
-        and `size` of the request, and its own `deadline` (monotonic seconds).
+        and `size` of the request, its own `deadline` (monotonic seconds) and `late`.
         """
         if len(self.replicas) == 1 and session is None:
-            return self._submit_single(request, caller_runs, key, size, deadline)
-        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline),
-                          session)
+            return self._submit_single(request, caller_runs, key, size, deadline, late)
+        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline,
+                                             late=late), session)
 
     def route(self, send: Any, session: Any = None) -> Any:
         """`send(replica)` on the replica `submit` would choose (retrying refusals); its return value."""
@@ -94,11 +94,12 @@ class RequestDispatcher:
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
 
-    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int, deadline: float | None) -> Future:
+    def _submit_single(self, request: Any, caller_runs: bool, key: Any, size: int, deadline: float | None,
+                       late: str = "finish") -> Future:
         """One replica: nothing to choose, the same errors as the general path (no lock, no lists)."""
         replica = self.replicas[0]
         try:
-            return replica.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline)
+            return replica.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline, late=late)
         except EngineOverloadedError:
             raise self._overloaded_error(1) from None
         except EngineUnavailableError:

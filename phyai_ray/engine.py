@@ -56,7 +56,8 @@ class Engine(EngineControl):
         self._batching = self.deployment.batching.enabled and self.mode != "external"
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None) -> Future:
+    def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None,
+               late: str | None = None) -> Future:
         """Validate `request` (the plugin's validator), queue it on one replica, return its future.
 
         A `phyai_ray.validation.Validated` request is not validated again: it runs in the form the
@@ -71,28 +72,32 @@ class Engine(EngineControl):
 
         `deadline_s` (seconds from now): the request's own deadline. It orders the replica's queue
         (BatchingConfig.scheduling "deadline": earliest first), and a request that has not started by
-        then fails with `DeadlineMissedError` without running. `future.timing()` says whether it was met.
+        then fails with `DeadlineMissedError` without running; nor does one that the replica's recent
+        step time says cannot finish by then (finish-by admission). `future.timing()` says whether it was met.
+        `late`: "finish" (deliver a result ready after the deadline) or "drop" (answer DeadlineMissedError
+        instead: fail closed); None: `BatchingConfig.late`.
         """
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
-        return self._dispatcher.submit(request, session, key=key, size=size, deadline=_deadline(deadline_s))
+        return self._dispatcher.submit(request, session, key=key, size=size, deadline=_deadline(deadline_s),
+                                       late=self._late(late))
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None, *,
-             deadline_s: float | None = None) -> Any:
+             deadline_s: float | None = None, late: str | None = None) -> Any:
         """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
 
         An inline replica with nothing queued or running and batching off runs the request on this
         thread (no hand-off; with batching on its worker thread does, at once); it still counts as
         running, so other threads queue behind it and the hang clock fails it (and them) past
         execution_timeout_s even though this thread stays in the plugin.
-        `deadline_s` as for `submit`.
+        `deadline_s` and `late` as for `submit`.
         """
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
         future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size,
-                                         deadline=_deadline(deadline_s))
+                                         deadline=_deadline(deadline_s), late=self._late(late))
         limit = timeout if timeout is not None else self._default_wait_s()  # done: no wait at all
         try:
             return future.result(timeout=limit)
@@ -101,6 +106,10 @@ class Engine(EngineControl):
                 raise
             raise TimeoutError(f"step() waited {limit:.1f}s for a result; the request keeps its place and "
                                "its future still resolves (use submit() to keep it)") from None
+
+    def _late(self, late: str | None) -> str:
+        """A request's `late`, checked: as given, else `BatchingConfig.late`."""
+        return _checked_late(late if late is not None else self.deployment.batching.late)
 
     def _batch_tags(self, request: Any) -> tuple[Any, int]:
         """(batch key, samples) of a request from the plugin's `batch_key` / `request_size`, checked here."""
@@ -288,6 +297,14 @@ class Engine(EngineControl):
 
     def _default_wait_s(self) -> float:
         return self.deployment.process_config.execution_timeout_s + WAIT_GRACE_S
+
+
+def _checked_late(late: str) -> str:
+    """`late` as given, once checked: "finish" or "drop"."""
+    if late not in ("finish", "drop"):
+        raise ValueError(f"late={late!r} must be 'finish' (deliver a result ready after its deadline) or 'drop' "
+                         "(answer DeadlineMissedError instead), e.g. engine.submit(request, deadline_s=0.1, late='drop')")
+    return late
 
 
 def _deadline(deadline_s: float | None) -> float | None:

@@ -48,12 +48,15 @@ class Work:
     `size` and `weight` feed batch formation; a batch's `members` are its requests, in order, and
     its `payload` is the list of their payloads. `deadline` is the request's own deadline (monotonic
     seconds; None: none given): past it, a request that has not started is answered with
-    DeadlineMissedError. `expires` is when its execution timeout (`limit_s` after submission)
+    DeadlineMissedError. `due` is the queue-order deadline of a request without its own
+    (`BatchingConfig.default_deadline_s` after arrival): it orders, it never fails it. `late` is what
+    happens to a result ready after `deadline`: "finish" delivers it, "drop" answers the miss. `expires` is when its execution timeout (`limit_s` after submission)
     fails it. `order` is what earliest-deadline-first scheduling sorts by.
     """
 
     __slots__ = ("kind", "payload", "limit_s", "future", "all_ranks", "submitted", "dispatched",
-                 "ident", "state", "here", "key", "size", "weight", "members", "launched", "deadline")
+                 "ident", "state", "here", "key", "size", "weight", "members", "launched", "deadline",
+                 "due", "late")
 
     def __init__(self, kind: str, payload: Any, limit_s: float, future: EngineFuture | None,
                  all_ranks: bool = False) -> None:
@@ -68,6 +71,8 @@ class Work:
         self.members: list[Work] = []
         self.launched: threading.Event | None = None  # set by an executor once sent (a stream's reader waits on it)
         self.deadline: float | None = None
+        self.due: float | None = None  # no own deadline: when it should be served by (default_deadline_s)
+        self.late = "finish"  # "drop": a result ready after `deadline` is replaced by DeadlineMissedError
 
     @classmethod
     def batch(cls, members: list["Work"]) -> "Work":
@@ -85,12 +90,15 @@ class Work:
 
     @property
     def order(self) -> float:
-        """Earliest-deadline-first key: the request's own deadline, else when it expires."""
-        return self.deadline if self.deadline is not None else self.submitted + self.limit_s
+        """Earliest-deadline-first key: the request's own deadline, else its `due`, else when it expires."""
+        if self.deadline is not None:
+            return self.deadline
+        return self.due if self.due is not None else self.submitted + self.limit_s
 
-    def missed(self, now: float) -> bool:
-        """Its own deadline passed (only meaningful before it starts)."""
-        return self.deadline is not None and self.deadline <= now
+    def missed(self, now: float, service_s: float = 0.0) -> bool:
+        """Its own deadline cannot be met by a start at `now` and a step of `service_s` (only
+        meaningful before it starts)."""
+        return self.deadline is not None and self.deadline <= now + service_s
 
     @property
     def unfinished(self) -> bool:

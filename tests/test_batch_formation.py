@@ -33,6 +33,7 @@ class Item:
     submitted: float = 0.0
     limit_s: float = 60.0
     alive: bool = True
+    deadline: float | None = None
 
 
 def names(items) -> list[str]:

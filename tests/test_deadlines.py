@@ -189,7 +189,7 @@ def test_many_robots_with_deadlines_beside_bulk_requests_keep_their_order_under_
     with Engine(EngineArgs(plugin="reference_policy"), deployment) as engine:
         engine.pause(mode="keep")
         bulk = [engine.submit({"state": [float(i % 5)] * 8}) for i in range(400)]
-        tight = [engine.submit({"state": [1.0] * 8}, deadline_s=30.0) for _ in range(20)]
+        tight = [engine.submit({"state": [1.0] * 8}, deadline_s=5.0) for _ in range(20)]  # before default_deadline_s
         engine.resume()
         wait(bulk + tight, timeout=60)
         assert all(f.exception() is None for f in bulk + tight)

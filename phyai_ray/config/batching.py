@@ -56,6 +56,17 @@ class BatchingConfig(ConfigModel):
         "X-Request-Deadline-Ms, OIP parameters.deadline_ms or openpi's deadline_ms, else its arrival plus "
         "execution_timeout_s) or 'fifo' (arrival order). Either way a request whose own deadline passes "
         "before it starts is answered at once with DeadlineMissedError and never runs.")
+    default_deadline_s: float | None = Field(
+        10.0, gt=0, le=86_400, description="The queue-order deadline of a request that gives none of its own: "
+        "earliest-deadline-first sorts it as due this long after arrival (it is never failed for it). 10 s: "
+        "far behind any robot deadline (tens to hundreds of ms), so those still go first, yet well inside "
+        "the 30-60 s a typical HTTP client waits, so a bulk request beside a saturated fleet is served "
+        "instead of waiting for execution_timeout_s (600 s). None: such requests sort by that timeout.")
+    late: Literal["finish", "drop"] = Field(
+        "finish", description="What a request with its own deadline gets when its result is ready only after "
+        "that deadline: 'finish' delivers it (timing says deadline_met=false), 'drop' answers "
+        "DeadlineMissedError instead (fail closed: a robot never executes a stale action chunk). Each "
+        "request may override it (Engine.submit(late=...), openpi's late, OIP parameters.late).")
     max_num_seqs: int = Field(
         256, ge=1, le=1 << 16, description="Iteration protocol: most sequences running at once in one replica; "
         "the others wait (first come, first served) and join as slots free up.")

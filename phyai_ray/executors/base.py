@@ -86,7 +86,7 @@ class ScheduledReplica:
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
-               deadline: float | None = None) -> Future:
+               deadline: float | None = None, late: str = "finish") -> Future:
         """Queue `request` for every rank; the future resolves to the output rank's result.
 
         Raises EngineUnavailableError when the replica failed, EngineOverloadedError when its
@@ -96,7 +96,7 @@ class ScheduledReplica:
         dispatched meanwhile, so other callers queue behind it and the hang clock sees it); the
         others ignore it. `key` and `size` (the plugin's `batch_key` / `request_size`) place the
         request in a batch when batching is on; `deadline` is its own (monotonic seconds), which
-        orders the queue and bounds its wait. Ranks in lockstep (torchrun) take none of these: a
+        orders the queue and bounds its wait; `late="drop"` answers a result ready after it as missed. Ranks in lockstep (torchrun) take none of these: a
         rank that skipped a late request would leave the others in a collective.
         """
         if self._failure is not None:
@@ -105,10 +105,10 @@ class ScheduledReplica:
         if ranks.lockstep:
             return self.queue.submit(request)
         if not (caller_runs and ranks.runs_here) or self.queue.iterative:
-            return self.queue.submit(request, key=key, size=size, deadline=deadline)
+            return self.queue.submit(request, key=key, size=size, deadline=deadline, late=late)
         payload = ranks.prepare(request)
         future = self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, here=True, key=key, size=size,
-                                       weight=ranks.weight(payload), deadline=deadline)
+                                       weight=ranks.weight(payload), deadline=deadline, late=late)
         if future.work.here:
             ranks.run_here(future.work)
         return future
@@ -161,6 +161,7 @@ class ScheduledReplica:
         """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
         if batching is not None:
             self.scheduler.edf = batching.scheduling == "deadline"
+            self.scheduler.default_deadline_s = batching.default_deadline_s
         if batching is None or not batching.enabled:
             return
         if not batchable:

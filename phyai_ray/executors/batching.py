@@ -11,7 +11,10 @@ Rules (Triton's dynamic batcher, with Ray Serve's `@serve.batch` as the simple c
 * Expired or cancelled requests (`live(item)` is False) never join: they leave the queue as `dead`.
 * Dispatch at once when the batch is full, when it ends exactly at a preferred size (cut there),
   or when `max_delay_s` is 0. Otherwise the head waits until `flush_at(head)`: at most
-  `max_delay_s` after it arrived, and never more than half its time limit.
+  `max_delay_s` after it arrived, and never more than half its time limit; and for each member
+  with its own deadline, never past that deadline minus `service_s` (the replica's recent step
+  time) nor past half its way to it, so an idle replica never holds a request until it is too
+  late to meet a deadline it could have met.
 * `max_weight` bounds a per-message resource summed over the batch (e.g. the shared-memory file
   descriptors one socket message can carry).
 """
@@ -30,6 +33,7 @@ class Queued(Protocol):
     weight: int
     submitted: float
     limit_s: float
+    deadline: float | None
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,16 @@ class BatchPolicy:
         """How long a replica must have been idle before a lone request runs on the caller's thread."""
         return max(0.002, self.max_delay_s)
 
-    def flush_at(self, head: Queued) -> float:
-        """When a head waiting for a fuller batch is dispatched anyway."""
-        return head.submitted + min(self.max_delay_s, head.limit_s / 2)
+    def flush_at(self, head: Queued, members: list | tuple = (), service_s: float = 0.0) -> float:
+        """When a head waiting for a fuller batch is dispatched anyway: `max_delay_s` after it arrived
+        (at most half its time limit), and early enough that every own deadline among the head and
+        `members` can still be met: before it less a step of `service_s`, and within half of it."""
+        due = head.submitted + min(self.max_delay_s, head.limit_s / 2)
+        for item in (head, *members):
+            if item.deadline is not None:
+                half = item.submitted + (item.deadline - item.submitted) / 2
+                due = min(due, item.deadline - service_s, half)
+        return due
 
 
 @dataclass
@@ -57,8 +68,10 @@ class Formed:
     wait_until: float | None = None  # nothing to dispatch yet: the head waits for more until then
 
 
-def form_batch(queue: deque, policy: BatchPolicy, now: float, live: Callable[[Any], bool]) -> Formed:
-    """Take the next batch out of `queue` (changed in place), or say how long its head may wait."""
+def form_batch(queue: deque, policy: BatchPolicy, now: float, live: Callable[[Any], bool],
+               service_s: float = 0.0) -> Formed:
+    """Take the next batch out of `queue` (changed in place), or say how long its head may wait.
+    `service_s`: how long a step takes lately (it caps the wait by the members' deadlines)."""
     formed = Formed()
     while queue and not live(queue[0]):
         formed.dead.append(queue.popleft())
@@ -70,10 +83,10 @@ def form_batch(queue: deque, policy: BatchPolicy, now: float, live: Callable[[An
         batch = chosen
     elif cut:
         batch = chosen[:cut]
-    elif policy.max_delay_s <= 0 or now >= policy.flush_at(queue[0]):
+    elif policy.max_delay_s <= 0 or now >= policy.flush_at(queue[0], chosen, service_s):
         batch = chosen
     else:
-        batch, formed.wait_until = [], policy.flush_at(queue[0])
+        batch, formed.wait_until = [], policy.flush_at(queue[0], chosen, service_s)
     _remove(queue, scanned, {id(item) for item in batch} | {id(item) for item in formed.dead})
     formed.batch = batch
     return formed

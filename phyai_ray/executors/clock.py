@@ -98,7 +98,9 @@ class DeadlineClock:
         return min(times, default=float("inf"))
 
     def _missed_error(self, work: Work, now: float) -> RequestTimeoutError:
-        return deadline_missed(self.index, now - work.submitted, work.deadline - work.submitted)
+        """A request that was not run: its deadline passed, or comes before the recent step time."""
+        service_s = self.service.estimate() if work.deadline > now else 0.0
+        return deadline_missed(self.index, now - work.submitted, work.deadline - work.submitted, service_s)
 
     def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
         where = ("it was still queued and never reached a rank" if work.dispatched is None else

@@ -87,9 +87,10 @@ class IterationLoop(IterationControl):
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
-               deadline: float | None = None) -> EngineFuture:
+               deadline: float | None = None, late: str = "finish") -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
-        `deadline`: its own (monotonic), by which one of its sequences must have a slot."""
+        `deadline`: its own (monotonic), by which one of its sequences must have a slot. `late` is
+        accepted for the common queue interface; the loop delivers late results (late="finish")."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")

@@ -100,13 +100,23 @@ def timed_out(index: int, waited_s: float, limit_s: float, where: str, *, dispat
         replica=index, waited_s=waited_s, dispatched=dispatched)
 
 
-def deadline_missed(index: int, waited_s: float, given_s: float | None) -> DeadlineMissedError:
-    """The answer to a request whose own deadline passed before it started (it never runs)."""
+def deadline_missed(index: int, waited_s: float, given_s: float | None, service_s: float = 0.0,
+                    late_result: bool = False) -> DeadlineMissedError:
+    """The answer to a request whose own deadline passed before it started, or that could not finish
+    by it (`service_s`: the replica's recent step time), or whose result came after it and was
+    dropped (`late_result`: late="drop")."""
     given = f"{given_s * 1e3:.1f} ms" if given_s is not None else "its deadline"
-    return DeadlineMissedError(
-        f"replica {index}: the request's deadline ({given}) passed after {waited_s * 1e3:.1f} ms of waiting, "
-        "before it started; it was not run. Give it a later deadline, or add replicas or lower the load",
-        replica=index, waited_s=waited_s, deadline_s=given_s)
+    if late_result:
+        what = (f"passed after {waited_s * 1e3:.1f} ms, before its result was ready; the late result was dropped "
+                "(late='drop'). Give it a later deadline, pass late='finish' to take late results, or add replicas")
+    elif service_s > 0:
+        what = (f"could not be met: {waited_s * 1e3:.1f} ms waited and a step takes about {service_s * 1e3:.1f} ms "
+                "here lately; it was not run. Give it a later deadline, or add replicas or lower the load")
+    else:
+        what = (f"passed after {waited_s * 1e3:.1f} ms of waiting, before it started; it was not run. "
+                "Give it a later deadline, or add replicas or lower the load")
+    return DeadlineMissedError(f"replica {index}: the request's deadline ({given}) {what}",
+                               replica=index, waited_s=waited_s, deadline_s=given_s)
 
 
 def enqueue(queue: deque, item: Any, edf: bool) -> None:

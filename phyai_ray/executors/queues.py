@@ -25,7 +25,8 @@ class RequestQueue(Protocol):
 
     iterative: bool
 
-    def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None) -> Any: ...
+    def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None,
+               late: str = "finish") -> Any: ...
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]: ...
 
@@ -53,10 +54,11 @@ class StepQueue:
     def __init__(self, scheduler: Any, ranks: Any, limit_s: float) -> None:
         self._scheduler, self._ranks, self._limit_s = scheduler, ranks, limit_s
 
-    def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None) -> Any:
+    def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None,
+               late: str = "finish") -> Any:
         payload = self._ranks.prepare(request)
         return self._scheduler.submit(Kind.STEP, payload, self._limit_s, key=key, size=size,
-                                      weight=self._ranks.weight(payload), deadline=deadline)
+                                      weight=self._ranks.weight(payload), deadline=deadline, late=late)
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]:
         payload, reader_for = self._ranks.stream(request, max_buffered)

@@ -34,9 +34,10 @@ class Replica(Protocol):
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
-               deadline: float | None = None) -> Future:
+               deadline: float | None = None, late: str = "finish") -> Future:
         """Queue `request`; raise EngineUnavailableError (failed) or EngineOverloadedError (full) at
-        once, queueing nothing. `deadline`: the request's own (monotonic seconds)."""
+        once, queueing nothing. `deadline`: the request's own (monotonic seconds); `late`: "drop"
+        answers a result ready after it as missed."""
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
         """Queue a streamed request: its future and a reader (`phyai_ray.streams.LocalReader`)."""

@@ -43,7 +43,8 @@ from typing import Any, Callable
 from phyai_ray.errors import EngineOverloadedError
 from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.clock import DeadlineClock
-from phyai_ray.executors.ledger import Counts, Tally, enqueue, overloaded
+from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded
+from phyai_ray.executors.service import ServiceTime
 from phyai_ray.executors.futures import CallbackThread, EngineFuture
 from phyai_ray.work import REQUEST_KINDS, Kind, Work
 
@@ -80,11 +81,13 @@ class ReplicaScheduler(DeadlineClock):
         self._flush_at = float("inf")  # a batch head waits for more requests until then
         self._last_finish = float("-inf")  # when the ranks last finished a step
         self.stats = BatchStats()
+        self.service = ServiceTime()  # recent step time: finish-by admission and the batch delay's cap
+        self.default_deadline_s: float | None = None  # BatchingConfig.default_deadline_s: orders no-deadline requests
 
     # -- admission ------------------------------------------------------------------------------
     def submit(self, kind: str, payload: Any, limit_s: float, *, all_ranks: bool = False,
                bypass_queue: bool = False, here: bool = False, key: Any = None, size: int = 1,
-               weight: int = 0, deadline: float | None = None) -> EngineFuture:
+               weight: int = 0, deadline: float | None = None, late: str = "finish") -> EngineFuture:
         """Queue a request, or with `bypass_queue` dispatch at once (a collective_rpc, an iteration:
         they run right after what is already at the ranks, in the same order on every rank); returns
         its future.
@@ -92,12 +95,19 @@ class ReplicaScheduler(DeadlineClock):
         `here=True`: when nothing is queued or dispatched, the request is dispatched without
         `launch` and `future.work.here` is set: the caller must run it now, then call `finished`.
         It counts as dispatched meanwhile, so the hang clock and the accounting see it as usual.
-        `deadline`: the request's own deadline (monotonic); see the module docstring.
+        `deadline`: the request's own deadline (monotonic); see the module docstring. A request whose
+        deadline falls before now plus the recent step time is answered DeadlineMissedError at once
+        (finish-by admission). `late="drop"`: a result ready after `deadline` is answered as missed.
         """
         future = EngineFuture(self.delivery, self._cancelled)
         work = Work(kind, payload, limit_s, future, all_ranks)
-        work.key, work.size, work.weight, work.deadline = key, size, weight, deadline
+        work.key, work.size, work.weight, work.deadline, work.late = key, size, weight, deadline, late
+        if deadline is None and self.default_deadline_s is not None:
+            work.due = work.submitted + self.default_deadline_s
         future.work, future.replica, future.deadline = work, self.index, deadline
+        if not bypass_queue and work.missed(work.submitted, self.service.estimate()):
+            self.deliver(work, error=self._missed_error(work, work.submitted))
+            return future
         with self._lock:
             if self._refusal is not None:
                 raise self._refusal()
@@ -169,18 +179,19 @@ class ReplicaScheduler(DeadlineClock):
                     return
                 continue
             work = self._queued.popleft()
-            if work.missed(time.monotonic()):
+            if work.missed(time.monotonic(), self.service.estimate()):
                 self.deliver(work, error=self._missed_error(work, time.monotonic()))
             elif work.future.start():  # False: cancelled while queued
                 self._dispatch(work)
 
     def _pump_batch(self) -> bool:
         """Dispatch the next batch; False when the head waits for a fuller one (the clock wakes it)."""
-        now = time.monotonic()
+        now, service_s = time.monotonic(), self.service.estimate()
         formed = form_batch(self._queued, self.policy, now,
-                            lambda w: not w.future.done() and w.expires > now and not w.missed(now))
+                            lambda w: not w.future.done() and w.expires > now and not w.missed(now, service_s),
+                            service_s)
         for work in formed.dead:  # never dispatched: expired ones fail, cancelled ones are already done
-            self.deliver(work, error=self._missed_error(work, now) if work.missed(now) else
+            self.deliver(work, error=self._missed_error(work, now) if work.missed(now, service_s) else
                          self._timeout_error(work, now))
         if formed.wait_until is not None:
             self._flush_at = formed.wait_until
@@ -234,6 +245,9 @@ class ReplicaScheduler(DeadlineClock):
         if work.kind == Kind.BATCH:
             self._deliver_batch(work, value, error)
             return
+        if error is None and work.late == "drop" and work.missed(time.monotonic()):
+            now = time.monotonic()
+            error = deadline_missed(self.index, now - work.submitted, work.deadline - work.submitted, late_result=True)
         self.tally.settle(work.future, value, error, counted=work.kind in REQUEST_KINDS)
 
     def _deliver_batch(self, work: Work, values: Any, error: BaseException | None) -> None:
@@ -260,6 +274,8 @@ class ReplicaScheduler(DeadlineClock):
         except ValueError:
             return  # already failed out by a group failure or close
         self._last_finish = time.monotonic()
+        if was_head and work.kind != Kind.CALL:
+            self.service.record(self._last_finish - max(self._head_since, work.dispatched))
         if was_head and self._dispatched:
             self._head_since = time.monotonic()
             self._arm(self._head_since + self._dispatched[0].limit_s)
