@@ -74,6 +74,7 @@ class ControlReport:
     aborted: int = 0  # queued requests failed by pause(mode="abort")
     elapsed_s: float = 0.0
     error: str | None = None  # the call failed on this replica, which is now FAILED
+    notes: tuple = ()  # update_weights / finish_weight_update: tensors accepted as other than sent (skipped, cast)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -143,9 +144,11 @@ class ReplicaControl(WeightUpdates):
                 ranks = self._update_weights(args[0], deadline)
             else:
                 ranks = self._fan_out(op, args[:1] if op == "start_weight_update" else args, deadline)
+            update = self._life.update
+            notes = update.notes if update is not None and op in ("update_weights", "finish_weight_update") else ()
             self._after(op, args)
         return ControlReport(self.index, op, self.state.value, self.weight_version, tuple(ranks), aborted,
-                             time.monotonic() - started)
+                             time.monotonic() - started, notes=notes)
 
     @contextlib.contextmanager
     def _exclusive(self, what: str, timeout_s: float) -> Iterator[None]:

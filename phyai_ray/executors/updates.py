@@ -45,6 +45,7 @@ class _Update:
     touched: bool = False  # some rank may have loaded part of it
     complete: bool = False  # the last update_weights finished on every rank
     timer: threading.Timer | None = None
+    notes: tuple[str, ...] = ()  # what the ranks accepted differently than sent (skipped, cast)
 
 
 class WeightUpdates:
@@ -55,10 +56,15 @@ class WeightUpdates:
         update = self._life.update
         if not buckets:
             raise ValueError(f"replica {self.index}: update_weights() got no buckets; nothing was changed")
-        problems = _problems(self._fan_out("check_weights", (buckets,), deadline))
+        checks = self._fan_out("check_weights", (buckets,), deadline)
+        problems = _problems(checks)
         if problems:
             self._refuse(update, buckets, problems, deadline)
         update.touched, update.complete = True, False
+        update.notes = tuple(dict.fromkeys(update.notes + tuple(_problems(checks, "notes"))))
+        if update.notes:
+            logger.info("replica %d: weight update to version %r: %s", self.index, update.version,
+                        "; ".join(update.notes))
         ranks = self._fan_out("update_weights", (buckets,), deadline)
         update.complete = True
         return ranks
@@ -154,13 +160,13 @@ class WeightUpdates:
             reason="timeout", replica=self.index)
 
 
-def _problems(replies: list) -> list[str]:
-    """Every rank's problems (`WeightCheck` replies), each distinct one once, in rank order."""
+def _problems(replies: list, kind: str = "problems") -> list[str]:
+    """Every rank's problems (or `notes`) of its `WeightCheck` reply, each distinct one once, in rank order."""
     from phyai_ray.rank.receive import WeightCheck
 
     seen: list[str] = []
     for reply in replies:
-        for problem in reply.problems if isinstance(reply, WeightCheck) else ():
+        for problem in getattr(reply, kind) if isinstance(reply, WeightCheck) else ():
             if problem not in seen:
                 seen.append(problem)
     return seen

@@ -10,6 +10,12 @@
                             nccl still completes the trainer's send, so the transfer group stays
                             in step for the next update
 
+A model with `weight_specs` may also define `weight_note(name, shape, dtype) -> str | None`: asked
+about each tensor that does not match its specs, it returns why it accepts it anyway (a tied head
+skipped, a buffer skipped, a dtype cast) or None to refuse it; its `load_weights` then receives
+those tensors too and does what the note says. The notes, each with the tensors it covers, are the
+check's `notes` (the update's report lists them).
+
 The model's specs are `weight_specs()` of the per-rank model, `{name: (full shape, dtype)}` of
 the tensors the trainer sends (a model that defines it gets `load_weights` once per bucket, and
 must copy what it keeps: the tensors are views of the bucket's buffer); for
@@ -73,9 +79,18 @@ class WeightLoader:
         specs = self.specs()
         if specs is None:
             return WeightCheck(self.ctx.rank)
-        problems = [p for bucket in buckets for meta in bucket.tensors
-                    if (p := _mismatch(meta.name, tuple(meta.shape), bucket.dtype, specs))]
-        return WeightCheck(self.ctx.rank, tuple(problems))
+        note = getattr(self.model, "weight_note", None)
+        problems: list[str] = []
+        noted: dict[str, list[str]] = {}  # note -> the tensors it covers
+        for bucket in buckets:
+            for meta in bucket.tensors:
+                problem = _mismatch(meta.name, tuple(meta.shape), bucket.dtype, specs)
+                why = note(meta.name, tuple(meta.shape), bucket.dtype) if problem and callable(note) else None
+                if why:
+                    noted.setdefault(why, []).append(meta.name)
+                elif problem:
+                    problems.append(problem)
+        return WeightCheck(self.ctx.rank, tuple(problems), tuple(_listed(why, names) for why, names in noted.items()))
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, buckets: tuple[Bucket, ...], receive: Callable[..., Any]) -> None:
@@ -151,6 +166,11 @@ def _reused(scratch: dict[str, Any], bucket: Bucket, device: Any) -> Any:
 
 def _tensors(module: Any) -> dict[str, Any]:
     return dict(module.named_parameters()) | dict(module.named_buffers())
+
+
+def _listed(why: str, names: list[str]) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{why}: {shown}"
 
 
 def _mismatch(name: str, shape: tuple[int, ...], dtype: str, specs: dict[str, Spec]) -> str | None:

@@ -43,10 +43,12 @@ class Bucket:
 
 @dataclass(frozen=True)
 class WeightCheck:
-    """One rank's verdict on an update before any weight changes: each mismatch as one line."""
+    """One rank's verdict on an update before any weight changes: each mismatch as one line, and
+    each tensor the model accepts differently than sent (skipped, cast), as `notes`."""
 
     rank: int
     problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from phyai_ray.llm.slots import Batch, Slots
 from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)
+FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 MASKED = -1e30  # a finite fill: every query sees key 0, so no row is all fill, and exp() of it is exactly 0
 
 
@@ -83,16 +84,33 @@ class HFCausalLM(SlotDecoder):
         owned = part.to(device=self.ctx.device, dtype=self.dtype)
         return owned.clone() if owned.data_ptr() == part.data_ptr() else owned.contiguous()
 
-    # -- weight updates by the trainer's names (transformers' named_parameters()) --------------------
+    # -- weight updates by the trainer's names (named_parameters() or state_dict()) ---------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{name: (full shape, dtype)} of every tensor an update may carry (a tied head: the embedding only)."""
         return {name: (shape, dtype_name(self.dtype)) for name, shape in self.shapes.items()}
 
+    def weight_note(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        """Why a tensor outside `weight_specs` is accepted (the update's report lists it), or None to refuse it.
+
+        A trainer's `state_dict()` carries a tied model's `lm_head.weight` (the embedding itself) and
+        persistent buffers such as an older transformers' `rotary_emb.inv_freq`: both skipped, as the
+        model has them already. A floating tensor of a known name and shape in another dtype is cast.
+        """
+        if name.endswith("rotary_emb.inv_freq") and len(shape) == 1:
+            return "skipped (a rotary buffer the model computes itself)"
+        if name == "lm_head.weight" and self.arch.tied and shape == self.shapes["model.embed_tokens.weight"]:
+            return "skipped (tied: model.embed_tokens.weight serves as the head)"
+        if self.shapes.get(name) == shape and dtype in FLOATING and self.dtype.is_floating_point:
+            return f"cast from {dtype} to {dtype_name(self.dtype)} on receive"
+        return None
+
     @torch.inference_mode()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy this rank's slice of each FULL tensor into place (checked against `weight_specs` before)."""
+        """Copy this rank's slice of each FULL tensor into place, cast to the model's dtype (checked
+        against `weight_specs` and `weight_note` before); what `weight_note` skipped is skipped."""
         for name, full in weights:
-            self.w[name].copy_(self.plan.cut(name).take(full.to(self.ctx.device)))
+            if name in self.shapes:
+                self.w[name].copy_(self.plan.cut(name).take(full.to(self.ctx.device)))
 
     # -- SlotDecoder -------------------------------------------------------------------------------
     def parse(self, request: Any) -> Parsed:
