@@ -133,7 +133,7 @@ def gemma_attention(q, k, v, mask, heads: int, kv_heads: int) -> torch.Tensor:
     """
     b, s, _, d = q.shape
     t, rep = k.shape[1], heads // kv_heads
-    q = q.view(b, s, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * s, d)
+    q = q.reshape(b, s, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * s, d)
     scores = torch.matmul(q, k.permute(0, 2, 3, 1)).view(b, heads, s, t) * d ** -0.5
     scores = scores + torch.where(mask[:, None], 0.0, MASK_VALUE)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).view(b, kv_heads, rep * s, t)
