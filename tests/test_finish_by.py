@@ -171,3 +171,26 @@ def test_default_deadline_s_has_a_default_and_is_checked():
     assert BatchingConfig().default_deadline_s == 10.0 and BatchingConfig(default_deadline_s=None).default_deadline_s is None
     with pytest.raises(ValueError):
         BatchingConfig(default_deadline_s=0)
+
+
+def test_the_knobs_are_command_line_flags():
+    import argparse
+
+    from phyai_ray.flags import add_config_flags, build_configs
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plugin", dest="args.plugin", default="reference_policy")
+    add_config_flags(parser)
+    _, deployment = build_configs(parser.parse_args(["--default-deadline-s", "2.5", "--late", "drop"]))
+    assert deployment.batching.default_deadline_s == 2.5 and deployment.batching.late == "drop"
+
+
+def test_the_iteration_loop_orders_a_no_deadline_request_by_default_deadline_s():
+    from phyai_ray.executors.sequences import LoopRequest
+
+    deployment = DeploymentConfig(batching=BatchingConfig(default_deadline_s=2.0))
+    with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={"num_steps": 3}), deployment) as engine:
+        future = engine.submit({"state": [0.1] * 8})
+        assert isinstance(future.work, LoopRequest)
+        assert future.work.order == pytest.approx(future.work.submitted + 2.0)
+        future.result(timeout=30)

@@ -69,6 +69,7 @@ class IterationLoop(IterationControl):
                             f"begin(running) and admit(candidate) (phyai_ray.plugins.admission), got {self.policy!r}")
         self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
+        self.default_deadline_s = batching.default_deadline_s  # orders a request without its own deadline
         self._cond = threading.Condition()
         self._init_control(batching.cache_after_update == "recompute")
         self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); left ones stay "done"
@@ -97,6 +98,8 @@ class IterationLoop(IterationControl):
         future = EngineFuture(self._delivery, self._cancelled)
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
+        if deadline is None and self.default_deadline_s is not None:  # due then, not failed then
+            req.order = min(req.order, req.submitted + self.default_deadline_s)
         future.work = req
         with self._cond:
             if self._refusal is not None:

@@ -44,12 +44,15 @@ class _EngineActor:
 
         self.engine = Engine(args, deployment)
 
-    async def step(self, request: Any, session: Any = None, deadline_s: float | None = None) -> Any:
-        return (await self.submit(request, session, deadline_s)).value
+    async def step(self, request: Any, session: Any = None, deadline_s: float | None = None,
+                   late: str | None = None) -> Any:
+        return (await self.submit(request, session, deadline_s, late)).value
 
-    async def submit(self, request: Any, session: Any = None, deadline_s: float | None = None) -> StepResult:
-        """`deadline_s` counts from when the call reached the actor (`Engine.submit`'s deadline)."""
-        future = self.engine.submit(request, session, deadline_s=deadline_s)
+    async def submit(self, request: Any, session: Any = None, deadline_s: float | None = None,
+                     late: str | None = None) -> StepResult:
+        """`deadline_s` counts from when the call reached the actor (`Engine.submit`'s deadline);
+        `late` ("finish" / "drop", None: BatchingConfig.late) as for `Engine.submit`."""
+        future = self.engine.submit(request, session, deadline_s=deadline_s, late=late)
         value = await awaitable(future)
         return StepResult(value, future.replica, future.weight_version, future.timing())
 
