@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test bench install clean grpc-stubs lerobot-reference
+.PHONY: demo test bench install clean grpc-stubs lerobot-reference docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,15 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or reference.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
 
 # The Open Inference Protocol's gRPC modules, generated from phyai_ray/serve/grpc_v2/grpc_predict_v2.proto
 # with grpcio-tools 1.75 (protobuf 6.31 gencode: loads on protobuf >= 6.31, 7.x included). Never edit them.
