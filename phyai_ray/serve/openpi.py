@@ -9,13 +9,16 @@ The protocol, as openpi's policy server speaks it: the client connects (`Authori
 <key>`; `Bearer <key>` works too), the server sends its metadata frame, then every binary frame
 from the client is one observation (msgpack, NumPy arrays as `{__ndarray__, data, dtype, shape}`)
 and gets one binary reply: the plugin's result dict plus `server_timing` (`queue_ms`, `infer_ms`,
-`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `request_id`).
+`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `request_id`,
+and `received_at` / `sent_at` in Unix seconds: a client discards a chunk that is stale by them).
 An error is a text frame.
 
 Deadlines: `deadline_ms` in the connection URL's query (`ws://host/v1/openpi?deadline_ms=100`) is
 every frame's default; `deadline_ms` in an observation is that frame's (it is not passed to the
 policy). A frame is scheduled earliest deadline first, and one whose deadline passes before it
-starts is answered at once with a "deadline_missed" error frame; the session goes on.
+starts, or that cannot finish by it, is answered at once with a "deadline_missed" error frame; the
+session goes on. `late` (query or frame: "finish" or "drop") says what a frame whose chunk is ready
+only after its deadline gets: the late chunk, or (fail closed) that error frame instead.
 
 One connection is one session on ONE replica group: Serve's proxy hands the connection to one
 group's Serve replica, and every frame of it runs on that group (batched with other robots'
@@ -46,7 +49,7 @@ from phyai_ray.serve.error_map import classify, describe
 from phyai_ray.serve.guard import key_matches
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
-from phyai_ray.serve.timing import deadline_ms, timing_fields
+from phyai_ray.serve.timing import deadline_ms, freshness, late_mode, timing_fields
 from phyai_ray.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -140,6 +143,7 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
             return
         try:
             default_deadline = deadline_ms(websocket.query_params.get("deadline_ms"), "deadline_ms (the URL's query)")
+            default_late = late_mode(websocket.query_params.get("late"), "late (the URL's query)")
         except ValueError as exc:  # accepted first, so the client reads why
             await websocket.accept()
             await websocket.close(code=1008, reason=str(exc)[:120])
@@ -150,7 +154,7 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
         try:
             with runner.session():  # open as long as the connection: the group's count, as the router's
                 await websocket.send_bytes(pack(runner.entry.policy_metadata()))
-                await _serve_frames(websocket, runner, options, session, default_deadline)
+                await _serve_frames(websocket, runner, options, session, (default_deadline, default_late))
         except WebSocketDisconnect:
             pass
         finally:
@@ -158,7 +162,7 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
 
 
 async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: ServeOptions, session: str,
-                        default_deadline: float | None) -> None:
+                        defaults: tuple[float | None, str | None]) -> None:
     frames = 0
     while True:
         try:
@@ -170,7 +174,7 @@ async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: Serv
             return
         frames += 1
         rid = f"{session}-{frames}"
-        reply, fatal = await _answer(message.get("bytes"), runner, options, rid, default_deadline)
+        reply, fatal = await _answer(message.get("bytes"), runner, options, rid, defaults)
         if isinstance(reply, str):
             logger.warning("openpi frame %s: %s", rid, reply)
             await websocket.send_text(reply)
@@ -187,9 +191,10 @@ async def _off_loop(size: int, work: Any, *args: Any) -> Any:
 
 
 async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str,
-                  default_deadline: float | None = None) -> tuple[Any, bool]:
-    """(reply frame, False), or (error text, whether the session must end)."""
-    start = time.perf_counter()
+                  defaults: tuple[float | None, str | None] = (None, None)) -> tuple[Any, bool]:
+    """(reply frame, False), or (error text, whether the session must end). `defaults`: the connection's
+    (deadline_s, late), from its URL's query; a frame's own `deadline_ms` / `late` fields win."""
+    start, received_at = time.perf_counter(), time.time()
     if frame is None:
         return "expected a binary msgpack observation frame, got a text frame", False
     try:
@@ -198,12 +203,14 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
             raise FrameError(f"an observation is a dict, got {type(request).__name__}")
         request = {k.decode() if isinstance(k, bytes) else k: v for k, v in request.items()}
         deadline_s = deadline_ms(request.pop("deadline_ms", None), "the observation's deadline_ms")
-        deadline_s = default_deadline if deadline_s is None else deadline_s
+        deadline_s = defaults[0] if deadline_s is None else deadline_s
+        late = late_mode(request.pop("late", None), "the observation's late") or defaults[1]
     except Exception as exc:
         return f"request {rid}: bad observation: {describe(exc)}", False
     timing: dict[str, Any] = {}
     try:  # validated once, here; the session stays on this group (no forwarding)
-        result = await runner.run(validate(runner.entry, request), forward=False, deadline_s=deadline_s, timing=timing)
+        result = await runner.run(validate(runner.entry, request), forward=False, deadline_s=deadline_s, timing=timing,
+                                  late=late)
     except Exception as exc:
         failure = classify(exc, overload_status=options.overload_status)
         if failure.kind == "rejected":  # the plugin refused this frame: the session goes on
@@ -215,7 +222,8 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
     status = runner.engine.replica_status()[0]
     reply["server_timing"] = {**timing_fields(timing, deadline_s), "total_ms": (time.perf_counter() - start) * 1e3,
-                              "weight_version": status.weight_version, "group": runner.group, "request_id": rid}
+                              "weight_version": status.weight_version, "group": runner.group, "request_id": rid,
+                              **freshness(received_at)}
     try:
         return await _off_loop(len(frame), pack, reply), False
     except TypeError as exc:

@@ -80,12 +80,13 @@ class GroupRunner:
             self.sessions -= 1
 
     async def run(self, request: Any, *, hops: int = 0, failed: tuple = (), forward: bool = True,
-                  deadline_s: float | None = None, timing: dict | None = None) -> Any:
+                  deadline_s: float | None = None, timing: dict | None = None, late: str | None = None) -> Any:
         """The result of `request`, or the engine's error; forwarded when this group has failed.
 
         `request` is `Validated` (the edges), or is validated here (`RequestRejectedError`).
         `forward=False` keeps the request on this group (a session bound to it): it fails instead.
-        `deadline_s` counts from this call (the request's arrival): `Engine.submit`'s deadline. A
+        `deadline_s` counts from this call (the request's arrival): `Engine.submit`'s deadline, and
+        `late` ("finish" / "drop"; None: the deployment's BatchingConfig.late) is `Engine.submit`'s. A
         `timing` dict is filled with the request's `EngineFuture.timing()` when it ran on this group.
         """
         note_failed(tuple(failed))
@@ -93,7 +94,7 @@ class GroupRunner:
         if not isinstance(request, Validated):  # a handle caller's request; what is forwarded is validated
             request = await asyncio.to_thread(validate, self.entry, request)
         try:
-            future = await asyncio.to_thread(self._submit, request, deadline_s, received)
+            future = await asyncio.to_thread(self._submit, request, deadline_s, received, late)
         except EngineUnavailableError:
             if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
@@ -174,13 +175,16 @@ class GroupRunner:
             raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} "
                                          f"within {limit:.0f}s; retry later", reason="no_healthy_replica") from None
 
-    def _submit(self, request: Validated, deadline_s: float | None = None, received: float | None = None) -> Any:
+    def _submit(self, request: Validated, deadline_s: float | None = None, received: float | None = None,
+                late: str | None = None) -> Any:
         if deadline_s is not None and received is not None:  # what is left of it (the engine answers a spent one)
             deadline_s = max(deadline_s - (time.monotonic() - received), 1e-6)
         try:
-            if deadline_s is None:  # anything with Engine.submit(request) serves here
+            if deadline_s is None and late is None:  # anything with Engine.submit(request) serves here
                 return self.engine.submit(request)
-            return self.engine.submit(request, deadline_s=deadline_s)
+            if late is None:
+                return self.engine.submit(request, deadline_s=deadline_s)
+            return self.engine.submit(request, deadline_s=deadline_s, late=late)
         except _ENGINE_ERRORS:
             raise
         except Exception as exc:

@@ -1,0 +1,70 @@
+"""Fresh replies on the openpi edge: a frame's `late` (its own field or the connection's query)
+reaches the engine, and every reply's `server_timing` says when the server received the frame and
+sent the chunk (Unix seconds), its weight version and whether the deadline was met. Without Ray
+or sockets: the edge's frame handler against an inline engine.
+
+Run: `.venv/bin/pytest tests/test_fresh_replies.py -q`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from phyai_ray import Engine, EngineArgs
+from phyai_ray.serve.openpi import _answer, pack, unpack
+from phyai_ray.serve.timing import late_mode
+
+OPTIONS = SimpleNamespace(max_tensor_bytes=1 << 20, overload_status=503)
+
+
+class Runner:
+    """The part of a GroupRunner the openpi edge uses, over an inline engine; it records what it was asked."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.entry, self.group, self.asked = engine, engine.entry, "g0", []
+
+    async def run(self, request, *, forward, deadline_s, timing, late):
+        self.asked.append((deadline_s, late))
+        future = self.engine.submit(request, deadline_s=deadline_s, late=late)
+        value = await asyncio.wrap_future(future)
+        timing.update(future.timing())
+        return value
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with Engine(EngineArgs(plugin="reference_policy")) as engine:
+        yield Runner(engine)
+
+
+def answer(runner, frame: dict, defaults=(None, None)):
+    return asyncio.run(_answer(pack(frame), runner, OPTIONS, "r1", defaults))
+
+
+def test_every_chunk_says_when_it_was_received_and_sent_and_whether_it_was_on_time(runner):
+    before = time.time()
+    reply, fatal = answer(runner, {"state": np.zeros(8, np.float32), "deadline_ms": 5000})
+    timing = unpack(reply, 1 << 20)["server_timing"]
+    assert not fatal and before <= timing["received_at"] <= timing["sent_at"] <= time.time()
+    assert timing["deadline_met"] is True and "weight_version" in timing
+
+
+def test_late_comes_from_the_frame_or_the_connection(runner):
+    runner.asked.clear()
+    answer(runner, {"state": np.zeros(8, np.float32), "deadline_ms": 5000, "late": "drop"})
+    answer(runner, {"state": np.zeros(8, np.float32)}, defaults=(2.0, "drop"))
+    answer(runner, {"state": np.zeros(8, np.float32), "late": "finish"}, defaults=(2.0, "drop"))
+    assert runner.asked == [(5.0, "drop"), (2.0, "drop"), (2.0, "finish")]
+
+
+def test_a_bad_late_is_refused_with_the_reason(runner):
+    reply, fatal = answer(runner, {"state": np.zeros(8, np.float32), "late": "later"})
+    assert isinstance(reply, str) and "late='later' must be 'finish'" in reply and not fatal
+    with pytest.raises(ValueError, match="the URL's query"):
+        late_mode(b"sometimes", "late (the URL's query)")
+    assert late_mode(None, "late") is None and late_mode(b"drop", "late") == "drop"
