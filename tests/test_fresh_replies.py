@@ -68,3 +68,32 @@ def test_a_bad_late_is_refused_with_the_reason(runner):
     with pytest.raises(ValueError, match="the URL's query"):
         late_mode(b"sometimes", "late (the URL's query)")
     assert late_mode(None, "late") is None and late_mode(b"drop", "late") == "drop"
+
+
+# -- OIP: parameters.late in, received_at / sent_at out ------------------------------------------
+
+def test_oip_takes_late_as_a_parameter_and_reports_freshness():
+    import json
+
+    from phyai_ray.serve import oip_codec as oc
+    from phyai_ray.serve.oip import parse_infer, respond
+    from phyai_ray.serve.options import ServeOptions
+    from tests.test_oip_codec import AnyEntry
+
+    def body(**params):
+        return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}],
+                           "parameters": params}).encode()
+
+    parsed = parse_infer(body(deadline_ms=100, late="drop"), None, AnyEntry(), ServeOptions())
+    assert parsed.late == "drop" and "late" not in parsed.request.request  # not passed to the plugin
+    assert parse_infer(body(), None, AnyEntry(), ServeOptions()).late is None
+    with pytest.raises(oc.OipError, match="parameters.late='soon'"):
+        parse_infer(body(late="soon"), None, AnyEntry(), ServeOptions())
+    parsed.timing.update({"queue_ms": 1.0, "infer_ms": 2.0, "deadline_met": True})
+
+    class Group:
+        entry = AnyEntry()
+
+    params = json.loads(respond(parsed, [1.0], "m", "r-1", Group()).body)["parameters"]
+    assert parsed.received_at <= params["received_at"] <= params["sent_at"] <= time.time()
+    assert params["deadline_met"] is True and params["deadline_ms"] == 100

@@ -25,6 +25,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -37,7 +38,7 @@ from phyai_ray.serve import oip_codec as oc
 from phyai_ray.serve.error_map import classify, describe
 from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
                                        model_metadata, missing_outputs, model_name, named_outputs, reply_parameters,
-                                       request_deadline, unknown_model)
+                                       request_deadline, request_late, unknown_model)
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.validation import Validated
@@ -90,7 +91,8 @@ def add_oip_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> 
             body = await request.body()
             parsed = await asyncio.to_thread(parse_infer, body, request.headers.get(HEADER_LENGTH), runner.entry,
                                              options)
-            result = await runner.run(parsed.request, deadline_s=parsed.deadline_s, timing=parsed.timing)
+            result = await runner.run(parsed.request, deadline_s=parsed.deadline_s, timing=parsed.timing,
+                                      late=parsed.late)
         except (oc.OipError, HTTPException) as exc:
             status = getattr(exc, "status", None) or getattr(exc, "status_code", 500)
             logger.info("infer %s on group %s: %s %s", rid, runner.group, status, getattr(exc, "detail", exc))
@@ -132,9 +134,10 @@ class Parsed:
     """A checked infer request: the plugin's request (validated), the outputs asked for and how to send them."""
 
     def __init__(self, request: Validated, id: str | None, outputs: dict[str, bool] | None,
-                 binary: bool, deadline_s: float | None = None) -> None:
+                 binary: bool, deadline_s: float | None = None, late: str | None = None) -> None:
         self.request, self.id, self.outputs, self.binary = request, id, outputs, binary
-        self.deadline_s = deadline_s
+        self.deadline_s, self.late = deadline_s, late
+        self.received_at = time.time()  # parsed as it arrives: the reply's received_at (Unix seconds)
         self.timing: dict[str, Any] = {}
 
 
@@ -150,9 +153,9 @@ def parse_infer(body: bytes, header_length: str | None, entry: Any, options: Ser
     params = header.get("parameters") or {}
     if not isinstance(params, dict):
         raise oc.OipError(f"'parameters' must be an object, got {type(params).__name__}")
-    deadline_s = request_deadline(params)
+    deadline_s, late = request_deadline(params), request_late(params)
     return Parsed(finish_request(request, params, entry), header.get("id"), _requested(header.get("outputs")),
-                  bool(params.get("binary_data_output", False)), deadline_s)
+                  bool(params.get("binary_data_output", False)), deadline_s, late)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
@@ -227,7 +230,7 @@ def respond(parsed: Parsed, result: Any, model: str, rid: str, runner: GroupRunn
         if raw is not None:
             chunks.append(raw)
     body = {"model_name": model, "model_version": VERSION, "id": parsed.id or rid, "outputs": outputs}
-    params = reply_parameters(parsed.timing, parsed.deadline_s)
+    params = reply_parameters(parsed.timing, parsed.deadline_s, parsed.received_at)
     if params:
         body["parameters"] = params
     header = json.dumps(body).encode()

@@ -5,7 +5,9 @@
     check_signature(entry, given)         inputs' names, datatypes and shapes against `Entry.inputs`
     finish_request(request, params, entry)  request parameters (not the reserved ones) in, validated once
     request_deadline(params)              parameters.deadline_ms (the request's own deadline) in seconds, or None
-    reply_parameters(timing)              the response parameters: queue_ms, infer_ms, batch_size, deadline_ms, deadline_met
+    request_late(params)                  parameters.late ("finish" / "drop"), or None: the deployment's default
+    reply_parameters(timing, d, received) the response parameters: queue_ms, infer_ms, batch_size, deadline_ms,
+                                          deadline_met, and received_at / sent_at (Unix seconds) when `received`
     named_outputs(result, entry)          the plugin's result as output name -> value
 
 Every error is an `OipError` (400 unless it says otherwise) but the plugin's refusal, a
@@ -19,11 +21,11 @@ from typing import Any
 
 from phyai_ray.plugins.signature import SignatureError, check_inputs
 from phyai_ray.serve.oip_codec import OipError
-from phyai_ray.serve.timing import deadline_ms, timing_fields
+from phyai_ray.serve.timing import deadline_ms, freshness, late_mode, timing_fields
 from phyai_ray.validation import Validated, validate
 
 RESERVED = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",
-                      "binary_data_output", "deadline_ms"})
+                      "binary_data_output", "deadline_ms", "late"})
 VERSION = "1"
 BAD_REQUEST = 400  # the protocol's status for a request at fault, the plugin's refusal included
 EXTENSIONS = ["binary_tensor_data"]
@@ -72,9 +74,21 @@ def request_deadline(params: dict[str, Any]) -> float | None:
         raise OipError(str(exc)) from None
 
 
-def reply_parameters(timing: dict[str, Any], deadline_s: float | None) -> dict[str, Any]:
-    """The request's timing as response parameters (a field without a value is left out)."""
-    return {k: v for k, v in timing_fields(timing, deadline_s).items() if v is not None} if timing else {}
+def request_late(params: dict[str, Any]) -> str | None:
+    try:
+        return late_mode(params.get("late"), "parameters.late")
+    except ValueError as exc:
+        raise OipError(str(exc)) from None
+
+
+def reply_parameters(timing: dict[str, Any], deadline_s: float | None,
+                     received_at: float | None = None) -> dict[str, Any]:
+    """The request's timing as response parameters (a field without a value is left out), with when
+    the server received the request and sent the reply (Unix seconds) when `received_at` is given."""
+    if not timing:
+        return {}
+    out = {k: v for k, v in timing_fields(timing, deadline_s).items() if v is not None}
+    return {**out, **freshness(received_at)} if received_at is not None else out
 
 
 def named_outputs(result: Any, entry: Any) -> dict[str, Any]:
