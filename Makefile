@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test bench install clean grpc-stubs lerobot-reference docs
+.PHONY: demo test bench install clean grpc-stubs lerobot-reference docs clients
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +27,17 @@ test: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs build --strict
 
+# .venv-clients/: the third-party clients whose pins this project cannot take (openpi-client: numpy < 2;
+# tritonclient[grpc]: protobuf < 7), for examples/robot_client.py and robot_fleet.py. The same venv the
+# tests build on first use (tests/client_venv.py holds the package list); needs the package index once.
+clients: $(VENV)/.installed
+	$(PY) tests/client_venv.py
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache site
+	rm -rf $(VENV) .venv-clients .pytest_cache site
 
 # The Open Inference Protocol's gRPC modules, generated from phyai_ray/serve/grpc_v2/grpc_predict_v2.proto
 # with grpcio-tools 1.75 (protobuf 6.31 gencode: loads on protobuf >= 6.31, 7.x included). Never edit them.
