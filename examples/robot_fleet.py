@@ -13,8 +13,13 @@ executing, with real-time chunking fields:
     inference_delay    the actions it expects to execute while the frame is inferred (from the
                        latency it measured so far), so the server keeps exactly those
     deadline_ms        when its queue runs dry: the frame is useless after that
+    late               "drop" (`--late`): a chunk ready after the deadline is not sent; the server
+                       answers deadline_missed instead (fail closed)
 
-When the reply comes, the actions executed meanwhile are skipped and the rest replace the queue.
+When the reply comes, the actions executed meanwhile are skipped and the rest replace the queue,
+unless the chunk is stale (`stale()`: the reply says its deadline was missed): then the robot
+discards it, keeps its queue and counts it in `stale_discarded` (0 from a server that drops late
+chunks itself).
 Each robot reports: frames sent, on time (back before its queue ran dry), idle ticks (the queue was
 empty: the robot stood still), the latency p50 / p99, and whether the frozen prefix came back as
 sent. The parent prints one line per robot and the fleet's totals.
@@ -32,7 +37,14 @@ import time
 from collections import deque
 
 
-def robot(index: int, url: str, key: str | None, hz: float, seconds: float, threshold: float) -> dict:
+def stale(reply: dict) -> bool:
+    """Whether a reply's chunk must not be executed: its `server_timing` says the deadline was missed."""
+    timing = reply.get("server_timing") or {}
+    return timing.get("deadline_met") is False
+
+
+def robot(index: int, url: str, key: str | None, hz: float, seconds: float, threshold: float,
+          late: str = "drop") -> dict:
     import numpy as np
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
@@ -43,7 +55,7 @@ def robot(index: int, url: str, key: str | None, hz: float, seconds: float, thre
     queue: deque = deque()
     lock = threading.Lock()
     report = {"robot": index, "sent": 0, "on_time": 0, "idle_ticks": 0, "ticks": 0, "latency_ms": [],
-              "prefix_exact": True, "errors": []}
+              "prefix_exact": True, "errors": [], "stale_discarded": 0}
     pending: dict = {}
     latency = 1.0 / hz  # an estimate of the round trip, refined by every reply
 
@@ -56,7 +68,7 @@ def robot(index: int, url: str, key: str | None, hz: float, seconds: float, thre
         dry_ms = (len(prev) if prev is not None else 0) / hz * 1e3
         if prev is not None:
             delay = min(len(prev), math.ceil(latency * hz))
-            frame.update(prev_actions=prev, inference_delay=delay, deadline_ms=max(dry_ms, 1.0))
+            frame.update(prev_actions=prev, inference_delay=delay, deadline_ms=max(dry_ms, 1.0), late=late)
         began = time.perf_counter()
         try:
             reply = policy.infer(frame)
@@ -66,6 +78,10 @@ def robot(index: int, url: str, key: str | None, hz: float, seconds: float, thre
             return
         took = time.perf_counter() - began
         latency = 0.8 * latency + 0.2 * took
+        if stale(reply):  # never execute a chunk that came after its deadline
+            report["stale_discarded"] += 1
+            pending.clear()
+            return
         actions = reply["actions"]
         with lock:
             done = report["ticks"] - executed_before  # executed while the frame was inferred
@@ -115,13 +131,18 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--threshold", type=float, default=0.5, help="send the next frame when the queue holds "
                         "this fraction of a chunk or less (LeRobot's chunk_size_threshold)")
+    parser.add_argument("--late", choices=("drop", "finish"), default="drop", help="what the server does with a "
+                        "chunk ready after its deadline: drop it (answer deadline_missed) or send it (the robot "
+                        "then discards it itself)")
     parser.add_argument("--robot", type=int, help=argparse.SUPPRESS)  # one robot, in its own process
     opts = parser.parse_args()
     if opts.robot is not None:
-        print(json.dumps(robot(opts.robot, opts.url, opts.api_key, opts.hz, opts.seconds, opts.threshold)), flush=True)
+        print(json.dumps(robot(opts.robot, opts.url, opts.api_key, opts.hz, opts.seconds, opts.threshold, opts.late)),
+              flush=True)
         return
     argv = [sys.executable, __file__, "--url", opts.url, "--hz", str(opts.hz), "--seconds", str(opts.seconds),
-            "--threshold", str(opts.threshold), *(["--api-key", opts.api_key] if opts.api_key else [])]
+            "--threshold", str(opts.threshold), "--late", opts.late,
+            *(["--api-key", opts.api_key] if opts.api_key else [])]
     procs = [subprocess.Popen([*argv, "--robot", str(i)], stdout=subprocess.PIPE, text=True) for i in range(opts.robots)]
     reports = []
     for proc in procs:
@@ -137,7 +158,8 @@ def main() -> None:
     idle, ticks = sum(r["idle_ticks"] for r in reports), sum(r["ticks"] for r in reports)
     print(json.dumps({"robots": len(reports), "frames": sent, "on_time_fraction": on_time / max(sent, 1),
                       "idle_fraction": idle / max(ticks, 1), "prefix_exact": all(r["prefix_exact"] for r in reports),
-                      "errors": sum(len(r["errors"]) for r in reports)}))
+                      "errors": sum(len(r["errors"]) for r in reports),
+                      "stale_discarded": sum(r["stale_discarded"] for r in reports)}))
 
 
 if __name__ == "__main__":

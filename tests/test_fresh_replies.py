@@ -97,3 +97,16 @@ def test_oip_takes_late_as_a_parameter_and_reports_freshness():
     params = json.loads(respond(parsed, [1.0], "m", "r-1", Group()).body)["parameters"]
     assert parsed.received_at <= params["received_at"] <= params["sent_at"] <= time.time()
     assert params["deadline_met"] is True and params["deadline_ms"] == 100
+
+
+def test_the_example_robot_discards_a_stale_chunk():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "robot_fleet.py"
+    spec = importlib.util.spec_from_file_location("robot_fleet_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.stale({"actions": [], "server_timing": {"deadline_met": False}})
+    assert not module.stale({"actions": [], "server_timing": {"deadline_met": True}})
+    assert not module.stale({"actions": []})  # no deadline given, or a server without timing

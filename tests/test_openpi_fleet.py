@@ -109,8 +109,9 @@ def test_http_and_oip_take_a_deadline_and_report_the_timing(fleet_server):
 
 def test_the_robot_fleet_example_acts_on_time_with_exact_frozen_prefixes(fleet_server):
     out = run_script(REPO / "examples" / "robot_fleet.py", "--url", fleet_server["url"], "--api-key", KEY,
-                     "--robots", "3", "--hz", "20", "--seconds", "3", timeout_s=240)
+                     "--robots", "3", "--hz", "20", "--seconds", "3", "--late", "finish", timeout_s=240)
     totals = json.loads(out.splitlines()[-1])
     assert totals["robots"] == 3 and totals["frames"] >= 3 * 4 and totals["prefix_exact"] is True
     assert totals["errors"] == 0 and totals["on_time_fraction"] >= 0.9, out
+    assert totals["stale_discarded"] <= totals["frames"] // 10, out  # late chunks came, and were not executed
     assert totals["idle_fraction"] < 0.1, out  # chunks arrive before the queues run dry
