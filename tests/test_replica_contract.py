@@ -78,7 +78,7 @@ class FakeSelfScheduledReplica:
         self.failure: EngineUnavailableError | None = None
         self._lock = threading.Lock()
 
-    def submit(self, request, *, caller_runs=False, key=None, size=1, deadline=None) -> Future:
+    def submit(self, request, *, caller_runs=False, key=None, size=1, deadline=None, late="finish") -> Future:
         with self._lock:
             if self.failure is not None:
                 raise self.unavailable_error()
