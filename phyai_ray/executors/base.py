@@ -96,8 +96,9 @@ class ScheduledReplica:
         dispatched meanwhile, so other callers queue behind it and the hang clock sees it); the
         others ignore it. `key` and `size` (the plugin's `batch_key` / `request_size`) place the
         request in a batch when batching is on; `deadline` is its own (monotonic seconds), which
-        orders the queue and bounds its wait; `late="drop"` answers a result ready after it as missed. Ranks in lockstep (torchrun) take none of these: a
-        rank that skipped a late request would leave the others in a collective.
+        orders the queue and bounds its wait; `late="drop"` answers a result ready after it as
+        missed. Ranks in lockstep (torchrun) take none of these: a rank that skipped a late request
+        would leave the others in a collective.
         """
         if self._failure is not None:
             raise self.unavailable_error()
