@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 from fastapi import FastAPI
 
+import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import (AttentionParallelConfig, BatchingConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                        Engine, EngineArgs, EngineConfig, ParallelConfig)
 
@@ -289,6 +290,7 @@ def main() -> None:
     parser.add_argument("--only", choices=("engine", "hand-off", "http", "defaults"), help="run one part only")
     parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--hand-off-child", choices=("seq", "conc", "mixed"))
+    results.add_flag(parser)
     opts = parser.parse_args()
     if opts.hand_off_child:
         print(json.dumps({"seconds": hand_off_child(opts.hand_off_child, 256)}))
@@ -307,6 +309,8 @@ def main() -> None:
                     print(f"{name:9s} {shape:11s} {label:12s} {r['rate']:6.0f} samples/s  p50 {r['p50'] * 1e3:7.2f} ms  "
                           f"p99 {r['p99'] * 1e3:7.2f} ms | as one request {r['one']:6.0f} samples/s  "
                           f"(max rel err {r['error']:.1e})", flush=True)
+                    results.record("engine", deployment=name, shape=shape, batching=label, samples_per_s=r["rate"],
+                                   p50_ms=r["p50"] * 1e3, p99_ms=r["p99"] * 1e3, one_request=r["one"])
                 if shape == "fleet":
                     lines.append(verdict(f"{name}, fleet: batched requests / one request", on["rate"] / on["one"], 0.7,
                                          True))
@@ -318,6 +322,7 @@ def main() -> None:
             print(f"{name:9s} defaults (max_batch_size {r['max_batch_size']}) {r['rate']:6.0f} samples/s  p50 "
                   f"{r['p50'] * 1e3:7.2f} ms  p99 {r['p99'] * 1e3:7.2f} ms | as one request {r['one']:6.0f} samples/s  "
                   f"(max rel err {r['error']:.1e})", flush=True)
+            results.record("defaults", deployment=name, samples_per_s=r["rate"], one_request=r["one"])
             lines.append(verdict(f"{name}, defaults, {opts.default_requests} one-sample / one request",
                                  r["rate"] / r["one"], 0.4, True))
         hand = bench_hand_off(256) if opts.only in (None, "hand-off") else None
@@ -332,6 +337,7 @@ def main() -> None:
             for name, r in http_results.items():
                 print(f"HTTP {name:18s} {r['rate']:7.0f} req/s  p50 {r['p50'] * 1e3:7.2f} ms  p99 {r['p99'] * 1e3:7.2f} ms",
                       flush=True)
+                results.record("http", variant=name, req_per_s=r["rate"], p50_ms=r["p50"] * 1e3, p99_ms=r["p99"] * 1e3)
             ours, bare = http_results["phyai-ray group"], http_results["bare @serve.batch"]
             lines.append(verdict("HTTP throughput / bare @serve.batch", ours["rate"] / bare["rate"], 1.0, True))
             lines.append(verdict("HTTP p50 / bare @serve.batch", ours["p50"] / bare["p50"], 1.3, False))
@@ -340,6 +346,7 @@ def main() -> None:
         ray.shutdown()
     print("\nratios:")
     print("\n".join(lines))
+    results.write(opts.json, "batching", machine())
 
 
 if __name__ == "__main__":

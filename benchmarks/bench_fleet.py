@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig  # noqa: E402
 from phyai_ray.config.deployment import WorkerSupervisorConfig  # noqa: E402
 from phyai_ray.serve.openpi import pack, unpack  # noqa: E402
@@ -157,6 +158,8 @@ def part_a(port: int, fleets: list[int], seconds: float) -> list[str]:
             rtt = [x for r in robots for x in r.rtt]
             sizes = [x for r in robots for x in r.sizes]
             goodput[(label, n)] = on_time / seconds
+            results.record("goodput", policy=label, robots=n, goodput=on_time / seconds, on_time=on_time / due,
+                           rtt_p50_ms=pct(rtt, 50), rtt_p99_ms=pct(rtt, 99))
             lines.append(f"  {label:<9} {n:3d} robots  goodput {on_time / seconds:7.1f} frames/s on time "
                          f"({on_time / due:6.1%} of {due / seconds:.0f}/s due)  rtt p50 {pct(rtt, 50):6.1f} ms "
                          f"p99 {pct(rtt, 99):7.1f} ms  mean batch {statistics.fmean(sizes) if sizes else 0:5.1f}  "
@@ -278,6 +281,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--port", type=int, default=8791)
     parser.add_argument("--only", choices=("a", "b", "c", "d"))
+    results.add_flag(parser)
     opts = parser.parse_args()
     import ray
     from ray import serve
@@ -303,6 +307,7 @@ def main() -> None:
             serve.shutdown()
             ray.shutdown()
     print("\n".join(report))
+    results.write(opts.json, "fleet", machine())
 
 
 if __name__ == "__main__":

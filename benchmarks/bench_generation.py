@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import (AttentionParallelConfig, BatchingConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,
                        Engine, EngineArgs, EngineConfig, ParallelConfig)
 
@@ -325,6 +326,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--stream-budget-s", type=float, default=30.0,
                         help="skip the streamed latency run of an N whose throughput run took longer than this")
+    results.add_flag(parser)
     opts = parser.parse_args()
     sizes = [int(s) for s in opts.requests.split(",") if s.strip()]
     import ray
@@ -337,6 +339,8 @@ def main() -> None:
         for name, tp in DEPLOYMENTS.items() if opts.only in (None, "engine") else ():
             r = bench_engine(name, tp, sizes, opts.tokens, opts.stream_budget_s)
             for row in r["rows"]:
+                results.record("engine", deployment=name, n=row["n"], one_prompt_tok_s=row["many"],
+                               one_request_tok_s=row["one"])
                 lines.append(verdict(f"{name}, N={row['n']}: one-prompt requests / one request",
                                      row["many"] / row["one"], 0.7, True))
             lines.append(verdict(f"{name}: ITL p99 at {DECODE_BATCH} running / one decode step of {DECODE_BATCH}",
@@ -364,6 +368,7 @@ def main() -> None:
         ray.shutdown()
     print(f"\nratios (whole run {time.perf_counter() - began:.0f} s):")
     print("\n".join(lines))
+    results.write(opts.json, "generation", machine())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import ray
 
+import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import (DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, EngineOverloadedError, Entry,
                        RequestTimeoutError, WorkerSupervisorConfig)
 
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--max-queued", type=int, default=64)
     parser.add_argument("--timeout-s", type=float, default=1.0)
+    results.add_flag(parser)
     opts = parser.parse_args()
     step_s, n = opts.step_ms / 1000, opts.replicas
     capacity = n / step_s
@@ -170,6 +172,11 @@ def main() -> None:
         for actor in bare:
             ray.kill(actor)
     report(rows, capacity, opts, n)
+    for r in rows:
+        results.record("load", side=r["name"], load=r["load"], offered=r["offered"], served=r["served_rate"],
+                       p50_ms=r["p50"] * 1e3, p99_ms=r["p99"] * 1e3, shed=r["shed"])
+    results.write(opts.json, "load", f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPU(s), "
+                  f"Python {platform.python_version()}, Ray {ray.__version__}")
     ray.shutdown()
 
 

@@ -82,3 +82,25 @@ def test_site_builds_strict(tmp_path: pathlib.Path):
     assert "max_queued_requests" in config and "BatchingConfig" in config
     cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     assert "--dense-tp-size" in cli and "phyai-ray serve" in cli
+
+
+def test_benchmark_json_plots(tmp_path: pathlib.Path):
+    """results.record / write make the JSON plot.py draws; the committed files plot, one PNG each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot
+        import results
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results.record("goodput", policy="deadline", robots=4, goodput=80.0, on_time=1.0)
+    results.record("goodput", policy="deadline", robots=8, goodput=160.0, on_time=1.0)
+    results.write(str(tmp_path / "fleet.json"), "fleet", "test machine")
+    written = plot.plot_file(tmp_path / "fleet.json", tmp_path / "png")
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(TypeError, match="not a number or a string"):
+        results.record("goodput", policy=object())
+    for path in sorted((DOCS / "benchmarks" / "data").glob("*.json")):
+        assert plot.plot_file(path, tmp_path / "committed").stat().st_size > 1000
+    assert {p.name for p in (tmp_path / "committed").iterdir()} >= {"batching.png", "generation.png", "fleet.png"}
+    for name in ("batching", "generation", "fleet", "load"):
+        assert (DOCS / "benchmarks" / f"{name}.png").exists(), f"docs/benchmarks/{name}.png: run benchmarks/plot.py"

@@ -1,0 +1,129 @@
+"""Draw benchmark results (the JSON that `--json PATH` writes, benchmarks/results.py) as PNG plots.
+
+    .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
+
+One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, load.png),
+titled with the machine the file names. matplotlib only (the `docs` extra); no display needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections import defaultdict
+from typing import Any, Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _by(rows: list[dict], key: str) -> dict[Any, list[dict]]:
+    groups: dict[Any, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[row[key]].append(row)
+    return groups
+
+
+def plot_batching(tables: dict, fig: Any) -> None:
+    """Samples/s per deployment: batched and unbatched, fleet and closed loop, against one big request."""
+    ax = fig.add_subplot(1, 1, 1)
+    deployments = list(_by(tables["engine"], "deployment"))
+    bars = [("fleet", "batching on"), ("fleet", "batching off"), ("closed loop", "batching on"),
+            ("closed loop", "batching off")]
+    width = 0.8 / (len(bars) + 1)
+    for k, (shape, batching) in enumerate(bars):
+        values = [next(r["samples_per_s"] for r in tables["engine"]
+                       if r["deployment"] == d and r["shape"] == shape and r["batching"] == batching)
+                  for d in deployments]
+        ax.bar([i + k * width for i in range(len(deployments))], values, width, label=f"{shape}, {batching}")
+    ones = [next(r["one_request"] for r in tables["engine"] if r["deployment"] == d) for d in deployments]
+    ax.bar([i + len(bars) * width for i in range(len(deployments))], ones, width, label="the same samples as one request")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(deployments))], deployments)
+    ax.set_yscale("log")
+    ax.set_ylabel("samples/s (log)")
+    ax.legend(fontsize=7)
+
+
+def plot_generation(tables: dict, fig: Any) -> None:
+    """One-prompt requests / the same prompts as one request, against the number of requests."""
+    ax = fig.add_subplot(1, 1, 1)
+    for deployment, rows in _by(tables["engine"], "deployment").items():
+        rows = sorted(rows, key=lambda r: r["n"])
+        ax.plot([r["n"] for r in rows], [r["one_prompt_tok_s"] / r["one_request_tok_s"] for r in rows], "o-",
+                label=deployment)
+    ax.axhline(0.7, color="grey", linestyle="--", label="target 0.7")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r["n"] for r in tables["engine"]})
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("one-prompt requests at once (N)")
+    ax.set_ylabel("tokens/s ratio: N requests / one request")
+    ax.set_ylim(0, 1.3)
+    ax.legend(fontsize=8)
+
+
+def plot_fleet(tables: dict, fig: Any) -> None:
+    """Frames on time and goodput against fleet size, per scheduling policy."""
+    on_time, goodput = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for policy, rows in _by(tables["goodput"], "policy").items():
+        rows = sorted(rows, key=lambda r: r["robots"])
+        robots = [r["robots"] for r in rows]
+        on_time.plot(robots, [100 * r["on_time"] for r in rows], "o-", label=policy)
+        goodput.plot(robots, [r["goodput"] for r in rows], "o-", label=policy)
+    on_time.set_ylabel("frames on time (%)")
+    goodput.set_ylabel("goodput (frames/s on time)")
+    for ax in (on_time, goodput):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(robots, [str(n) for n in robots])
+        ax.set_xlabel("robots at 20 Hz")
+        ax.legend(fontsize=8)
+
+
+def plot_load(tables: dict, fig: Any) -> None:
+    """p50 and p99 latency against offered load, phyai-ray beside bare Ray actors."""
+    ax = fig.add_subplot(1, 1, 1)
+    for side, rows in _by(tables["load"], "side").items():
+        rows = sorted(rows, key=lambda r: r["load"])
+        loads = [100 * r["load"] for r in rows]
+        ax.plot(loads, [r["p50_ms"] for r in rows], "o-", label=f"{side} p50")
+        ax.plot(loads, [r["p99_ms"] for r in rows], "s--", label=f"{side} p99")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (% of capacity)")
+    ax.set_ylabel("latency (ms, log)")
+    ax.legend(fontsize=8)
+
+
+PLOTS: dict[str, Callable[[dict, Any], None]] = {"batching": plot_batching, "generation": plot_generation,
+                                                 "fleet": plot_fleet, "load": plot_load}
+
+
+def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """Draw one results file into out/<benchmark>.png; a benchmark without a plot here is an error."""
+    doc = json.loads(path.read_text())
+    bench = doc.get("benchmark")
+    if bench not in PLOTS:
+        raise ValueError(f"{path}: benchmark {bench!r} has no plot; plotted: {sorted(PLOTS)}")
+    fig = plt.figure(figsize=(10 if bench == "fleet" else 7, 4.2))
+    PLOTS[bench](doc["tables"], fig)
+    fig.suptitle(f"{bench}: {doc.get('machine', 'machine not named')}", fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{bench}.png"
+    fig.savefig(target, dpi=90)
+    plt.close(fig)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=pathlib.Path, help="JSON written by a benchmark's --json")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks"))
+    opts = parser.parse_args(argv)
+    for path in opts.files:
+        print(plot_file(path, opts.out))
+
+
+if __name__ == "__main__":
+    main()
