@@ -88,6 +88,20 @@ def test_stop_strings_end_a_choice_before_the_stop_and_n_gives_seeded_choices(se
     assert len({c.message.content for c in sampled.choices}) > 1
 
 
+def test_a_stop_string_cuts_token_ids_logprobs_and_usage_at_the_token_that_completed_it(served):
+    client, tok, model = served
+    whole = client.completions.create(model="tiny-qwen2", prompt="The quick brown", max_tokens=16, temperature=0)
+    ids, text = whole.choices[0].token_ids, whole.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    ends = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k], skip_special_tokens=True))
+    cut = client.completions.create(model="tiny-qwen2", prompt="The quick brown", max_tokens=16, temperature=0,
+                                    stop=[stop], logprobs=1)
+    choice = cut.choices[0]
+    assert choice.token_ids == ids[:ends] and len(choice.logprobs.token_logprobs) == ends < len(ids)
+    assert cut.usage.completion_tokens == ends and choice.text == text[: text.find(stop)]
+    assert choice.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("messages,why", [
     ([], "messages"), ([{"role": "user"}], "has no content"), ([{"role": "robot", "content": "x"}], "is not one of"),
     ([{"role": "user", "content": "x" * 2000}], "exceeds|shorten"),

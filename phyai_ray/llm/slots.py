@@ -53,6 +53,7 @@ class Running:
     stop_reason: str | None = None
     top_logprobs: int = 0  # how many alternatives each token reports (0: none)
     tops: list[dict[int, float]] = field(default_factory=list)
+    scan: Any = None  # a `StopScan` when the payload gave stop_strings: the token completing one ends it
 
     @classmethod
     def from_payload(cls, seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> "Running":
@@ -71,7 +72,7 @@ class Running:
         self.pending = [token]
         if top is not None:
             self.tops.append(top)
-        if token in self.stop:
+        if token in self.stop or (self.scan is not None and self.scan.push(token)):
             self.stop_reason = "completed"
         elif len(self.tokens) >= self.max_tokens:
             self.stop_reason = "length"
@@ -128,8 +129,9 @@ class Slots:
     """The running sequences of one loop and their per-layer KV cache (see the module docstring)."""
 
     def __init__(self, *, layers: int, heads: int, head_dim: int, max_seq: int, vocab: int, to: dict,
-                 rows: int = 8) -> None:
+                 rows: int = 8, stop_scan: Any = None) -> None:
         self.max_seq, self.vocab, self.to = max_seq, vocab, to
+        self.stop_scan = stop_scan  # stop strings -> a `StopScan`; None: payloads may not give stop_strings
         self.shape = (heads, max_seq, head_dim)
         # zeros, not empty: a masked key's score is replaced, but 0 * NaN in a masked value would still be NaN
         self.keys = [torch.zeros(rows, *self.shape, **to) for _ in range(layers)]
@@ -149,6 +151,11 @@ class Slots:
         if seq_id in self.by_id:
             raise ValueError(f"reference_lm admit({seq_id}): sequence {seq_id} is already running; drop it first")
         seq = Running.from_payload(seq_id, payload, self.max_seq, self.vocab)
+        if payload.get("stop_strings"):
+            if self.stop_scan is None:
+                raise ValueError(f"admit({seq_id}): the payload gives stop_strings, but this model has no tokenizer "
+                                 "to find them with; send stop_token_ids")
+            seq.scan = self.stop_scan(payload["stop_strings"])
         if len(self.rows) == self.capacity:
             self._grow(2 * self.capacity)
         seq.row = len(self.rows)

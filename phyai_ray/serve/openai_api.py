@@ -84,7 +84,7 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
         require(codec, "a stop string")
     return generation_request([list(p) for p in _prompts(body)], n=body.n, max_tokens=body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
-                              top_logprobs=body.logprobs or 0)
+                              top_logprobs=body.logprobs or 0, stop_strings=stop_strings)
 
 
 def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:

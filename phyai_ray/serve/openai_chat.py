@@ -95,7 +95,7 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
                                f"{limit} tokens; lower max_tokens", param="max_tokens")
     plugin = generation_request([prompt], n=request.n, max_tokens=max_tokens, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop_ids=[],
-                                top_logprobs=request.top_logprobs or 0)
+                                top_logprobs=request.top_logprobs or 0, stop_strings=stop_lists(request.stop)[1])
     return request, validate(runner.entry, plugin), codec, len(prompt)
 
 

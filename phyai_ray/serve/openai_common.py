@@ -108,9 +108,13 @@ def finish_reason(out: Any, stopped: bool = False) -> str:
 
 
 def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
-                       seed: int | None, stop_ids: list[int], top_logprobs: int = 0) -> dict[str, Any]:
-    """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index)."""
+                       seed: int | None, stop_ids: list[int], top_logprobs: int = 0,
+                       stop_strings: list[str] | None = None) -> dict[str, Any]:
+    """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index);
+    stop strings go to the plugin (`stop`), which ends a sequence at the token completing one."""
     out = {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
            "top_p": top_p, "stop_token_ids": list(stop_ids),
            "seed": seed if seed is not None else random.randrange(2 ** 31)}
+    if stop_strings:
+        out["stop"] = list(stop_strings)
     return {**out, "top_logprobs": top_logprobs} if top_logprobs else out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phyai_ray.llm.stops import cut_at_stop
 from phyai_ray.models.hf_causal_lm.checkpoint import Architecture, Checkpoint, CheckpointError
 from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
@@ -79,7 +80,7 @@ class HFCausalLMEntry(Entry):
 
     def parse(self, request: Any) -> Parsed:
         self._checked()
-        wants_text = isinstance(request, dict) and request.get("text") is not None
+        wants_text = isinstance(request, dict) and (request.get("text") is not None or bool(request.get("stop")))
         return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids,
                                  self.codec if wants_text else None)
 
@@ -95,9 +96,11 @@ class HFCausalLMEntry(Entry):
         """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""
         gave_text = request.gave_text if isinstance(request, Parsed) else \
             isinstance(request, dict) and request.get("text") is not None
+        stops = request.request.stop if isinstance(request, Parsed) else \
+            (request.get("stop") or []) if isinstance(request, dict) else []
         if gave_text:
             for out in outputs:
-                out.text = self.codec.decode(out.token_ids)
+                out.text = cut_at_stop(self.codec.decode(out.token_ids), stops)
         return list(outputs)
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:

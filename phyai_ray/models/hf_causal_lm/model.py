@@ -28,6 +28,7 @@ from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.llm.tokenizer import TextCodec
 from phyai_ray.llm.decoder import SlotDecoder
 from phyai_ray.llm.slots import Batch, Slots
+from phyai_ray.llm.stops import StopScan
 from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -116,15 +117,21 @@ class HFCausalLM(SlotDecoder):
     def parse(self, request: Any) -> Parsed:
         if isinstance(request, Parsed):  # the entry's validator parsed it already
             return request
-        wants_text = isinstance(request, dict) and request.get("text") is not None
-        if wants_text and self.codec is None:
-            self.codec = TextCodec.open(self.cfg.model)
+        wants_text = isinstance(request, dict) and (request.get("text") is not None or bool(request.get("stop")))
+        if wants_text:
+            self._text_codec()
         return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids, self.codec)
 
     def new_slots(self, rows: int, max_seq: int) -> Slots:
         return Slots(layers=self.arch.layers, heads=self.plan.local_kv_heads, head_dim=self.arch.head_dim,
                      max_seq=max_seq, vocab=self.arch.vocab, to={"device": self.ctx.device, "dtype": self.dtype},
-                     rows=rows)
+                     rows=rows, stop_scan=lambda stops: StopScan(self._text_codec(), stops))
+
+    def _text_codec(self) -> TextCodec:
+        """The checkpoint's tokenizer, loaded on this rank at the first request that needs text."""
+        if self.codec is None:
+            self.codec = TextCodec.open(self.cfg.model)
+        return self.codec
 
     def logits(self, batch: Batch, slots: Slots) -> torch.Tensor:
         """Logits [B, vocab] (float32) at each row's last new token."""

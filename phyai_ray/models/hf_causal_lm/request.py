@@ -3,11 +3,14 @@
     {"prompts": [[1, 2, 3]], "max_tokens": 16}                     token ids, as reference_lm takes them
     {"text": ["Hello", "Bonjour"], "max_tokens": 16, "temperature": 0.7, "seed": 1}
                                                                    tokenized with the checkpoint's tokenizer
-    knobs: temperature, top_k, top_p, seed (unset: a fresh random one per request), stop_token_ids, ignore_eos (vLLM's name: keep going past EOS),
+    knobs: temperature, top_k, top_p, seed (unset: a fresh random one per request), stop_token_ids,
+           stop (strings: the token completing one is the last; the text omits it),
+           ignore_eos (vLLM's name: keep going past EOS),
            top_logprobs (k: each token's k most likely alternatives in TokenOutput.top_logprobs)
 
 Generation of a prompt ends at the checkpoint's end-of-sequence ids (generation_config.json, else
-config.json; a list allowed) unless `ignore_eos`, at any of `stop_token_ids`, or at `max_tokens`.
+config.json; a list allowed) unless `ignore_eos`, at any of `stop_token_ids`, at the token that
+completes one of the `stop` strings (found on the ranks, `phyai_ray.llm.stops`), or at `max_tokens`.
 A request that gave `text` gets `TokenOutput.text`, the completion decoded.
 """
 
@@ -15,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, ValidationError, model_validator
+from typing import Annotated
+
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from phyai_ray.llm.sampling import Sampling, sequence_seed
+from phyai_ray.llm.stops import MAX_STOP_CHARS
 
 
 class TextRequest(Sampling):
@@ -26,6 +32,8 @@ class TextRequest(Sampling):
     prompts: list[list[int]] | None = Field(None, min_length=1, max_length=1024, description="Prompt token ids.")
     text: list[str] | str | None = Field(None, description="Prompt strings, tokenized with the checkpoint's tokenizer.")
     ignore_eos: bool = Field(False, description="Do not stop at the end-of-sequence ids.")
+    stop: list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=16, description="Stop strings: generation ends at the token completing one.")
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> "TextRequest":
@@ -45,9 +53,10 @@ class TextRequest(Sampling):
             req = cls.model_validate(request)
         except ValidationError as exc:
             raise ValueError(f"hf_causal_lm request: {exc}") from None
-        if req.texts is not None and codec is None:
-            raise ValueError("hf_causal_lm request: `text` needs the checkpoint's tokenizer, which this model "
-                             "does not have; send token ids in `prompts`")
+        if (req.texts is not None or req.stop) and codec is None:
+            raise ValueError(f"hf_causal_lm request: `{'text' if req.texts is not None else 'stop'}` needs the "
+                             "checkpoint's tokenizer, which this model does not have; send token ids in `prompts` "
+                             "and `stop_token_ids`")
         prompts = req.prompts if req.texts is None else [codec.encode(t) for t in req.texts]
         bad = [t for p in prompts for t in p if not 0 <= t < vocab] + \
               [t for t in req.stop_token_ids if not 0 <= t < vocab]
@@ -82,4 +91,6 @@ class Parsed:
         """One sequence payload per prompt (what `Slots.admit` takes), seeded by `sequence_seed`."""
         r = self.request
         shared = r.shared_payload(sorted(set(r.stop_token_ids) | set(self.eos)))
+        if r.stop:
+            shared["stop_strings"] = list(r.stop)
         return [{"prompt": p, **shared, "seed": sequence_seed(r.seed, i)} for i, p in enumerate(self.prompts)]
