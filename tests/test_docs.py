@@ -3,13 +3,15 @@
     .venv/bin/python -m pytest tests/test_docs.py -q
 
 A block is runnable when the line before its ```python fence is `<!-- run -->`. The blocks of one
-page run in order in one namespace (a later block may use what an earlier one defined), each in a
-fresh interpreter per page, so a snippet cannot lean on this test's imports. Nothing is skipped:
-a marker not followed by a python fence fails the test that finds it.
+page run in order in one namespace (a later block may use what an earlier one defined); every page
+gets a namespace of its own, all in one fresh interpreter, so a snippet cannot lean on this test's
+imports. Nothing is skipped: a marker not followed by a python fence fails the test that finds it.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import pathlib
 import re
 import subprocess
@@ -54,16 +56,39 @@ def test_some_pages_carry_runnable_blocks():
     assert len(PAGES) >= 3, f"expected runnable snippets on several pages, found {PAGES}"
 
 
+# Runs every page's blocks in ONE interpreter (torch and the package load once), each page in a namespace
+# of its own; prints one JSON line per page: {"page": ..., "error": null or the traceback}.
+DRIVER = """
+import json, sys, traceback
+for page, script in json.load(sys.stdin):
+    try:
+        exec(compile(script, page, "exec"), {"__name__": "__main__"})
+        error = None
+    except BaseException:
+        error = traceback.format_exc()[-3000:]
+    print("PAGE-RESULT " + json.dumps({"page": page, "error": error}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def page_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    scripts = []
+    for page in PAGES:
+        blocks = runnable_blocks(page.read_text(), str(page.relative_to(ROOT)))
+        scripts.append((str(page.relative_to(DOCS)), "\n\n".join(f"# --- block {k}\n{code}" for k, code in enumerate(blocks))))
+    done = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(scripts), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                                       "OMP_NUM_THREADS": "1",
+                                                       "HOME": str(tmp_path_factory.mktemp("home"))})
+    found = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("PAGE-RESULT ")]
+    assert len(found) == len(scripts), f"the snippet driver stopped early (rc {done.returncode}):\n{done.stderr[-3000:]}"
+    return {r["page"]: r["error"] for r in found}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
-def test_runnable_blocks_run(page: pathlib.Path, tmp_path: pathlib.Path):
-    blocks = runnable_blocks(page.read_text(), str(page.relative_to(ROOT)))
-    assert blocks
-    script = "\n\n".join(f"# --- block {k} of {page.name}\n{code}" for k, code in enumerate(blocks))
-    done = subprocess.run([sys.executable, "-c", script + "\nprint('SNIPPETS-OK')"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-                                                       "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
-    assert done.returncode == 0 and "SNIPPETS-OK" in done.stdout, (
-        f"{page.relative_to(ROOT)}: its runnable blocks failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+def test_runnable_blocks_run(page: pathlib.Path, page_results: dict[str, str | None]):
+    error = page_results[str(page.relative_to(DOCS))]
+    assert error is None, f"docs/{page.relative_to(DOCS)}: its runnable blocks failed:\n{error}"
 
 
 def test_site_builds_strict(tmp_path: pathlib.Path):
@@ -84,14 +109,16 @@ def test_site_builds_strict(tmp_path: pathlib.Path):
     assert "--dense-tp-size" in cli and "phyai-ray serve" in cli
 
 
+def _load(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_benchmark_json_plots(tmp_path: pathlib.Path):
     """results.record / write make the JSON plot.py draws; the committed files plot, one PNG each."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import plot
-        import results
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    plot, results = (_load(f"docs_bench_{name}", ROOT / "benchmarks" / f"{name}.py") for name in ("plot", "results"))
     results.record("goodput", policy="deadline", robots=4, goodput=80.0, on_time=1.0)
     results.record("goodput", policy="deadline", robots=8, goodput=160.0, on_time=1.0)
     results.write(str(tmp_path / "fleet.json"), "fleet", "test machine")
