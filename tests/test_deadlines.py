@@ -152,7 +152,8 @@ def test_engine_submit_checks_deadline_s():
 def test_the_iteration_loop_admits_earliest_deadline_first(scheduling):
     """One sequence slot (max_num_seqs=1), three frames queued behind a frozen one: the slot goes to
     the earliest deadline ('deadline') or the earliest arrival ('fifo')."""
-    deployment = DeploymentConfig(batching=BatchingConfig(max_num_seqs=1, scheduling=scheduling))
+    deployment = DeploymentConfig(batching=BatchingConfig(max_num_seqs=1, scheduling=scheduling,
+                                                          default_deadline_s=None))  # "none" sorts by its timeout
     with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={"num_steps": 3}), deployment) as engine:
         frame = {"state": [0.1] * 8}
         first = engine.submit(frame)

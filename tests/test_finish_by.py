@@ -194,3 +194,18 @@ def test_the_iteration_loop_orders_a_no_deadline_request_by_default_deadline_s()
         assert isinstance(future.work, LoopRequest)
         assert future.work.order == pytest.approx(future.work.submitted + 2.0)
         future.result(timeout=30)
+
+
+def test_a_flow_frame_late_mid_way_is_dropped_at_the_next_iteration_with_late_drop():
+    deployment = DeploymentConfig(batching=BatchingConfig(max_num_seqs=1))
+    with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={"num_steps": 40}), deployment) as engine:
+        frame = {"state": [0.1] * 8}
+        engine.step(frame)  # warm
+        began = time.monotonic()
+        took = time.monotonic() - began if engine.step(frame) is not None else 0.0
+        late = engine.submit(frame, deadline_s=max(took / 4, 0.002), late="drop")
+        after = engine.submit(frame)  # waits for the only slot
+        with pytest.raises(DeadlineMissedError, match="late result was dropped"):
+            late.result(timeout=30)
+        assert late.finished - began - took < took * 0.9  # it left mid-way, not after all its steps
+        assert after.result(timeout=30)["actions"].shape[0] > 0

@@ -90,14 +90,15 @@ class IterationLoop(IterationControl):
     def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
                deadline: float | None = None, late: str = "finish") -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
-        `deadline`: its own (monotonic), by which one of its sequences must have a slot. `late` is
-        accepted for the common queue interface; the loop delivers late results (late="finish")."""
+        `deadline`: its own (monotonic), by which one of its sequences must have a slot. `late="drop"`:
+        by which it must also have ended, else it is dropped at the next iteration (answered missed)."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
         future = EngineFuture(self._delivery, self._cancelled)
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
+        req.late = late
         if deadline is None and self.default_deadline_s is not None:  # due then, not failed then
             req.order = min(req.order, req.submitted + self.default_deadline_s)
         future.work = req
@@ -255,7 +256,8 @@ class IterationLoop(IterationControl):
             if not seq.request.admitted:
                 seq.request.admitted = True
                 self._queued -= 1
-                self._deadlines.discard(seq.request)  # its own deadline asked for a slot: it has one
+                if seq.request.late != "drop":  # its own deadline asked for a slot: it has one
+                    self._deadlines.discard(seq.request)
                 seq.request.future.started = time.monotonic()
             admitted.append(seq)
         return admitted
@@ -306,7 +308,16 @@ class IterationLoop(IterationControl):
                     ended.append(seq.request)
         for req, changed in touched.values():
             stream_chunk(req, changed)
-        return [(req, GATHER, None) for req in ended]
+        return [self._ended(req) for req in ended]
+
+    def _ended(self, req: LoopRequest) -> tuple:
+        """What a request whose sequences all ended settles with: its gathered result, or with
+        late="drop" past its deadline the missed error instead (fail closed)."""
+        now = time.monotonic()
+        if req.late == "drop" and req.deadline is not None and req.deadline <= now:
+            return req, None, deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
+                                              late_result=True)
+        return req, GATHER, None
 
     def _fail_running(self, error: BaseException) -> list:
         """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
@@ -321,10 +332,10 @@ class IterationLoop(IterationControl):
         requests past their own deadline with no slot yet are answered without running."""
         missed = []
         for req in self._deadlines.due(now):
-            if req in self._requests and not req.admitted:
-                self._forget(req)
+            if req in self._requests and (not req.admitted or req.late == "drop"):
+                self._forget(req)  # a running one (late="drop"): its sequences leave at the next iteration
                 missed.append((req, None, deadline_missed(self.index, now - req.submitted,
-                                                          req.deadline - req.submitted)))
+                                                          req.deadline - req.submitted, late_result=req.admitted)))
         expired = list(itertools.takewhile(lambda r: r.expires <= now, self._requests))
         for req in expired:
             self._forget(req)

@@ -29,11 +29,13 @@ class LoopRequest:
     """One request of the loop: its future, its sequences, its deadlines and its stream (if any).
 
     `deadline`: its own deadline (monotonic; None: none), by which one of its sequences must have a
-    slot, else it is answered DeadlineMissedError. `expires`: submission + execution_timeout_s, when
-    it fails with RequestTimeoutError wherever it is."""
+    slot, else it is answered DeadlineMissedError. `late="drop"`: it must also end by then, else its
+    sequences are dropped at the next iteration and it is answered DeadlineMissedError (a flow frame
+    late mid-way frees its slot). `expires`: submission + execution_timeout_s, when it fails with
+    RequestTimeoutError wherever it is."""
 
     __slots__ = ("payload", "future", "seqs", "expires", "submitted", "sink", "left", "admitted", "chunks",
-                 "deadline", "order", "heap_entry")
+                 "deadline", "order", "heap_entry", "late")
 
     def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None,
                  deadline: float | None = None) -> None:
@@ -47,6 +49,7 @@ class LoopRequest:
         self.admitted = False  # some sequence reached the ranks
         self.chunks = 0
         self.heap_entry: list | None = None  # its entry in `Deadlines` while it waits there
+        self.late = "finish"  # "drop": it leaves the loop when its deadline passes, even while running
 
 
 class LoopSequence:
