@@ -177,3 +177,15 @@ def test_decode_never_unpickles() -> None:
     blob = base64.b64encode(pickle.dumps(torch.zeros(2))).decode()
     with pytest.raises(CodecError):
         decode({TENSOR_KEY: {"dtype": "float32", "shape": [2], "data": blob}})
+
+
+def test_a_token_plugins_result_encodes_as_its_fields() -> None:
+    from phyai_ray.outputs import TokenOutput
+
+    out = TokenOutput([5, 7], [-0.5, -1.25], stop_reason="completed", weight_version=3, weight_versions=[3, 3],
+                      text="hi", top_logprobs=[{5: -0.5, 2: -1.0}, {7: -1.25}])
+    [encoded] = encode([out], root="result")
+    assert json.loads(json.dumps(encoded)) == encoded
+    assert encoded["token_ids"] == [5, 7] and encoded["log_probs"] == [-0.5, -1.25] and encoded["text"] == "hi"
+    assert encoded["weight_versions"] == [3, 3] and encoded["stop_reason"] == "completed"
+    assert encoded["top_logprobs"] == [{"5": -0.5, "2": -1.0}, {"7": -1.25}]

@@ -16,7 +16,9 @@ A tensor becomes an object with ONE key, `__tensor__`, holding exactly three fie
 Everything else is plain JSON: dicts with string keys, lists, str, int, float, bool and None
 pass through, except a float that is NaN or infinite: JSON cannot carry it, so it travels as a
 0-d float64 tensor (and decodes as one). Tuples encode as lists (and decode as lists). A user dict may not use the
-reserved key `__tensor__`. Tensors are detached, moved to CPU and made contiguous first.
+reserved key `__tensor__`. Tensors are detached, moved to CPU and made contiguous first. A token
+plugin's `TokenOutput` encodes as its fields (`to_dict`: token ids, log-probs, text, weight
+versions; each token's `top_logprobs` keyed by the token id as a string).
 
 `decode` is meant for untrusted input: it checks every field before allocating, limits the
 bytes of one tensor (`max_bytes`), the tensors of the whole payload (`max_tensors`, and their
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from phyai_ray.errors import PhyAIError
+from phyai_ray.outputs import TokenOutput
 
 TENSOR_KEY = "__tensor__"
 FIELDS = ("dtype", "shape", "data")
@@ -105,6 +108,11 @@ def _encode(obj: Any, path: str, depth: int) -> Any:
         return [_encode(v, _child(path, i), depth + 1) for i, v in enumerate(obj)]
     if isinstance(obj, dict):
         return {_check_key(k, path): _encode(v, _child(path, k), depth + 1) for k, v in obj.items()}
+    if isinstance(obj, TokenOutput):  # a token plugin's result: its fields; top_logprobs' ids as JSON keys
+        fields = obj.to_dict()
+        if "top_logprobs" in fields:
+            fields["top_logprobs"] = [{str(t): lp for t, lp in top.items()} for top in fields["top_logprobs"]]
+        return _encode(fields, path, depth)
     raise CodecError(f"{path}: cannot encode a {type(obj).__module__}.{type(obj).__qualname__}; expected a "
                      "torch.Tensor, dict, list, tuple, str, int, float, bool or None")
 
