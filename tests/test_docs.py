@@ -92,8 +92,9 @@ def test_runnable_blocks_run(page: pathlib.Path, page_results: dict[str, str | N
 
 
 def test_site_builds_strict(tmp_path: pathlib.Path):
+    # no -q: mkdocs --strict counts only the warnings it logs, and -q logs none
     mkdocs = pathlib.Path(sys.executable).with_name("mkdocs")
-    done = subprocess.run([str(mkdocs), "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=ROOT,
+    done = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
                           capture_output=True, text=True, timeout=180, env={"PATH": "/usr/bin:/bin",
                                                                             "NO_MKDOCS_2_WARNING": "1",
                                                                             "HOME": str(tmp_path)})
