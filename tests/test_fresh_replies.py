@@ -110,3 +110,37 @@ def test_the_example_robot_discards_a_stale_chunk():
     assert module.stale({"actions": [], "server_timing": {"deadline_met": False}})
     assert not module.stale({"actions": [], "server_timing": {"deadline_met": True}})
     assert not module.stale({"actions": []})  # no deadline given, or a server without timing
+
+
+# -- forwarding keeps the deadline -----------------------------------------------------------------
+
+def test_a_forwarded_request_carries_what_is_left_of_its_deadline_and_waits_no_longer():
+    from phyai_ray.errors import EngineUnavailableError
+    from phyai_ray.serve.group_registry import set_failed
+    from phyai_ray.serve.holder import EngineHolder
+    from phyai_ray.serve.runner import GroupRunner
+    from tests.test_serve_http import StepEngine
+
+    sent = []
+
+    async def forward(request, hops, failed, **deadline):
+        sent.append(deadline)
+        if deadline.get("late") == "finish":
+            await asyncio.sleep(5)  # no healthy group answers
+        return {"from": "peer"}
+
+    down = dict(at_submit=EngineUnavailableError("group failed", reason="no_healthy_replica"), healthy=False)
+    class Down(StepEngine):
+        def submit(self, request, **deadline):  # refuses at once, as a failed group does
+            return super().submit(request)
+
+    runner = GroupRunner(EngineHolder(lambda: Down(**down)), group="g7", forward=forward)
+    try:
+        assert asyncio.run(runner.run({"x": [1.0]}, deadline_s=2.0, late="drop")) == {"from": "peer"}
+        assert 1.9 < sent[-1]["deadline_s"] <= 2.0 and sent[-1]["late"] == "drop"
+        began = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="within 0s"):  # its 0.2 s deadline, not 30 s
+            asyncio.run(runner.run({"x": [1.0]}, deadline_s=0.2, late="finish"))
+        assert time.monotonic() - began < 1.0
+    finally:
+        set_failed("g7", False)

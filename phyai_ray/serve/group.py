@@ -94,13 +94,16 @@ class ReplicaGroup(OipGrpcMethods):
             self.runner.holder.on_rebuild = self.api.state.metrics.count_rebuild
         return self.api
 
-    async def step(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
+    async def step(self, request: Any, hops: int = 0, failed: tuple = (), deadline_s: float | None = None,
+                   late: str | None = None) -> Any:
         """The handle method: `await handle.step.remote(request)` -> the plugin's result, or the engine's error.
 
         `hops` and `failed` are set by a failed group that forwards the request (see GroupRunner); a
         request is validated once, by the first group it reaches (`RequestRejectedError`).
+        `deadline_s` (seconds from this call) and `late` are `Engine.submit`'s; a forwarded request
+        carries what is left of its deadline.
         """
-        return await self.runner.run(request, hops=hops, failed=failed)
+        return await self.runner.run(request, hops=hops, failed=failed, deadline_s=deadline_s, late=late)
 
     async def stream(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
         """The streaming handle method: `handle.options(stream=True).stream.remote(request)` yields lists of
@@ -109,8 +112,8 @@ class ReplicaGroup(OipGrpcMethods):
         async for items in self.runner.stream(request, hops=hops, failed=failed):
             yield items
 
-    def _forward(self, request: Any, hops: int, failed: tuple) -> Any:
-        return self._peers.step.remote(request, hops=hops, failed=failed)
+    def _forward(self, request: Any, hops: int, failed: tuple, **deadline: Any) -> Any:
+        return self._peers.step.remote(request, hops=hops, failed=failed, **deadline)
 
     def _forward_stream(self, request: Any, hops: int, failed: tuple) -> Any:
         return self._peers.options(stream=True).stream.remote(request, hops=hops, failed=failed)

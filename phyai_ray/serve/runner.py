@@ -98,7 +98,8 @@ class GroupRunner:
         except EngineUnavailableError:
             if not forward or hops >= MAX_HOPS or self.forward is None or self.engine.healthy:
                 raise
-            return await self._forwarded(request, hops + 1, (*failed, self.group))
+            left = None if deadline_s is None else max(deadline_s - (time.monotonic() - received), 1e-6)
+            return await self._forwarded(request, hops + 1, (*failed, self.group), left, late)
         try:
             return await self._within(awaitable(future), "; the request keeps running on its group")
         finally:
@@ -157,12 +158,16 @@ class GroupRunner:
             if cancel is not None:
                 cancel()
 
-    async def _forwarded(self, request: Any, hops: int, failed: tuple) -> Any:
-        """Another group's result; its error as raised there (not wrapped in Ray's task error)."""
+    async def _forwarded(self, request: Any, hops: int, failed: tuple, deadline_s: float | None = None,
+                         late: str | None = None) -> Any:
+        """Another group's result; its error as raised there (not wrapped in Ray's task error). The
+        request's deadline (what is left of it) and `late` travel with it, and bound the wait."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
-        limit = min(self.wait_s, FORWARD_WAIT_S)
+        limit = min(self.wait_s, FORWARD_WAIT_S, deadline_s if deadline_s is not None else float("inf"))
+        extra = {k: v for k, v in (("deadline_s", deadline_s), ("late", late)) if v is not None}
         with self._as_forwarded("request", limit):
-            return await self._within(self.forward(request, hops, failed), "from the group it was forwarded to", limit)
+            return await self._within(self.forward(request, hops, failed, **extra),
+                                      "from the group it was forwarded to", limit)
 
     @contextlib.contextmanager
     def _as_forwarded(self, what: str, limit: float) -> Iterator[None]:
