@@ -144,3 +144,18 @@ def test_a_forwarded_request_carries_what_is_left_of_its_deadline_and_waits_no_l
         assert time.monotonic() - began < 1.0
     finally:
         set_failed("g7", False)
+
+
+def test_grpc_takes_the_calls_own_deadline_when_no_parameter_gives_one():
+    from phyai_ray.serve.oip_grpc import call_deadline
+
+    class Call:
+        def __init__(self, left):
+            self.left = left
+
+        def time_remaining(self):
+            return self.left
+
+    assert call_deadline(None, Call(0.25)) == 0.25  # grpc-timeout: 250 ms left
+    assert call_deadline(0.1, Call(0.25)) == 0.1  # parameters.deadline_ms wins
+    assert call_deadline(None, Call(None)) is None and call_deadline(None, None) is None

@@ -21,6 +21,7 @@ INVALID_ARGUMENT (bad request), NOT_FOUND (unknown model), UNAUTHENTICATED (key)
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -30,7 +31,7 @@ from phyai_ray.serve.error_map import classify
 from phyai_ray.serve.guard import key_matches
 from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
                                        missing_outputs, model_name, model_metadata, named_outputs, reply_parameters,
-                                       request_deadline, unknown_model)
+                                       request_deadline, request_late, unknown_model)
 from phyai_ray.validation import Validated
 
 SERVICER_FUNCTION = "phyai_ray.serve.grpc_v2.grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
@@ -73,6 +74,15 @@ def _set_parameter(target: Any, value: Any) -> None:
         target.double_param = value
     else:
         target.string_param = str(value)
+
+
+def call_deadline(deadline_s: float | None, context: Any) -> float | None:
+    """The request's deadline: `parameters.deadline_ms` when given, else the call's own (`grpc-timeout`,
+    what `context.time_remaining()` says is left; None when the client set none)."""
+    if deadline_s is not None or context is None:
+        return deadline_s
+    left = context.time_remaining() if callable(getattr(context, "time_remaining", None)) else None
+    return None if left is None else max(float(left), 1e-6)
 
 
 def decode_inputs(request: Any, max_bytes: int) -> dict[str, Any]:
@@ -160,12 +170,14 @@ class OipGrpcMethods:
         if not self._allowed(grpc_context) or not self._known(request.model_name, request.model_version,
                                                                grpc_context):
             return messages.ModelInferResponse()
+        received_at = time.time()
         try:  # validated once, in _decode
-            plugin_request, deadline_s = await asyncio.to_thread(self._decode, request)
+            plugin_request, deadline_s, late = await asyncio.to_thread(self._decode, request)
+            deadline_s = call_deadline(deadline_s, grpc_context)
             timing: dict[str, Any] = {}
-            result = await self.runner.run(plugin_request, deadline_s=deadline_s, timing=timing)
+            result = await self.runner.run(plugin_request, deadline_s=deadline_s, timing=timing, late=late)
             response = await asyncio.to_thread(self._encode, request, result)
-            for name, value in reply_parameters(timing, deadline_s).items():
+            for name, value in reply_parameters(timing, deadline_s, received_at).items():
                 _set_parameter(response.parameters[name], value)
             return response
         except oc.OipError as exc:
@@ -175,13 +187,13 @@ class OipGrpcMethods:
             fail(grpc_context, failure.status, failure.message)
         return messages.ModelInferResponse()
 
-    def _decode(self, request: Any) -> tuple[Validated, float | None]:
+    def _decode(self, request: Any) -> tuple[Validated, float | None, str | None]:
         entry = self.runner.entry
         check_signature(entry, {t.name: (t.datatype, list(t.shape)) for t in request.inputs})
         plugin_request = decode_inputs(request, self.options.max_tensor_bytes)
         params = {k: parameter(v) for k, v in request.parameters.items()}
-        deadline_s = request_deadline(params)
-        return finish_request(plugin_request, params, entry), deadline_s
+        deadline_s, late = request_deadline(params), request_late(params)
+        return finish_request(plugin_request, params, entry), deadline_s, late
 
     def _encode(self, request: Any, result: Any) -> Any:
         messages = pb()
