@@ -143,3 +143,41 @@ def test_top_logprobs_are_the_models_most_likely_tokens(served):
                                               logprobs=2, stream=True))
     alternatives = [a for e in streamed for c in e.choices if c.logprobs for a in (c.logprobs.top_logprobs or [])]
     assert len(alternatives) == len(tokens) and all(len(a) == 2 for a in alternatives)
+
+
+def test_text_parts_are_joined_into_the_string_content(served):
+    client, tok, _ = served
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are"}, {"type": "text", "text": "terse."}]},
+             CHAT[1]]
+    joined = [{"role": "system", "content": "You are\nterse."}, CHAT[1]]
+    a = client.chat.completions.create(model="tiny-qwen2", messages=parts, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model="tiny-qwen2", messages=joined, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == len(
+        tok.apply_chat_template(joined, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+])
+def test_fields_that_change_generation_and_are_not_implemented_are_400_naming_the_field(served, extra, field):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as info:
+        client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2, **extra)
+    assert info.value.body["param"] == field
+    client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2, presence_penalty=0.0)
+
+
+def test_chat_template_kwargs_and_the_character_bound(served):
+    client, _, _ = served
+    out = client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert out.choices[0].message
+    with pytest.raises(openai.BadRequestError, match="may not set"):
+        client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    with pytest.raises(openai.BadRequestError, match="characters are tokenized"):
+        client.chat.completions.create(model="tiny-qwen2", messages=[{"role": "user", "content": "x" * 9000}],
+                                       max_tokens=2)

@@ -9,6 +9,12 @@
 environment, trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that
 keeps non-ASCII, the special tokens as variables) and tokenizes the result without adding special
 tokens again (the template writes them). `pip install 'phyai-ray[hf]'` brings both libraries.
+
+Content given as text parts ([{"type": "text", "text": ...}], what the OpenAI SDKs send) is joined
+into one string with newlines before rendering (vLLM's "string" format), so every template sees
+text. A template that refuses the chat (`raise_exception`, e.g. Mistral's role alternation) or fails
+on it raises ValueError naming the problem; `check_template(folder)` compiles a checkpoint's
+template when it is configured, so a template that does not compile fails before any rank starts.
 """
 
 from __future__ import annotations
@@ -60,18 +66,29 @@ class TextCodec:
         return self.tokenizer.token_to_id(text)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The chat template applied to `messages` (checked first: roles and contents)."""
+        """The chat template applied to `messages` (checked first: roles and contents; text parts joined).
+
+        `extra` are more template variables (OpenAI's `chat_template_kwargs`, e.g. enable_thinking)."""
         check_messages(messages)
         if self.template_text is None:
             raise ValueError(f"the checkpoint {self.folder} has no chat template (tokenizer_config.json "
                              "chat_template or chat_template.jinja); send a completion prompt instead")
         if self._template is None:
-            self._template = _compile(self.template_text)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.specials, **extra)
+            self._template = _compile(self.template_text, self.folder)
+        import jinja2
 
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt), special=False)
+        variables = {**self.specials, **extra, "messages": [_joined(m) for m in messages],
+                     "add_generation_prompt": add_generation_prompt}
+        try:
+            return self._template.render(**variables)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ValueError(f"the chat template of {self.folder.name} refused the messages: {exc}") from None
+        except (TypeError, KeyError, AttributeError, IndexError) as exc:
+            raise ValueError(f"the chat template of {self.folder.name} cannot render these messages: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt, **extra), special=False)
 
 
 def check_messages(messages: Any) -> None:
@@ -118,6 +135,27 @@ class TextStream:
         return delta
 
 
+def _joined(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with text-part content joined into one string (newline-separated)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+    return message
+
+
+def check_template(folder: str | Path) -> None:
+    """Compile the checkpoint's chat template, if it has one (ValueError naming the file if it does not compile)."""
+    folder = Path(folder)
+    config_path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    except ValueError as exc:
+        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    text = _template(folder, config)
+    if text is not None:
+        _compile(text, folder)
+
+
 def _token_text(value: Any) -> str:
     return value.get("content", "") if isinstance(value, dict) else str(value)
 
@@ -133,7 +171,7 @@ def _template(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-def _compile(text: str) -> Any:
+def _compile(text: str, folder: Path | None = None) -> Any:
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -150,4 +188,8 @@ def _compile(text: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(text)
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template of {folder or 'the checkpoint'} does not compile (line {exc.lineno}: "
+                         f"{exc.message}); fix chat_template.jinja or tokenizer_config.json chat_template") from None

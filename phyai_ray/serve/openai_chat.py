@@ -11,13 +11,17 @@ The messages go through the checkpoint's chat template with `add_generation_prom
 tokenized without adding special tokens again, and run as `n` sequences of one request. Honoured:
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
 logprobs with top_logprobs (each token's log-probability and its k most likely alternatives),
-stream. Bad input (no messages, an unknown role, a message without content, a prompt
-longer than the model takes) is a 400 in OpenAI's error shape.
+stream, chat_template_kwargs (more template variables). Content as text parts is joined into one
+string. Bad input (no messages, an unknown role, a message without content, a template that refuses
+the chat, messages over max_model_len x CHARS_PER_TOKEN characters, a prompt longer than the model
+takes) is a 400 in OpenAI's error shape, and so is any of tools, tool_choice, functions,
+response_format, logit_bias, nonzero penalties or min_p: not implemented, so never ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
@@ -31,6 +35,7 @@ from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_l
 from phyai_ray.validation import Validated, validate
 
 MAX_N = 16
+CHARS_PER_TOKEN = 32  # messages longer than max_model_len * this are refused before tokenizing
 
 
 class ChatRequest(BaseModel):
@@ -50,6 +55,25 @@ class ChatRequest(BaseModel):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+    # fields that change what is generated and are not implemented: refused (400 naming the field), never ignored
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    def unsupported(self) -> str | None:
+        """The first field given that this server does not implement (None: all honoured)."""
+        for field in ("tools", "tool_choice", "functions", "response_format", "logit_bias"):
+            if getattr(self, field) not in (None, [], {}):
+                return field
+        defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+        return next((k for k, v in defaults.items() if getattr(self, k) != v), None)
 
     def limit(self, room: int) -> int:
         """max_completion_tokens, else max_tokens, else what the model has room for (at most 4096)."""
@@ -80,12 +104,26 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
                           type="not_found_error", param="model")
     if request.top_logprobs and not request.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    field = request.unsupported()
+    if field is not None:
+        raise OpenAIError(400, f"{field} is not supported by this server (it would change what is generated); "
+                               "leave it out", param=field)
+    reserved = {"messages", "add_generation_prompt"} & set(request.chat_template_kwargs or {})
+    if reserved:
+        raise OpenAIError(400, f"chat_template_kwargs may not set {sorted(reserved)}; the request's own fields do",
+                          param="chat_template_kwargs")
     codec = require(text_codec(runner.entry), "a chat")
+    limit = runner.entry.max_sequence_tokens()
+    chars = sum(len(json.dumps(m.get("content"), ensure_ascii=False)) for m in request.messages
+                if isinstance(m, dict))
+    if chars > limit * CHARS_PER_TOKEN:
+        raise OpenAIError(400, f"the messages hold {chars} characters; the model takes {limit} tokens, so at most "
+                               f"{limit * CHARS_PER_TOKEN} characters are tokenized: shorten the messages",
+                          param="messages")
     try:
-        prompt = codec.chat(request.messages, add_generation_prompt=True)
+        prompt = codec.chat(request.messages, add_generation_prompt=True, **(request.chat_template_kwargs or {}))
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="messages") from None
-    limit = runner.entry.max_sequence_tokens()
     if len(prompt) >= limit:
         raise OpenAIError(400, f"the chat is {len(prompt)} tokens after its template; the model takes {limit} "
                                "(prompt + completion): shorten the messages", param="messages")

@@ -54,6 +54,7 @@ class HFCausalLMEntry(Entry):
         self.arch = ckpt.arch
         self.max_len = self.config.resolved_max_len(self.arch)
         self._codec = None
+        _check_template(folder)
 
     def served_name(self) -> str:
         """The served model's name: the checkpoint folder's (OpenAI's `model`, OIP's model name)."""
@@ -115,3 +116,15 @@ class HFCausalLMEntry(Entry):
         if self.config is None:
             raise ValueError("hf_causal_lm needs plugin_args={'model': '/path/to/checkpoint-folder'}")
         return self.config
+
+
+def _check_template(folder: Any) -> None:
+    """The checkpoint's chat template compiles (before any rank starts); skipped without jinja2."""
+    try:
+        from phyai_ray.llm.tokenizer import check_template
+
+        check_template(folder)
+    except ImportError:
+        return
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
