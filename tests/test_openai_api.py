@@ -140,3 +140,20 @@ def test_a_stream_interval_groups_writes_and_keeps_every_token(client):
                                              stream=True))
     assert [t for e in events for c in e.choices for t in c.token_ids] == want.token_ids
     assert events[-1].choices[0].finish_reason == "length"
+
+
+def test_a_completion_takes_x_request_deadline_ms(client):
+    oai, engine = client
+    out = oai.completions.create(model="reference_lm", prompt=[1, 2], max_tokens=2, temperature=0,
+                                 extra_headers={"X-Request-Deadline-Ms": "30000"})
+    assert len(out.choices[0].token_ids) == 2
+    with pytest.raises(openai.BadRequestError, match="X-Request-Deadline-Ms='soon'"):
+        oai.completions.create(model="reference_lm", prompt=[1], max_tokens=2, extra_headers={"X-Request-Deadline-Ms": "soon"})
+    seen = []
+    original = engine.submit
+    engine.submit = lambda request, *a, **kw: seen.append(kw.get("deadline_s")) or original(request, *a, **kw)
+    try:
+        oai.completions.create(model="reference_lm", prompt=[1], max_tokens=1, extra_headers={"X-Request-Deadline-Ms": "5000"})
+    finally:
+        del engine.submit
+    assert seen and 4.9 < seen[0] <= 5.0

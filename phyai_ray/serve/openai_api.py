@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
@@ -35,6 +35,7 @@ from phyai_ray.serve.openai_common import OpenAIError, finish_reason, generation
 from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
 from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.timing import DEADLINE_HEADER, deadline_ms
 from phyai_ray.validation import Validated, validate
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
@@ -100,21 +101,30 @@ def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "phyai-ray"}]}
 
     @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
-    async def completions(body: dict[str, Any]) -> Any:
+    async def completions(body: dict[str, Any], http: Request) -> Any:
         try:  # parsing, size checks, the n copies and the plugin's validator (once): off the event loop
+            deadline_s = request_deadline(http)
             request, checked, choices = await asyncio.to_thread(_prepare, runner, body, name)
             codec = usable(text_codec(runner.entry))
             if request.stream:
                 chunks = CompletionChunks(request, name, codec, choices)
                 return StreamingResponse(sse(runner, checked, chunks, stream_interval, overloaded),
                                          media_type="text/event-stream")
-            outputs = await runner.run(checked)
+            outputs = await runner.run(checked, deadline_s=deadline_s)
             return JSONResponse(_completion(outputs, request, name, codec))
         except Exception as exc:  # a bad body, engine errors: OpenAI's shape, the failure table's status
             return openai_error(exc, overload_status=overloaded).response()
 
     if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
         add_chat_route(api, runner, name, stream_interval=stream_interval, overload_status=overloaded)
+
+
+def request_deadline(http: Request) -> float | None:
+    """`X-Request-Deadline-Ms` in seconds (None without it); a bad value is a 400 naming the header."""
+    try:
+        return deadline_ms(http.headers.get(DEADLINE_HEADER), "X-Request-Deadline-Ms")
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="X-Request-Deadline-Ms") from None
 
 
 def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, Validated, int]:
