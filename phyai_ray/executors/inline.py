@@ -74,12 +74,13 @@ class InlineTransport:
     def run_here(self, work: Work) -> None:
         """On the caller's thread (nothing else at the rank): the hang clock still watches it, and other
         callers queue behind it; this thread is in the plugin and returns when it does. It was
-        dispatched just now, so it cannot have expired: it runs at once."""
+        dispatched just now, so it cannot have expired: it runs at once. A request run here was
+        dispatched with batching off (the scheduler sets `here` only then): it is a plain step."""
         if self._device_guard is None:
-            self._run_now(work)
+            self._run_now(work, True)
         else:
             with self._device_guard():
-                self._run_now(work)
+                self._run_now(work, True)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` with the rank's CUDA device current (a fresh worker thread starts on device 0)."""
@@ -95,13 +96,13 @@ class InlineTransport:
             return
         self._run_now(work)
 
-    def _run_now(self, work: Work) -> None:
+    def _run_now(self, work: Work, here: bool = False) -> None:
         link = self._link
         if link.failure() is not None:
             link.complete(work, error=link.unavailable_error())
             return
         try:
-            value = self._execute(work)
+            value = self._runner.step(work.payload) if here and work.kind == Kind.STEP else self._execute(work)
         except BaseException as exc:  # the plugin's own exception goes to the caller as is
             link.complete(work, error=exc)
         else:

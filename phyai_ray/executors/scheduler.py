@@ -105,7 +105,7 @@ class ReplicaScheduler(DeadlineClock):
         if deadline is None and self.default_deadline_s is not None:
             work.due = work.submitted + self.default_deadline_s
         future.work, future.replica, future.deadline = work, self.index, deadline
-        if not bypass_queue and work.missed(work.submitted, self.service.estimate()):
+        if deadline is not None and not bypass_queue and work.missed(work.submitted, self.service.estimate()):
             self.deliver(work, error=self._missed_error(work, work.submitted))
             return future
         with self._lock:
@@ -124,7 +124,8 @@ class ReplicaScheduler(DeadlineClock):
                     raise self._overloaded()
                 enqueue(self._queued, work, self.edf)
                 self._pump()
-            self._arm(min(work.expires, work.deadline or work.expires))
+            expires = work.submitted + limit_s  # work.expires
+            self._arm(expires if deadline is None or deadline > expires else deadline)
         self._send_launches()
         return future
 

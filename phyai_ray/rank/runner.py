@@ -83,7 +83,8 @@ class RankRunner:
 
     def step(self, request: Any) -> Any:
         """Run one request; the output rank returns the result, the others None."""
-        self._check_awake("a request")
+        if self._control is not None:  # the per-step path: the check's call only when there is control
+            self._check_awake("a request")
         with self.ctx.groups.activate():
             out = self.model.step(request)
         return out if self.ctx.is_output_rank else None
