@@ -24,6 +24,7 @@ import torch
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "MistralForCausalLM": "mistral"}
 ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_MAX_LEN = 4096  # max_model_len when plugin_args leave it unset: min(max_position_embeddings, this)
 
 
 class CheckpointError(ValueError):
@@ -96,7 +97,8 @@ class Architecture:
         heads = _int(raw, "num_attention_heads", path)
         hidden = _int(raw, "hidden_size", path)
         max_position = int(raw.get("max_position_embeddings") or 4096)
-        _check_unsupported(raw, path, min(max_model_len or max_position, max_position))
+        served = max_model_len or min(max_position, DEFAULT_MAX_LEN)  # the length actually served
+        _check_unsupported(raw, path, min(served, max_position))
         family = ARCHITECTURES[arch]
         return cls(
             family=family, hidden=hidden, intermediate=_int(raw, "intermediate_size", path),

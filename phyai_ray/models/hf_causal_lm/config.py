@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from phyai_ray.models.hf_causal_lm.checkpoint import Architecture
+from phyai_ray.models.hf_causal_lm.checkpoint import DEFAULT_MAX_LEN, Architecture
 
-DEFAULT_MAX_LEN = 4096
+__all__ = ["DEFAULT_MAX_LEN", "HFCausalLMConfig"]
 
 
 class HFCausalLMConfig(BaseModel):
