@@ -1,0 +1,243 @@
+"""World models: `diffusers_pipeline` batched per denoising step vs diffusers' own WanPipeline, side by side.
+
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_world.py [--repeats 3] [--json out.json] [--skip-ray]`
+
+A Wan-shaped transformer sized for a small CPU machine (diffusers' `WanTransformer3DModel`, dim 128,
+4 heads, 4 layers; one forward of a 9-frame 64x64 request is tens of ms), the tiny VAE and text
+encoder of tests/diffusers_folders.py, saved as a WanPipeline folder. Latents only (`output_type=
+"latent"`); the VAE decode of one request is timed apart.
+
+1. N = 8 and 16 concurrent requests of 8 steps with CFG through the Engine (inline, one rank) vs
+   WanPipeline called (a) once per request in sequence and (b) once with the N prompts as one batch,
+   same seeds. Targets: Engine >= 0.9x (b) and >= 1.2x (a) in throughput.
+2. Mixed step counts (4, 8, 12, 16; two each): the 4-step requests' latency vs the time the 16-step
+   ones take. Target <= 0.5x.
+3. On Ray (gloo, one request): CFG over 2 ranks vs 1 rank (target <= 0.65x), Ulysses over 2 ranks
+   (attention.cp_size=2) at 1,024 latent tokens vs 1 rank (target <= 0.75x); peak RSS per rank.
+Prints the machine first; medians and p99 over `--repeats`; each ratio with its target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import wait
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from phyai_ray import (AttentionParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
+                       OuterParallelConfig, ParallelConfig, WorkerSupervisorConfig)
+
+PLUGIN = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
+BASE = {"negative_prompt": "blurry", "height": 64, "width": 64, "num_frames": 9, "max_sequence_length": 16,
+        "guidance_scale": 5.0}
+LONG = {**BASE, "height": 256, "width": 256, "num_frames": 13}  # 4 x 16 x 16 = 1,024 latent tokens
+PROMPTS = ("a robot arm picks up the red cube", "a dog runs left", "camera moves right slowly", "a cat runs fast")
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    load = os.getloadavg()
+    return (f"{platform.node()}: {os.cpu_count()} cores ({cpu}), torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, load average {load[0]:.1f} (shared machine)")
+
+
+def build_folder(root: Path) -> Path:
+    """A WanPipeline folder with a Wan-shaped transformer of tens of ms per forward."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    from tests.diffusers_folders import _perturb, _text_encoder, _tokenizer, _vae
+
+    torch.manual_seed(0)
+    tokenizer = _tokenizer()
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32,
+                                        in_channels=16, out_channels=16, text_dim=32, freq_dim=64, ffn_dim=512,
+                                        num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                        rope_max_seq_len=64).eval()
+    text_encoder, vae = _text_encoder(len(tokenizer)), _vae(False)
+    gen = torch.Generator("cpu").manual_seed(0)
+    for module in (text_encoder, transformer, vae):
+        _perturb(module, gen)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                transformer=transformer).save_pretrained(root)
+    return root
+
+
+def requests(n: int, steps: int | list[int], base: dict = BASE) -> list[dict[str, Any]]:
+    counts = steps if isinstance(steps, list) else [steps] * n
+    return [{**base, "prompt": PROMPTS[i % len(PROMPTS)], "num_inference_steps": counts[i], "seed": i,
+             "output_type": "latent"} for i in range(n)]
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    fn()  # warm-up
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(runs), "p99_s": p99(runs)}
+
+
+def diffusers_runs(pipe: Any, batch: list[dict]) -> tuple[Callable, Callable]:
+    """(a) one call per request in sequence, (b) one call with every prompt, the same seeds."""
+    def call(rs: list[dict]) -> Any:
+        first = rs[0]
+        kwargs = {k: first[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale",
+                                        "max_sequence_length")}
+        with torch.no_grad():
+            return pipe(prompt=[r["prompt"] for r in rs], negative_prompt=[r["negative_prompt"] for r in rs],
+                        generator=[torch.Generator("cpu").manual_seed(r["seed"]) for r in rs],
+                        output_type="latent", **kwargs).frames
+
+    return (lambda: [call([r]) for r in batch]), (lambda: call(batch))
+
+
+def engine_run(engine: Engine, batch: list[dict]) -> list[float]:
+    """Submit every request at once; each one's latency in seconds."""
+    start = time.perf_counter()
+    futures = [engine.submit(r) for r in batch]
+    ends: dict[int, float] = {}
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda _f, i=i: ends.setdefault(i, time.perf_counter()))
+    done, _ = wait(futures, timeout=600)
+    if len(done) != len(futures):
+        raise TimeoutError(f"{len(futures) - len(done)} of {len(futures)} requests did not finish in 600 s")
+    for f in futures:
+        f.result()
+    return [ends[i] - start for i in range(len(futures))]
+
+
+def throughput(folder: Path, pipe: Any, engine: Engine, repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in (8, 16):
+        batch = requests(n, 8)
+        sequential, one_call = diffusers_runs(pipe, batch)
+        rows = {"engine": timed(lambda: engine_run(engine, batch), repeats),
+                "diffusers_sequential": timed(sequential, repeats), "diffusers_one_batch": timed(one_call, repeats)}
+        got = engine.step(batch[0])["video"]
+        want = torch.as_tensor(one_call()[0])
+        rows["max_abs_diff_vs_diffusers"] = float((got - want).abs().max())
+        rows["vs_one_batch"] = rows["diffusers_one_batch"]["median_s"] / rows["engine"]["median_s"]
+        rows["vs_sequential"] = rows["diffusers_sequential"]["median_s"] / rows["engine"]["median_s"]
+        out[f"N={n}"] = rows
+        print(f"N={n:2d}, 8 steps, CFG: engine {rows['engine']['median_s']:.2f}s (p99 {rows['engine']['p99_s']:.2f}),"
+              f" diffusers one batch {rows['diffusers_one_batch']['median_s']:.2f}s, per request "
+              f"{rows['diffusers_sequential']['median_s']:.2f}s; throughput vs one batch {rows['vs_one_batch']:.2f}x "
+              f"(target >= 0.9), vs per request {rows['vs_sequential']:.2f}x (target >= 1.2); |latents - "
+              f"diffusers| {rows['max_abs_diff_vs_diffusers']:.1e}", flush=True)
+    return out
+
+
+def mixed(engine: Engine, repeats: int) -> dict[str, Any]:
+    steps = [4, 8, 12, 16] * 2
+    shorts, longs = [], []
+    engine_run(engine, requests(8, steps))
+    for _ in range(repeats):
+        latency = engine_run(engine, requests(8, steps))
+        shorts += [t for t, s in zip(latency, steps) if s == 4]
+        longs.append(max(t for t, s in zip(latency, steps) if s == 16))
+    row = {"short_4_median_s": statistics.median(shorts), "short_4_p99_s": p99(shorts),
+           "long_16_median_s": statistics.median(longs)}
+    row["ratio"] = row["short_4_median_s"] / row["long_16_median_s"]
+    print(f"mixed 4/8/12/16 steps (8 requests): 4-step latency {row['short_4_median_s']:.2f}s (p99 "
+          f"{row['short_4_p99_s']:.2f}) vs the 16-step ones {row['long_16_median_s']:.2f}s: {row['ratio']:.2f}x "
+          "(target <= 0.5)", flush=True)
+    return row
+
+
+def decode_time(pipe: Any, latents: torch.Tensor, repeats: int) -> dict[str, float]:
+    z = latents[None].to(pipe.vae.dtype)
+    with torch.no_grad():
+        return timed(lambda: pipe.vae.decode(z, return_dict=False), repeats)
+
+
+def peak_rss_mib(engine: Engine) -> list[float]:
+    """VmHWM of every rank process of replica 0 (this process for an inline engine)."""
+    out = []
+    for pid in engine._executors[0].pids():
+        status = Path(f"/proc/{pid}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
+        out.append(round(kib / 1024, 1))
+    return out
+
+
+def ray_group(folder: Path, parallel: ParallelConfig) -> Engine:
+    args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},
+                      config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
+    return Engine(args, DeploymentConfig.local(cpus_per_rank=0.5,
+                                               process_config=WorkerSupervisorConfig(execution_timeout_s=600)))
+
+
+def parallel_runs(folder: Path, repeats: int) -> dict[str, Any]:
+    layouts = {"1 rank": ParallelConfig(), "CFG 2": ParallelConfig(outer=OuterParallelConfig(cfg_size=2)),
+               "Ulysses 2": ParallelConfig(attention=AttentionParallelConfig(cp_size=2))}
+    cases = {"cfg": requests(1, 8)[0], "ulysses": requests(1, 4, LONG)[0]}
+    out: dict[str, Any] = {}
+    for name, parallel in layouts.items():
+        with ray_group(folder, parallel) as engine:
+            row: dict[str, Any] = {}
+            for case, request in cases.items():
+                if (name, case) in (("CFG 2", "ulysses"), ("Ulysses 2", "cfg")):
+                    continue
+                row[case] = timed(lambda: engine.step(request, timeout=600), repeats)
+            row["peak_rss_mib_per_rank"] = peak_rss_mib(engine)
+        out[name] = row
+        print(f"Ray {name}: " + ", ".join(f"{c} {v['median_s']:.2f}s (p99 {v['p99_s']:.2f})"
+                                          for c, v in row.items() if isinstance(v, dict))
+              + f"; peak RSS per rank {row['peak_rss_mib_per_rank']} MiB", flush=True)
+    out["cfg2_ratio"] = out["CFG 2"]["cfg"]["median_s"] / out["1 rank"]["cfg"]["median_s"]
+    out["ulysses2_ratio"] = out["Ulysses 2"]["ulysses"]["median_s"] / out["1 rank"]["ulysses"]["median_s"]
+    print(f"CFG over 2 ranks / 1 rank (one request, 8 steps): {out['cfg2_ratio']:.2f}x (target <= 0.65); "
+          f"Ulysses over 2 ranks / 1 rank (1,024 tokens, 4 steps): {out['ulysses2_ratio']:.2f}x (target <= 0.75)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-ray", action="store_true", help="leave out the CFG / Ulysses runs on Ray")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    opts = parser.parse_args(argv)
+    from diffusers import WanPipeline
+
+    results: dict[str, Any] = {"machine": machine()}
+    print(f"machine: {results['machine']}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_folder(Path(tmp) / "wan-bench")
+        pipe = WanPipeline.from_pretrained(folder)
+        pipe.set_progress_bar_config(disable=True)
+        args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder), "max_latent_tokens_per_step": 1 << 20})
+        with Engine(args) as engine:
+            forward = timed(lambda: engine.step({**requests(1, 1)[0], "guidance_scale": 1.0}), opts.repeats)
+            print(f"one forward (1 step, no CFG, 9x64x64): {forward['median_s'] * 1e3:.0f} ms", flush=True)
+            results["throughput"] = throughput(folder, pipe, engine, opts.repeats)
+            results["mixed_steps"] = mixed(engine, opts.repeats)
+            latents = engine.step(requests(1, 2)[0])["video"]
+            results["vae_decode_one_request"] = decode_time(pipe, latents, opts.repeats)
+            results["peak_rss_mib_inline"] = peak_rss_mib(engine)
+        print(f"VAE decode of one request (timed apart): {results['vae_decode_one_request']['median_s']:.3f}s; "
+              f"peak RSS inline {results['peak_rss_mib_inline']} MiB", flush=True)
+        if not opts.skip_ray:
+            results["ray"] = parallel_runs(folder, opts.repeats)
+    if opts.json is not None:
+        opts.json.write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
