@@ -118,6 +118,14 @@ def merge_token_chunks(first: dict[str, Any], then: dict[str, Any]) -> dict[str,
     return out
 
 
+def merge_stream_chunks(first: Any, then: Any) -> Any:
+    """Fold two consecutive chunks of an iteration stream: token chunks join their tokens; a value
+    stream's reports (progress) keep the latest, since each one supersedes the one before."""
+    if isinstance(first, dict) and isinstance(then, dict) and "token_ids" in first and "token_ids" in then:
+        return merge_token_chunks(first, then)
+    return then
+
+
 def entry_values(entry: Any) -> list:
     """A chunk entry as the list of its values ([] for None)."""
     if entry is None:

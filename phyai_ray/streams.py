@@ -65,6 +65,19 @@ class ChunkSink:
             self._cond.notify_all()
             return items, self.closed and not self._chunks
 
+    def put_last(self, chunk: Any) -> bool:
+        """Add the stream's final chunk past `max_buffered` and never folded into another (a value
+        stream's result); False once the consumer cancelled."""
+        with self._cond:
+            if self.cancelled:
+                return False
+            self._chunks.append(chunk)
+            self._cond.notify_all()
+            poke = self.on_change
+        if poke is not None:
+            poke()
+        return True
+
     def close(self) -> None:
         with self._cond:
             self.closed = True

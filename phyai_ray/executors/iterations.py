@@ -39,7 +39,7 @@ from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.iteration_control import GATHER, IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
 from phyai_ray.executors.sequences import Candidates, Deadlines, LoopRequest, LoopSequence, stream_chunk
-from phyai_ray.outputs import merge_token_chunks, version_order
+from phyai_ray.outputs import merge_stream_chunks, version_order
 from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
 
@@ -129,7 +129,7 @@ class IterationLoop(IterationControl):
         waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
         (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
         sequence and the buffer stays `max_buffered` chunks long."""
-        sink = ChunkSink(max_buffered=max_buffered, merge=merge_token_chunks)
+        sink = ChunkSink(max_buffered=max_buffered, merge=merge_stream_chunks)
         future = self.submit(request, sink, deadline=deadline)
         return future, LocalReader(sink, future)
 
@@ -296,7 +296,7 @@ class IterationLoop(IterationControl):
             if seq is None:  # cancelled or expired after the plan left: its drop is on its way
                 continue
             seq.add(delta, version)
-            if seq.request.sink is not None and delta.token_ids:
+            if seq.request.sink is not None and (delta.token_ids or delta.progress is not None):
                 touched.setdefault(id(seq.request), (seq.request, []))[1].append((seq, delta))
             if delta.stop_reason is not None:
                 seq.stop_reason, seq.state = delta.stop_reason, "done"
@@ -362,4 +362,6 @@ class IterationLoop(IterationControl):
                                                 default=None, key=version_order)
             self.tally.settle(req.future, value, error)
             if req.sink is not None:
+                if value is not None and req.chunks and not any(s.tokens for s in req.seqs):
+                    req.sink.put_last(value)  # a value stream that reported progress ends with its result
                 req.sink.close()

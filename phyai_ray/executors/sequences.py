@@ -4,7 +4,8 @@
     LoopSequence    a sequence: payload, cost, group; its tokens (log-probs, per-token weight versions)
                     or its value so far, and the weight version of its latest output
     Candidates      the running sequences as an admission policy sees them, made only when read
-    stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}
+    stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}, or a
+                    value request's progress report
     Deadlines       the heap of the requests' own deadlines; a request leaves it when it ends
 """
 
@@ -123,11 +124,17 @@ class Candidates(Sequence):
 
 
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:
-    """One chunk of the request's stream: this iteration's tokens, None for its other sequences."""
+    """One chunk of the request's stream: this iteration's tokens, None for its other sequences; for a
+    value request (no tokens), its progress report (one sequence: the report itself)."""
     deltas: list[Any] = [None] * len(req.seqs)
     for seq, delta in changed:
         deltas[seq.index] = delta
-    req.sink.put(token_chunk(req.chunks, deltas))
+    if any(d.token_ids for _, d in changed):
+        req.sink.put(token_chunk(req.chunks, deltas))
+    elif len(deltas) == 1:  # a value sequence's report, as the plugin gave it: {"step": i, "of": n}
+        req.sink.put(deltas[0].progress)
+    else:
+        req.sink.put({"index": req.chunks, "progress": [d.progress if d is not None else None for d in deltas]})
     req.chunks += 1
 
 

@@ -70,6 +70,8 @@ class Delta:
     k of them: per token its k most likely tokens {token id: log-prob}; empty otherwise).
     Value sequences: `value` (a denoised action chunk, a video latent), given with the last delta
     or updated by later ones; `Entry.gather` receives it for the sequence instead of a `TokenOutput`.
+    `progress` (any value, e.g. {"step": i, "of": n}): what a streamed value request reports after this
+    iteration; its stream gets one item per report, then the gathered result as its last item.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -77,6 +79,7 @@ class Delta:
     stop_reason: str | None = None
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     value: Any = None
+    progress: Any = None
 
 
 @dataclass(frozen=True)
