@@ -1,6 +1,7 @@
 """Step latency, throughput and large tensors of phyai-ray against bare baselines, side by side in one run.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_engine.py [--requests 300] [--max-replicas 4]`
+(`--only inline`: part 1 alone, without Ray)
 
 1. Inline `Engine.step` and `submit().result()` vs calling the plugin's step() directly: a no-op and a
    200 us busy loop.
@@ -220,7 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--max-replicas", type=int, default=4)
     parser.add_argument("--large", type=int, default=8, help="repetitions of each 64 MB transfer")
+    parser.add_argument("--only", choices=("inline",), default=None,
+                        help="run only part 1 (inline Engine.step vs a direct call; no Ray started)")
     opts = parser.parse_args(argv)
+    if opts.only == "inline":
+        print(machine())
+        print("inline")
+        for line in bench_inline(opts.requests):
+            print(line, flush=True)
+        return
     ray.init(num_cpus=max(8, 2 * opts.max_replicas), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     print(machine())

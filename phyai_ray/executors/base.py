@@ -110,8 +110,11 @@ class ScheduledReplica:
         payload = ranks.prepare(request)
         future = self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, here=True, key=key, size=size,
                                        weight=ranks.weight(payload), deadline=deadline, late=late)
-        if future.work.here:
-            ranks.run_here(future.work)
+        work = future.work
+        if work.here:
+            ranks.run_here(work)  # returns once the work is settled and its slot is free
+            work.future = None  # breaks the future <-> work cycle: both are freed when the caller drops the
+            # future, so a stream of step() calls leaves no garbage for the cyclic collector to find
         return future
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:

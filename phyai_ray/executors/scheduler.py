@@ -246,6 +246,8 @@ class ReplicaScheduler(DeadlineClock):
         if work.kind == Kind.BATCH:
             self._deliver_batch(work, value, error)
             return
+        if work.future is None:  # settled and released by the thread that ran it (ScheduledReplica.submit)
+            return
         if error is None and work.late == "drop" and work.missed(time.monotonic()):
             now = time.monotonic()
             error = deadline_missed(self.index, now - work.submitted, work.deadline - work.submitted, late_result=True)
