@@ -26,7 +26,6 @@ import platform
 import statistics
 import tempfile
 import time
-from concurrent.futures import wait
 from pathlib import Path
 from typing import Any, Callable
 
@@ -108,15 +107,16 @@ def diffusers_runs(pipe: Any, batch: list[dict]) -> tuple[Callable, Callable]:
 
 
 def engine_run(engine: Engine, batch: list[dict]) -> list[float]:
-    """Submit every request at once; each one's latency in seconds."""
+    """Submit every request at once; each one's latency in seconds (seen by polling every 2 ms)."""
     start = time.perf_counter()
     futures = [engine.submit(r) for r in batch]
     ends: dict[int, float] = {}
-    for i, f in enumerate(futures):
-        f.add_done_callback(lambda _f, i=i: ends.setdefault(i, time.perf_counter()))
-    done, _ = wait(futures, timeout=600)
-    if len(done) != len(futures):
-        raise TimeoutError(f"{len(futures) - len(done)} of {len(futures)} requests did not finish in 600 s")
+    while len(ends) < len(futures):
+        if time.perf_counter() - start > 600:
+            raise TimeoutError(f"{len(futures) - len(ends)} of {len(futures)} requests did not finish in 600 s")
+        now = time.perf_counter()
+        ends.update({i: now for i, f in enumerate(futures) if i not in ends and f.done()})
+        time.sleep(0.002)
     for f in futures:
         f.result()
     return [ends[i] - start for i in range(len(futures))]
@@ -207,31 +207,41 @@ def parallel_runs(folder: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
+def inline_runs(folder: Path, results: dict[str, Any], repeats: int) -> None:
+    """Parts 1 and 2 (one inline rank) against WanPipeline in this process; the VAE decode timed apart."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder), "max_latent_tokens_per_step": 1 << 20})
+    with Engine(args) as engine:
+        forward = timed(lambda: engine.step({**requests(1, 1)[0], "guidance_scale": 1.0}), repeats)
+        print(f"one forward (1 step, no CFG, 9x64x64): {forward['median_s'] * 1e3:.0f} ms", flush=True)
+        results["throughput"] = throughput(folder, pipe, engine, repeats)
+        results["mixed_steps"] = mixed(engine, repeats)
+        latents = engine.step(requests(1, 2)[0])["video"]
+        results["vae_decode_one_request"] = decode_time(pipe, latents, repeats)
+        results["peak_rss_mib_inline"] = peak_rss_mib(engine)
+    print(f"VAE decode of one request (timed apart): {results['vae_decode_one_request']['median_s']:.3f}s; "
+          f"peak RSS inline {results['peak_rss_mib_inline']} MiB", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-ray", action="store_true", help="leave out the CFG / Ulysses runs on Ray")
+    parser.add_argument("--only-ray", action="store_true", help="the CFG / Ulysses runs on Ray alone")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (default 1: "
+                        "on a loaded 2-core machine OpenMP threads spin against each other)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     opts = parser.parse_args(argv)
-    from diffusers import WanPipeline
-
+    torch.set_num_threads(opts.threads)
     results: dict[str, Any] = {"machine": machine()}
     print(f"machine: {results['machine']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_folder(Path(tmp) / "wan-bench")
-        pipe = WanPipeline.from_pretrained(folder)
-        pipe.set_progress_bar_config(disable=True)
-        args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder), "max_latent_tokens_per_step": 1 << 20})
-        with Engine(args) as engine:
-            forward = timed(lambda: engine.step({**requests(1, 1)[0], "guidance_scale": 1.0}), opts.repeats)
-            print(f"one forward (1 step, no CFG, 9x64x64): {forward['median_s'] * 1e3:.0f} ms", flush=True)
-            results["throughput"] = throughput(folder, pipe, engine, opts.repeats)
-            results["mixed_steps"] = mixed(engine, opts.repeats)
-            latents = engine.step(requests(1, 2)[0])["video"]
-            results["vae_decode_one_request"] = decode_time(pipe, latents, opts.repeats)
-            results["peak_rss_mib_inline"] = peak_rss_mib(engine)
-        print(f"VAE decode of one request (timed apart): {results['vae_decode_one_request']['median_s']:.3f}s; "
-              f"peak RSS inline {results['peak_rss_mib_inline']} MiB", flush=True)
+        if not opts.only_ray:
+            inline_runs(folder, results, opts.repeats)
         if not opts.skip_ray:
             results["ray"] = parallel_runs(folder, opts.repeats)
     if opts.json is not None:
