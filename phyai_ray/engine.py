@@ -95,9 +95,12 @@ class Engine(EngineControl):
         """
         self._check_open()
         request = checked(self.entry, request)
-        key, size = self._batch_tags(request)
+        # the per-step path: the helpers' calls only where they have work (a deadline, batching, a late)
+        key, size = self._batch_tags(request) if self._batching else (None, 1)
+        late = self.deployment.batching.late if late is None else late
         future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size,
-                                         deadline=_deadline(deadline_s), late=self._late(late))
+                                         deadline=None if deadline_s is None else _deadline(deadline_s),
+                                         late=late if late == "finish" else _checked_late(late))
         limit = timeout if timeout is not None else self._default_wait_s()  # done: no wait at all
         try:
             return future.result(timeout=limit)
