@@ -67,12 +67,14 @@ def test_a_frame_past_its_deadline_on_a_held_group_never_runs(tp2):
 
 def test_a_real_group_dispatches_earliest_deadline_first():
     """reference_policy on a TP=2 group, one request per step (max_batch_size 1), held while three
-    requests queue: they reach the ranks tight, loose, then the one without a deadline."""
+    requests queue: they reach the ranks tight, loose, then the one without a deadline (default_deadline_s=None:
+    it sorts by its execution timeout, not 10 s after arrival)."""
     from phyai_ray import BatchingConfig
 
     engine = Engine(EngineArgs(plugin="reference_policy", config=EngineConfig(
         device=CPU, parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2)))),
-        DeploymentConfig(mode="local", cpus_per_rank=0.5, batching=BatchingConfig(max_batch_size=1),
+        DeploymentConfig(mode="local", cpus_per_rank=0.5,
+                         batching=BatchingConfig(max_batch_size=1, default_deadline_s=None),
                          process_config=WorkerSupervisorConfig(execution_timeout_s=60, max_ongoing_requests=1)))
     try:
         engine.step({"state": [0.0] * 8}, timeout=60)
