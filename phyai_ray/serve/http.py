@@ -1,6 +1,7 @@
 """The FastAPI application each replica group serves: routes, error handlers, the edge guard and metrics.
 
     POST /v1/step       one request -> one result (JSON; tensors in the codec's encoding)
+    POST /v1/step/stream  the same, streamed: one JSON object per line (serve/step_stream.py)
     GET  /healthz       liveness: the group's Serve replica answers (no key needed)
     GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed, so no details)
     GET  /v1/replicas   state, in-flight, served, failures, failure cause, nodes and pids of every group
@@ -38,10 +39,11 @@ from phyai_ray.serve.metrics import EdgeMetrics
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.serve.schema import ErrorBody, StepResponse
+from phyai_ray.serve.step_stream import add_step_stream_route
 from phyai_ray.serve.timing import DEADLINE_HEADER, deadline_ms
 from phyai_ray.validation import Validated, validate
 
-ROUTES = ("/v1/step", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ROUTES = ("/v1/step", "/v1/step/stream", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "the body is not JSON"), (401, "missing or wrong API key"), (413, "body over the size limit"),
     (415, "not application/json"), (422, "schema, codec or plugin validation failed; no rank was touched"),
@@ -60,6 +62,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     _add_error_handlers(api)
     _add_probe_routes(api, runner, metrics)
     _add_step_route(api, runner, options)
+    add_step_stream_route(api, runner, options, _decode_and_validate)
     if getattr(runner.entry, "generates_tokens", False):
         from phyai_ray.serve.openai_api import add_openai_routes
 

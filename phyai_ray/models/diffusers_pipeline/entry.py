@@ -26,8 +26,15 @@ from phyai_ray.models.diffusers_pipeline.request import Limits, VideoRequest, Vi
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
+from phyai_ray.plugins.signature import TensorSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
+# The Open Inference Protocol's view: the prompt a BYTES tensor of shape [1], every other field a request
+# parameter; conditioning frames UINT8 (Cosmos folders only); the video UINT8 [frames, H, W, 3] (FP32 for
+# output_type "float", FP32 [C, F, h, w] for "latent") and the denoising steps it ran, INT64 [].
+PROMPT = TensorSpec("prompt", "BYTES", (1,))
+CONDITIONING = (TensorSpec("image", "UINT8", (-1, -1, 3), optional=True),
+                TensorSpec("video", "UINT8", (-1, -1, -1, 3), optional=True))
 
 
 @register_plugin
@@ -36,6 +43,8 @@ class DiffusersPipelineEntry(Entry):
 
     name = "diffusers_pipeline"
     parallel_domains = frozenset({"cfg", "dense", "attention"})
+    inputs = (PROMPT, *CONDITIONING)  # a configured Wan folder lists the prompt only (configure)
+    outputs = (TensorSpec("video", "UINT8", (-1, -1, -1, 3)), TensorSpec("steps", "INT64", ()))
 
     def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
         self.folder: Folder | None = None
@@ -55,6 +64,7 @@ class DiffusersPipelineEntry(Entry):
         self.folder = _guarded(Folder.open(args.get("model")), args)
         self.args = args
         self.limits = self._limits(self.folder)
+        self.inputs = (PROMPT, *CONDITIONING) if self.limits.conditioning else (PROMPT,)
 
     @staticmethod
     def _limits(folder: Folder) -> Limits:
