@@ -1,0 +1,202 @@
+"""`diffusers_pipeline` over HTTP: a real Serve app of a tiny Wan 2.1 folder, with real clients.
+
+Run: flock /tmp/phyai-ray-tests.lock .venv/bin/python -m pytest tests/test_diffusers_serve.py -q
+
+The JSON route (`/v1/step`) and its streamed form (`/v1/step/stream`, one JSON object per line)
+are called with `requests`; the Open Inference Protocol v2 with the real `tritonclient.http`
+client: the prompt a BYTES input of shape [1], the other fields request parameters, the video a
+UINT8 output (FP32 for output_type "float"). Every video equals the inline Engine's for the same
+seed (one rank, no Ray: the same step loop, so bit for bit). A bad request is refused with the rule
+named (422 on the JSON route, 400 on OIP) and the app serves the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig
+from phyai_ray.serve import codec
+from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.diffusers_folders import build_wan
+from tests.helpers import free_port
+
+pytest.importorskip("diffusers")
+tritonclient_http = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+PLUGIN = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
+APP = "world"
+PROMPT = "a robot arm picks up the red cube"
+FIELDS = {"negative_prompt": "blue box", "height": 32, "width": 32, "num_frames": 9, "max_sequence_length": 16,
+          "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 5}
+REQUEST = {"prompt": PROMPT, **FIELDS}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_wan(tmp_path_factory.mktemp("serve") / "wan21")
+
+
+@pytest.fixture(scope="module")
+def expected(folder) -> dict[str, torch.Tensor]:
+    """The inline Engine's videos (uint8, float) of REQUEST, and its latents."""
+    with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)})) as engine:
+        return {kind: engine.step({**REQUEST, "output_type": kind})["video"] for kind in ("uint8", "float", "latent")}
+
+
+@pytest.fixture(scope="module")
+def server(folder) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from phyai_ray.serve import create_app
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},
+                      config=EngineConfig(device=DeviceConfig(target="cpu")))
+    deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
+        startup_timeout_s=120, execution_timeout_s=120))
+    try:
+        serve.run(create_app(args, deployment), name=APP, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "host": f"127.0.0.1:{port}", "model": folder.name}
+    finally:
+        serve.shutdown()
+        actors, groups = wait_for_no_leaks(30)
+        assert not actors and not groups, f"left behind: {actors} {groups}"
+
+
+def step(server: dict[str, Any], body: dict[str, Any]) -> requests.Response:
+    return requests.post(f"{server['url']}/v1/step", json=codec.encode(body), timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["uint8", "float", "latent"])
+def test_json_route_equals_the_inline_engine(server: dict, expected: dict, kind: str) -> None:
+    reply = step(server, {**REQUEST, "output_type": kind})
+    assert reply.status_code == 200, reply.text
+    video = codec.decode(reply.json()["result"])["video"]
+    assert video.dtype == expected[kind].dtype and torch.equal(video, expected[kind])
+    if kind == "uint8":
+        assert list(video.shape) == [9, 32, 32, 3]
+
+
+def test_json_stream_reports_each_step_then_the_video(server: dict, expected: dict) -> None:
+    with requests.post(f"{server['url']}/v1/step/stream", json=REQUEST, stream=True, timeout=120) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"] == "application/x-ndjson", reply.text
+        lines = [json.loads(line) for line in reply.iter_lines() if line]
+    *progress, last = lines
+    steps = [p["step"] for p in progress]
+    assert progress and all(p == {"step": s, "of": 3} for p, s in zip(progress, steps)), lines[:-1]
+    assert steps == sorted(set(steps)) and steps[-1] == 3  # a lagging reader may miss a report, never the last
+    assert torch.equal(codec.decode(last)["video"], expected["uint8"])
+
+
+def oip_infer(server: dict[str, Any], kind: str | None = None, binary: bool = True, **extra: Any) -> Any:
+    client = tritonclient_http.InferenceServerClient(server["host"], network_timeout=120)
+    prompt = tritonclient_http.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_), binary_data=binary)
+    params = {**FIELDS, **({"output_type": kind} if kind else {}), **extra}
+    wanted = [tritonclient_http.InferRequestedOutput("video", binary_data=binary)]
+    return client.infer(server["model"], [prompt], outputs=wanted, parameters=params)
+
+
+@pytest.mark.parametrize("kind,binary", [(None, True), (None, False), ("float", True)],
+                         ids=["uint8-binary", "uint8-json", "float-binary"])
+def test_oip_with_tritonclient_equals_the_inline_engine(server: dict, expected: dict, kind: str | None,
+                                                        binary: bool) -> None:
+    result = oip_infer(server, kind, binary)
+    out = result.get_output("video")
+    assert out["datatype"] == ("FP32" if kind == "float" else "UINT8") and out["shape"] == [9, 32, 32, 3]
+    assert np.array_equal(result.as_numpy("video"), expected[kind or "uint8"].numpy())
+
+
+def test_oip_metadata_lists_the_prompt_and_the_video(server: dict) -> None:
+    client = tritonclient_http.InferenceServerClient(server["host"])
+    meta = client.get_model_metadata(server["model"])
+    assert meta["inputs"] == [{"name": "prompt", "datatype": "BYTES", "shape": [1]}]  # Wan: no conditioning frames
+    assert meta["outputs"] == [{"name": "video", "datatype": "UINT8", "shape": [-1, -1, -1, 3]},
+                               {"name": "steps", "datatype": "INT64", "shape": []}]
+
+
+def test_bad_requests_are_refused_naming_the_rule_and_the_app_serves_on(server: dict, expected: dict) -> None:
+    reply = step(server, {**REQUEST, "num_frames": 8})
+    assert reply.status_code == 422 and "4k+1" in reply.json()["error"]["message"], reply.text
+    reply = requests.post(f"{server['url']}/v1/step/stream", json={**REQUEST, "width": 40}, timeout=60)
+    assert reply.status_code == 422 and "multiple of" in reply.json()["error"]["message"], reply.text
+    for extra, named in (({"num_frames": 8}, "4k+1"), ({"num_frame": 9}, "num_frame"),
+                         ({"output_type": "mp4"}, "output_type")):
+        with pytest.raises(InferenceServerException) as info:
+            oip_infer(server, **extra)
+        assert info.value.status() == "400" and named in info.value.message(), info.value.message()
+    with pytest.raises(InferenceServerException) as info:  # Wan takes no conditioning frames: not in its signature
+        client = tritonclient_http.InferenceServerClient(server["host"])
+        prompt = tritonclient_http.InferInput("prompt", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        image = tritonclient_http.InferInput("image", [32, 32, 3], "UINT8")
+        image.set_data_from_numpy(np.zeros((32, 32, 3), dtype=np.uint8))
+        client.infer(server["model"], [prompt, image], parameters=FIELDS)
+    assert info.value.status() == "400" and "unknown input(s) ['image']" in info.value.message()
+    assert np.array_equal(oip_infer(server).as_numpy("video"), expected["uint8"].numpy())
+
+
+class _Runner:
+    """A group whose stream is scripted: the stream route's own rules, without Ray or a model."""
+
+    entry = None
+
+    def __init__(self, script: list[list[tuple[str, Any]]]) -> None:
+        self.script, self.closed = script, False
+
+    async def stream(self, request: Any) -> Any:
+        try:
+            for items in self.script:
+                yield items
+        finally:
+            self.closed = True
+
+
+@pytest.mark.parametrize("script,lines", [
+    ([[("chunk", {"step": 1, "of": 1}), ("chunk", {"video": 1})], [("end", {"video": 1})]],
+     [{"step": 1, "of": 1}, {"video": 1}]),  # a value stream's last chunk is its result: not sent twice
+    ([[("chunk", {"index": 0, "token_ids": [5]})], [("end", [{"token_ids": [5]}])]],
+     [{"index": 0, "token_ids": [5]}, [{"token_ids": [5]}]]),  # a token stream: the result follows its chunks
+], ids=["value", "tokens"])
+def test_the_stream_route_writes_each_chunk_then_the_result_once(script: list, lines: list) -> None:
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from phyai_ray.serve.options import ServeOptions
+    from phyai_ray.serve.step_stream import add_step_stream_route
+
+    api, runner = FastAPI(), _Runner(script)
+    add_step_stream_route(api, runner, ServeOptions(), lambda entry, raw, options: raw)
+    with TestClient(api) as client:
+        reply = client.post("/v1/step/stream", json={"prompt": "x"})
+    assert reply.status_code == 200 and [json.loads(line) for line in reply.text.splitlines()] == lines
+    assert runner.closed
+
+
+def test_a_failure_after_the_first_line_is_the_last_line() -> None:
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from phyai_ray.serve.options import ServeOptions
+    from phyai_ray.serve.step_stream import add_step_stream_route
+
+    api, runner = FastAPI(), _Runner([[("chunk", {"step": 1, "of": 2})], [("error", RuntimeError("rank 0 died"))]])
+    add_step_stream_route(api, runner, ServeOptions(), lambda entry, raw, options: raw)
+    with TestClient(api) as client:
+        reply = client.post("/v1/step/stream", json={"prompt": "x"})
+        not_json = client.post("/v1/step/stream", content=b"{nope")
+    first, last = [json.loads(line) for line in reply.text.splitlines()]
+    assert first == {"step": 1, "of": 2} and set(last) == {"error"} and "rank 0 died" in last["error"]["message"]
+    assert not_json.status_code == 400 and "not JSON" in not_json.text
