@@ -91,7 +91,7 @@ def test_openpi_client_runs_200_steps_of_the_example_policy(server: dict[str, An
     assert not np.array_equal(actions[0], actions[1])
     check_actions(robot, policy)
     assert robot["timing_keys"] == ["batch_size", "deadline_met", "deadline_ms", "group", "infer_ms", "queue_ms",
-                                   "request_id", "total_ms", "weight_version"]
+                                   "received_at", "request_id", "sent_at", "total_ms", "weight_version"]
     assert len(set(robot["groups"])) == 1  # one connection, one session, one group
     assert len(set(robot["ids"])) == 200
 
