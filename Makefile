@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or reference.
 docs: $(VENV)/.installed
