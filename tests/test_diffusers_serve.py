@@ -75,6 +75,15 @@ def server(folder) -> dict[str, Any]:
         assert not actors and not groups, f"left behind: {actors} {groups}"
 
 
+def same(video: torch.Tensor, want: torch.Tensor, kind: str) -> None:
+    """Latents and uint8 frames equal the inline engine's exactly; the VAE's float output may differ in
+    the last bits (the rank actor runs its convolutions with another number of threads than this process)."""
+    if kind == "float":
+        torch.testing.assert_close(video, want, rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(video, want)
+
+
 def step(server: dict[str, Any], body: dict[str, Any]) -> requests.Response:
     return requests.post(f"{server['url']}/v1/step", json=codec.encode(body), timeout=120)
 
@@ -84,7 +93,8 @@ def test_json_route_equals_the_inline_engine(server: dict, expected: dict, kind:
     reply = step(server, {**REQUEST, "output_type": kind})
     assert reply.status_code == 200, reply.text
     video = codec.decode(reply.json()["result"])["video"]
-    assert video.dtype == expected[kind].dtype and torch.equal(video, expected[kind])
+    assert video.dtype == expected[kind].dtype
+    same(video, expected[kind], kind)
     if kind == "uint8":
         assert list(video.shape) == [9, 32, 32, 3]
 
@@ -116,7 +126,7 @@ def test_oip_with_tritonclient_equals_the_inline_engine(server: dict, expected: 
     result = oip_infer(server, kind, binary)
     out = result.get_output("video")
     assert out["datatype"] == ("FP32" if kind == "float" else "UINT8") and out["shape"] == [9, 32, 32, 3]
-    assert np.array_equal(result.as_numpy("video"), expected[kind or "uint8"].numpy())
+    same(torch.from_numpy(result.as_numpy("video")), expected[kind or "uint8"], kind or "uint8")
 
 
 def test_oip_metadata_lists_the_prompt_and_the_video(server: dict) -> None:
