@@ -99,6 +99,16 @@ def latencies(fn: Callable[[], Any], n: int, warmup: int = 20) -> list[float]:
     return out
 
 
+def interleaved(fns: list[Callable[[], Any]], n: int, rounds: int = 20) -> list[list[float]]:
+    """`latencies` of each of `fns`, `n` calls each, taken in `rounds` alternating blocks: a machine
+    whose speed drifts (a shared VM's does, by 2x over seconds) slows every side alike."""
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, values in zip(fns, out):
+            values += latencies(fn, max(1, n // rounds), warmup=5)
+    return out
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -118,10 +128,10 @@ def bench_inline(n: int) -> list[str]:
     lines = []
     for busy_s, label in ((0.0, "no-op"), (200e-6, "200 us busy")):
         with Engine(args(busy_s=busy_s)) as engine:
-            model = engine._executors[0].ranks.model
-            direct = latencies(lambda: model.step(REQUEST), 5 * n)
-            ours = latencies(lambda: engine.step(REQUEST), 5 * n)
-            handed = latencies(lambda: engine.submit(REQUEST).result(), 5 * n)
+            replica = engine._executors[0]
+            model = replica.ranks.model if hasattr(replica, "ranks") else replica._runner.model  # older trees
+            direct, ours, handed = interleaved([lambda: model.step(REQUEST), lambda: engine.step(REQUEST),
+                                                lambda: engine.submit(REQUEST).result()], 5 * n)
         lines += [row(f"direct model.step ({label})", direct), row(f"inline Engine.step ({label})", ours),
                   row(f"inline submit().result() ({label})", handed)]
         if busy_s:

@@ -54,6 +54,7 @@ class Engine(EngineControl):
         self._close_lock, self._restart_lock = threading.Lock(), threading.Lock()
         self._closed = False
         self._batching = self.deployment.batching.enabled and self.mode != "external"
+        self._wait_s = self._default_wait_s()
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None,
@@ -101,7 +102,7 @@ class Engine(EngineControl):
         future = self._dispatcher.submit(request, session, caller_runs=True, key=key, size=size,
                                          deadline=None if deadline_s is None else _deadline(deadline_s),
                                          late=late if late == "finish" else _checked_late(late))
-        limit = timeout if timeout is not None else self._default_wait_s()  # done: no wait at all
+        limit = timeout if timeout is not None else self._wait_s  # done: no wait at all
         try:
             return future.result(timeout=limit)
         except TimeoutError:

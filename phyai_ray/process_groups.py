@@ -124,6 +124,15 @@ class _Activation:
         _ACTIVE.reset(self.token)
 
 
+def activate_groups(groups: GroupSet) -> contextvars.Token:
+    """`groups.activate().__enter__()` for the per-step path; hand the token to `deactivate_groups`."""
+    return _ACTIVE.set(groups)
+
+
+def deactivate_groups(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
+
+
 def active() -> GroupSet:
     """The group set of the running plugin; a world of one when none is installed."""
     current = _ACTIVE.get() or _PROCESS[0]

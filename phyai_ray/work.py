@@ -35,6 +35,9 @@ class Kind(str, Enum):
         return self.value
 
 
+# the members as plain names for the per-request path: `Kind.STEP` is an attribute lookup through the
+# enum's metaclass (about 160 ns on CPython 3.11), `STEP` a global read
+STEP, BATCH, ITERATE, STREAM, CALL = Kind.STEP, Kind.BATCH, Kind.ITERATE, Kind.STREAM, Kind.CALL
 REQUEST_KINDS = frozenset({Kind.STEP, Kind.STREAM})  # counted as requests; a CALL (collective_rpc) is not
 _ids = itertools.count()
 
@@ -103,12 +106,12 @@ class Work:
     @property
     def unfinished(self) -> bool:
         """Some future of this work (its own, or a member's) has no outcome yet."""
-        if self.kind == Kind.BATCH:
+        if self.kind == BATCH:
             return any(not m.future.done() for m in self.members)
         return not self.future.done()
 
     def requests(self) -> list["Work"]:
         """The requests this work carries: its members, itself, or none (a collective_rpc)."""
-        if self.kind == Kind.BATCH:
+        if self.kind == BATCH:
             return self.members
         return [self] if self.kind in REQUEST_KINDS else []

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from phyai_ray import Engine, EngineArgs
+from phyai_ray.executors.futures import HereResult
 from tests.plugins.tiny import reference
 
 CPU = {"device": {"target": "cpu"}}
@@ -27,7 +28,9 @@ def test_a_step_run_here_is_freed_without_the_cyclic_collector():
         gc.disable()
         try:
             future = replica.submit({"x": x}, caller_runs=True)
-            assert future.work.here, "nothing was queued or running: the caller's thread should have run it"
+            assert isinstance(future, HereResult), ("nothing was queued or running: the caller's thread "
+                                                    f"should have run it, got a {type(future).__name__}")
+            assert future.done(), "a step run on the caller's thread is settled when submit returns"
             assert torch.equal(future.result(timeout=10), reference(x))
             gone = weakref.ref(future)
             del future

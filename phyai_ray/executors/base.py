@@ -108,6 +108,10 @@ class ScheduledReplica:
         if not (caller_runs and ranks.runs_here) or self.queue.iterative:
             return self.queue.submit(request, key=key, size=size, deadline=deadline, late=late)
         payload = ranks.prepare(request)
+        if deadline is None:  # the fast path: an idle replica runs it on this thread, no future at all
+            outcome = self.scheduler.run_here(payload, self._step_limit_s, ranks.step_here)
+            if outcome is not None:
+                return outcome
         future = self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, here=True, key=key, size=size,
                                        weight=ranks.weight(payload), deadline=deadline, late=late)
         work = future.work

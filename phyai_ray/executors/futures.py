@@ -189,3 +189,57 @@ def _notify_cancelled(future: Future) -> bool:
         return future.set_running_or_notify_cancel()
     except RuntimeError:  # already notified (cancel and dispatch raced) or finished
         return False
+
+
+class HereResult:
+    """The outcome of a request the caller's own thread runs (the inline fast path): it is set before
+    that thread returns from the plugin, by it or by the replica's clock or failure (first wins), so
+    nobody ever waits on it. A `concurrent.futures.Future` costs a Condition and a wake-up; this is
+    what `Engine.step` pays per call instead, and no user ever holds it."""
+
+    __slots__ = ("_lock", "_value", "_error", "_done", "work", "replica", "weight_version", "submitted",
+                 "started", "finished", "batch_size", "deadline", "__weakref__")
+
+    def __init__(self, replica: int, lock: Any) -> None:
+        self._lock = lock  # the replica scheduler's (re-entrant): whoever sets the outcome holds it
+        self._done, self._value, self._error = False, None, None
+        self.work: Any = None
+        self.replica, self.weight_version, self.deadline = replica, None, None
+        self.submitted = self.started = time.monotonic()
+        self.finished: float | None = None
+        self.batch_size = 1
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        self._set(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._set(None, error)
+
+    def _set(self, value: Any, error: BaseException | None) -> None:
+        if not self.settle(value, error):
+            raise RuntimeError("the outcome of this request was already set")  # ledger.settle: lost the race
+
+    def settle(self, value: Any, error: BaseException | None) -> bool:
+        """Set the outcome unless it is set (the clock or a failure may race the running thread); True when set."""
+        with self._lock:
+            if self._done:
+                return False
+            self.finished = time.monotonic()
+            self._value, self._error, self._done = value, error, True
+        return True
+
+    def cancel(self) -> bool:
+        return False  # it is running
+
+    def start(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:  # never: the running thread sets it before it returns
+            raise RuntimeError("the caller's own request has no outcome yet")
+        if self._error is not None:
+            raise self._error
+        return self._value

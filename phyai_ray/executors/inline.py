@@ -21,7 +21,7 @@ from typing import Any, Callable
 from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
-from phyai_ray.work import Kind, Work
+from phyai_ray.work import STEP, Kind, Work
 from phyai_ray.rank.runner import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,15 @@ class InlineTransport:
             with self._device_guard():
                 self._run_now(work, True)
 
+    def step_here(self, request: Any) -> Any:
+        """One plain step on the caller's thread (`ReplicaScheduler.run_here`): nothing else is at the rank."""
+        if self._link.failure() is not None:
+            raise self._link.unavailable_error()
+        if self._device_guard is None:
+            return self._runner.step(request)
+        with self._device_guard():
+            return self._runner.step(request)
+
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` with the rank's CUDA device current (a fresh worker thread starts on device 0)."""
         if self._device_guard is None:
@@ -102,7 +111,7 @@ class InlineTransport:
             link.complete(work, error=link.unavailable_error())
             return
         try:
-            value = self._runner.step(work.payload) if here and work.kind == Kind.STEP else self._execute(work)
+            value = self._runner.step(work.payload) if here and work.kind == STEP else self._execute(work)
         except BaseException as exc:  # the plugin's own exception goes to the caller as is
             link.complete(work, error=exc)
         else:

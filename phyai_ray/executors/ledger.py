@@ -70,13 +70,17 @@ class Tally:
         if not settle(future, value, error):
             return False
         if counted:
-            with self._lock:
-                if error is None:
-                    self.served += 1
-                else:
-                    self.errored += 1
-                    self.missed += isinstance(error, DeadlineMissedError)
+            self.count(error)
         return True
+
+    def count(self, error: BaseException | None) -> None:
+        """One more request served (`error` None) or errored."""
+        with self._lock:
+            if error is None:
+                self.served += 1
+            else:
+                self.errored += 1
+                self.missed += isinstance(error, DeadlineMissedError)
 
     def carry(self, totals: Counts) -> None:
         """Continue the served / errored totals of a replica this one replaces."""

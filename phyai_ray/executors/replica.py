@@ -159,6 +159,9 @@ class RankTransport(Protocol):
     def run_here(self, work: Work) -> None:
         """Run `work` on the calling thread (only when `runs_here`)."""
 
+    def step_here(self, request: Any) -> Any:
+        """One plain step on the calling thread, its result or its exception (only when `runs_here`)."""
+
     def stream(self, request: Any, max_buffered: int) -> tuple[Any, Callable[[Any], Any]]:
         """(the payload of a streamed request, reader_for(future) -> its reader)."""
 

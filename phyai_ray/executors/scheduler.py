@@ -45,8 +45,8 @@ from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.clock import DeadlineClock
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded
 from phyai_ray.executors.service import ServiceTime
-from phyai_ray.executors.futures import CallbackThread, EngineFuture
-from phyai_ray.work import REQUEST_KINDS, Kind, Work
+from phyai_ray.executors.futures import CallbackThread, EngineFuture, HereResult
+from phyai_ray.work import BATCH, CALL, REQUEST_KINDS, STEP, Work
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,37 @@ class ReplicaScheduler(DeadlineClock):
         self._send_launches()
         return future
 
+    def run_here(self, payload: Any, limit_s: float, run: Callable[[Any], Any]) -> HereResult | None:
+        """The inline fast path: when nothing is queued, dispatched or held and batching is off, run a
+        plain step on this thread now (`run(payload)`) and return its outcome; None otherwise (then
+        `submit` as usual). It counts as dispatched meanwhile, so the hang clock and the accounting see
+        it and other callers queue behind it. Its outcome is a `HereResult`, not a future: the clock or
+        a failure may set it first (the caller then gets theirs), but nobody ever waits on it."""
+        with self._lock:
+            if self._refusal is not None or self._held or self._queued or self._dispatched or self.policy is not None:
+                return None
+            work = Work(STEP, payload, limit_s, None)
+            work.future = outcome = HereResult(self.index, self._lock)
+            work.here = True
+            now = work.dispatched = self._head_since = outcome.started = time.monotonic()  # `_dispatch`, unrolled
+            outcome.weight_version = self.weight_version
+            self.stats.record_one(1, now - work.submitted)
+            self._dispatched.append(work)
+            self._arm(now + limit_s)
+        try:
+            value, error = run(payload), None
+        except BaseException as exc:  # the plugin's own exception goes to the caller as is
+            value, error = None, exc
+        with self._lock:  # every setter of the outcome holds this lock: it is unset unless one came first
+            if not outcome._done:
+                outcome.finished, outcome._value, outcome._error, outcome._done = time.monotonic(), value, error, True
+                self.tally.count(error)
+            self._finish_locked(work)
+        if self._to_launch:
+            self._send_launches()
+        work.future = None  # no work <-> outcome cycle for the cyclic collector
+        return outcome
+
     def _quiet(self) -> bool:
         """Lock held: with batching on, the caller's thread runs a request alone only when the replica
         has been idle for `BatchPolicy.idle_gap_s`: right after a step, more requests are on their way
@@ -205,7 +236,7 @@ class ReplicaScheduler(DeadlineClock):
 
     def _dispatch(self, work: Work) -> None:
         now = work.dispatched = time.monotonic()
-        if work.kind == Kind.BATCH:
+        if work.kind == BATCH:
             for member in work.members:
                 member.future.weight_version, member.dispatched = self.weight_version, now
                 member.future.started, member.future.batch_size = now, work.size
@@ -243,7 +274,7 @@ class ReplicaScheduler(DeadlineClock):
 
         A batch: `error` fails every member; else `value` is the output rank's list, one result per
         member in order, where an exception instance fails only its member."""
-        if work.kind == Kind.BATCH:
+        if work.kind == BATCH:
             self._deliver_batch(work, value, error)
             return
         if work.future is None:  # settled and released by the thread that ran it (ScheduledReplica.submit)
@@ -277,7 +308,7 @@ class ReplicaScheduler(DeadlineClock):
         except ValueError:
             return  # already failed out by a group failure or close
         self._last_finish = time.monotonic()
-        if was_head and work.kind != Kind.CALL:
+        if was_head and work.kind != CALL:
             self.service.record(self._last_finish - max(self._head_since, work.dispatched))
         if was_head and self._dispatched:
             self._head_since = time.monotonic()
@@ -292,7 +323,8 @@ class ReplicaScheduler(DeadlineClock):
         with self._lock:
             self.deliver(work, value, error)
             self._finish_locked(work)
-        self._send_launches()
+        if self._to_launch:
+            self._send_launches()
 
     def _cancelled(self, future: EngineFuture) -> None:
         """A queued future was cancelled by its caller: it leaves the queue, nothing reaches a rank."""

@@ -11,7 +11,7 @@ import datetime
 import logging
 from typing import Any
 
-from phyai_ray.process_groups import GroupSet
+from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_groups
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.work import Kind
@@ -59,6 +59,7 @@ class RankRunner:
     def __init__(self, entry: Entry, plugin_args: dict[str, Any], ctx: RankContext) -> None:
         self.entry, self.ctx = entry, ctx
         self._control: Any = None
+        self._output_rank = ctx.groups.topology.output_rank
         with ctx.groups.activate():
             self.model = entry.create(plugin_args, ctx)
         if not callable(getattr(self.model, "step", None)):
@@ -85,9 +86,12 @@ class RankRunner:
         """Run one request; the output rank returns the result, the others None."""
         if self._control is not None:  # the per-step path: the check's call only when there is control
             self._check_awake("a request")
-        with self.ctx.groups.activate():
+        token = activate_groups(self.ctx.groups)  # `with groups.activate()` without its three calls
+        try:
             out = self.model.step(request)
-        return out if self.ctx.is_output_rank else None
+        finally:
+            deactivate_groups(token)
+        return out if self.ctx.rank == self._output_rank else None
 
     def _check_awake(self, what: str) -> None:
         if self._control is not None and self._control.asleep_level:
