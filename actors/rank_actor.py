@@ -30,7 +30,7 @@ import ray
 from actors import ipc_codec, ipc_wire, peer
 from actors.protocol import ERROR, MISSING, OK, ActorInfo, LaneRequest, RankReply, RankSpec
 from phyai_ray.streams import ChunkSink
-from phyai_ray.work import Kind
+from phyai_ray.work import BATCH, CALL, STREAM
 
 logger = logging.getLogger(__name__)
 
@@ -224,18 +224,18 @@ class RankActor:
     def _run(self, seq: int, kind: str, payload: Any) -> tuple[Any, str]:
         if self._runner is None:
             raise RuntimeError(f"rank {self._rank} received a {kind} before setup finished")
-        if kind == Kind.BATCH:  # one step of several requests; exception items travel as values
+        if kind == BATCH:  # one step of several requests; exception items travel as values
             requests = [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in payload]
-            out = self._runner.execute(Kind.BATCH, requests)
+            out = self._runner.execute(BATCH, requests)
             return (None if out is None else [_portable(v) if isinstance(v, BaseException) else v for v in out]), OK
-        if kind == Kind.STREAM:
+        if kind == STREAM:
             request, max_buffered = payload
             sink = None
             if self._runner.ctx.is_output_rank:
                 sink = self._streams.setdefault(seq, ChunkSink(max_buffered))
             self._latest_stream = max(self._latest_stream, seq)  # after the sink: see cancel_stream
-            return self._runner.execute(Kind.STREAM, request, sink), OK
-        if kind == Kind.CALL:
+            return self._runner.execute(STREAM, request, sink), OK
+        if kind == CALL:
             method = payload[0]
             if method.startswith("_") or not callable(getattr(self._runner.model, method, None)):
                 return f"per-rank model {type(self._runner.model).__name__} has no public method {method!r}", MISSING

@@ -48,7 +48,7 @@ from actors.replica_health import ReplicaHealth
 from actors.replica_start import ReplicaStartup
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.replica import ReplicaLink, rank_args
-from phyai_ray.work import Kind, Work
+from phyai_ray.work import BATCH, CALL, Work
 from placement.bundles import ReplicaPlan
 from placement.topology import Topology
 
@@ -133,7 +133,7 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
 
     def _lane_payload(self, work: Work) -> Any:
         """A batch's payloads as one message of the lane's; any other work's payload as it is."""
-        return self._lane.batch(work.payload) if work.kind == Kind.BATCH else work.payload
+        return self._lane.batch(work.payload) if work.kind == BATCH else work.payload
 
     def launch(self, work: Work) -> None:
         """Send `work` to every rank with the next sequence number, or fail the replica at once."""
@@ -142,7 +142,7 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
         work.state = sent
         if work.launched is not None:  # a stream's reader waits for it (see stream)
             work.launched.set()
-        reply_ranks = frozenset(range(self.world_size)) if work.kind == Kind.CALL and work.all_ranks else \
+        reply_ranks = frozenset(range(self.world_size)) if work.kind == CALL and work.all_ranks else \
             frozenset((self._output_rank,))
         window = min(self._lane.in_flight + 1, self._lane.capacity)
         self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
@@ -190,10 +190,10 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind != Kind.CALL and rank == self._output_rank:
+        if work.kind != CALL and rank == self._output_rank:
             self._link.deliver(work, envelope.value)
         if not sent.pending:
-            if work.kind == Kind.CALL:
+            if work.kind == CALL:
                 self._deliver_rpc(work, sent)
             self._link.finished(work)
 

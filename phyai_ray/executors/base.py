@@ -30,7 +30,7 @@ from phyai_ray.executors.ledger import Counts
 from phyai_ray.executors.queues import RequestQueue, StepQueue
 from phyai_ray.executors.replica import RankTransport, Replica, ReplicaLink
 from phyai_ray.executors.scheduler import ReplicaScheduler
-from phyai_ray.work import Kind, Work
+from phyai_ray.work import CALL, ITERATE, STEP, Work
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ScheduledReplica:
             outcome = self.scheduler.run_here(payload, self._step_limit_s, ranks.step_here)
             if outcome is not None:
                 return outcome
-        future = self.scheduler.submit(Kind.STEP, payload, self._step_limit_s, here=True, key=key, size=size,
+        future = self.scheduler.submit(STEP, payload, self._step_limit_s, here=True, key=key, size=size,
                                        weight=ranks.weight(payload), deadline=deadline, late=late)
         work = future.work
         if work.here:
@@ -135,14 +135,14 @@ class ScheduledReplica:
             raise self.unavailable_error()
         payload = self.ranks.prepare((method, tuple(args), dict(kwargs)))
         with self.lifecycle.rpc_admission(timeout_s):
-            return self.scheduler.submit(Kind.CALL, payload, timeout_s, all_ranks=all_ranks, bypass_queue=True)
+            return self.scheduler.submit(CALL, payload, timeout_s, all_ranks=all_ranks, bypass_queue=True)
 
     def run_iteration(self, plan: Any) -> Future:
         """Send one iteration's plan to every rank, after what is already dispatched; the future holds
         the output rank's deltas. Only the iteration loop calls it, never while the replica is held.
         A rank in this process runs it on the loop's own thread when nothing else is at the rank."""
         ranks = self.ranks
-        future = self.scheduler.submit(Kind.ITERATE, ranks.prepare(plan), self._step_limit_s, bypass_queue=True,
+        future = self.scheduler.submit(ITERATE, ranks.prepare(plan), self._step_limit_s, bypass_queue=True,
                                        here=ranks.runs_here)
         if future.work.here:
             ranks.run_here(future.work)
@@ -261,7 +261,7 @@ class ScheduledReplica:
         self.ranks.abandon()
 
     def _on_hung(self, work: Work, running_s: float) -> None:
-        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == Kind.CALL
+        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == CALL
                  else f"execution_timeout_s={work.limit_s}")
         rank, node, waiting = self.ranks.hang_detail(work)
         self.fail(EngineUnavailableError(

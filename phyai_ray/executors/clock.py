@@ -20,7 +20,7 @@ from collections import deque
 
 from phyai_ray.errors import RequestTimeoutError
 from phyai_ray.executors.ledger import deadline_missed, timed_out
-from phyai_ray.work import Kind, Work
+from phyai_ray.work import BATCH, CALL, Work
 
 _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
 
@@ -84,12 +84,12 @@ class DeadlineClock:
         expired = [w for w in self._queued if w.expires <= now or w.missed(now)]
         if expired:
             self._queued = deque(w for w in self._queued if w.expires > now and not w.missed(now))
-        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
+        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == BATCH else [w])
                     if r.expires <= now and not r.future.done()]
         return expired, None
 
     def _next_deadline(self) -> float:
-        times = [r.expires for w in self._dispatched for r in (w.requests() if w.kind == Kind.BATCH else [w])
+        times = [r.expires for w in self._dispatched for r in (w.requests() if w.kind == BATCH else [w])
                  if not r.future.done()]
         times.append(self._flush_at)
         times += [w.expires if w.deadline is None else min(w.expires, w.deadline) for w in self._queued]
@@ -105,6 +105,6 @@ class DeadlineClock:
     def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
         where = ("it was still queued and never reached a rank" if work.dispatched is None else
                  "it had been dispatched to the ranks, which finish it but its result is dropped")
-        what = "collective_rpc timeout" if work.kind == Kind.CALL else "execution_timeout_s"
+        what = "collective_rpc timeout" if work.kind == CALL else "execution_timeout_s"
         return timed_out(self.index, now - work.submitted, work.limit_s, where, dispatched=work.dispatched is not None,
                          what=what)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
-from phyai_ray.work import STEP, Kind, Work
+from phyai_ray.work import BATCH, CALL, STEP, STREAM, Work
 from phyai_ray.rank.runner import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -122,13 +122,13 @@ class InlineTransport:
         return (request, sink), lambda future: LocalReader(sink, future)
 
     def _execute(self, work: Work) -> Any:
-        if work.kind == Kind.STEP and self._link.batching():  # a batch of one: an exception item fails it
-            return _only(self._runner.execute(Kind.BATCH, [work.payload]))
-        if work.kind == Kind.STREAM:
+        if work.kind == STEP and self._link.batching():  # a batch of one: an exception item fails it
+            return _only(self._runner.execute(BATCH, [work.payload]))
+        if work.kind == STREAM:
             request, sink = work.payload
-            return self._runner.execute(Kind.STREAM, request, sink)
+            return self._runner.execute(STREAM, request, sink)
         value = self._runner.execute(work.kind, work.payload)
-        return [value] if work.kind == Kind.CALL and work.all_ranks else value
+        return [value] if work.kind == CALL and work.all_ranks else value
 
     def control(self, op: str, args: tuple, timeout_s: float) -> Future:
         """On the plugin's thread (idle: control calls drain first, except pause(mode="keep"))."""

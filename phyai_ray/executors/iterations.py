@@ -11,7 +11,11 @@ A sequence joins at the next iteration and leaves the one it ends in, so a short
 admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
 (`scheduling="deadline"`: a request's own deadline, else when it expires) or in arrival order
 ("fifo"); a request none of whose sequences got a slot by its own deadline is answered with
-DeadlineMissedError and never runs. Requests keep the engine's contract: a future per request
+DeadlineMissedError and never runs. Finish-by admission: a request with its own deadline is
+admitted (at submit, and again when it reaches the head) only if its planned iterations
+(`SequenceSpec.steps`; a stream: one, for its first chunk) x the loop's recent iteration time end
+before that deadline; else it is answered DeadlineMissedError at once, naming the estimate
+(sequences.py says what each deadline asks for). Requests keep the engine's contract: a future per request
 (`cancel()` drops its sequences at the next iteration and frees their slots, whenever it is
 called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
 (`queued`: no sequence admitted yet; `dispatched`: some running). Control at iteration
@@ -38,7 +42,9 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.iteration_control import GATHER, IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
-from phyai_ray.executors.sequences import Candidates, Deadlines, LoopRequest, LoopSequence, stream_chunk
+from phyai_ray.executors.sequences import (Candidates, Deadlines, LoopRequest, LoopSequence, finish_by_miss,
+                                           first_chunk_missed, planned_steps, stream_chunk)
+from phyai_ray.executors.service import ServiceTime
 from phyai_ray.outputs import merge_stream_chunks, version_order
 from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
@@ -84,24 +90,32 @@ class IterationLoop(IterationControl):
         self.tally = Tally()
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
+        self.service = ServiceTime()  # their recent median: finish-by admission
         logger.info("replica %d: continuous batching, admission %r", index, self.policy)
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
                deadline: float | None = None, late: str = "finish") -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
-        `deadline`: its own (monotonic), by which one of its sequences must have a slot. `late="drop"`:
-        by which it must also have ended, else it is dropped at the next iteration (answered missed)."""
+        `deadline`: its own (monotonic), by which one of its sequences must have a slot (a stream: its
+        first chunk), and which its estimate must meet (see the module docstring). `late="drop"`: by
+        which it must also have ended, else it is dropped at the next iteration (answered missed)."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
         future = EngineFuture(self._delivery, self._cancelled)
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
-        req.late = late
+        req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
+        req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
         if deadline is None and self.default_deadline_s is not None:  # due then, not failed then
             req.order = min(req.order, req.submitted + self.default_deadline_s)
         future.work = req
+        if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
+            missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
+            if missed is not None:
+                self._settle([(req, None, missed)])
+                return future
         with self._cond:
             if self._refusal is not None:
                 raise self._refusal()
@@ -125,7 +139,8 @@ class IterationLoop(IterationControl):
     def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None
                       ) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
-        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. The loop never
+        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. `deadline`: its first
+        chunk must come by then (monotonic), else it is dropped and answered DeadlineMissedError. The loop never
         waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
         (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
         sequence and the buffer stays `max_buffered` chunks long."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from phyai_ray.executors.ledger import Counts
-from phyai_ray.work import Kind
+from phyai_ray.work import STEP, STREAM
 
 _NONE = Counts(0, 0, 0, 0)
 
@@ -57,12 +57,12 @@ class StepQueue:
     def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None,
                late: str = "finish") -> Any:
         payload = self._ranks.prepare(request)
-        return self._scheduler.submit(Kind.STEP, payload, self._limit_s, key=key, size=size,
+        return self._scheduler.submit(STEP, payload, self._limit_s, key=key, size=size,
                                       weight=self._ranks.weight(payload), deadline=deadline, late=late)
 
     def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]:
         payload, reader_for = self._ranks.stream(request, max_buffered)
-        future = self._scheduler.submit(Kind.STREAM, payload, self._limit_s)
+        future = self._scheduler.submit(STREAM, payload, self._limit_s)
         return future, reader_for(future)
 
     def counts(self) -> Counts:

@@ -6,7 +6,19 @@
     Candidates      the running sequences as an admission policy sees them, made only when read
     stream_chunk    one iteration's chunk of a streamed request: {"index", "token_ids", "log_probs"}, or a
                     value request's progress report
-    Deadlines       the heap of the requests' own deadlines; a request leaves it when it ends
+    Deadlines       the heap of the requests' own deadlines; a request leaves it when its deadline is
+                    no longer owed (it got a slot, its first chunk, or it ended), so it stays small
+    finish_by_miss  the DeadlineMissedError of a request whose estimate says it cannot meet its deadline
+
+What a request's own deadline asks for (`LoopRequest.until`) and the estimate admission checks
+(`LoopRequest.steps` iterations x the loop's recent iteration time, from now):
+
+    until="slot"    a whole request (late="finish"): steps = its longest sequence's `SequenceSpec.steps`
+                    (a flow frame's denoising steps; an LLM's max_tokens, an upper bound: a sequence
+                    that stops early would have made it, so give max_tokens you need); unknown: none
+    until="end"     late="drop": the same estimate, and it must also end by the deadline
+    until="chunk"   a stream: its first chunk by the deadline, so steps = 1 (the first iteration gives
+                    an LLM's first token, a flow frame's first progress report)
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from phyai_ray.errors import DeadlineMissedError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Candidate, Delta
@@ -33,10 +46,10 @@ class LoopRequest:
     slot, else it is answered DeadlineMissedError. `late="drop"`: it must also end by then, else its
     sequences are dropped at the next iteration and it is answered DeadlineMissedError (a flow frame
     late mid-way frees its slot). `expires`: submission + execution_timeout_s, when it fails with
-    RequestTimeoutError wherever it is."""
+    RequestTimeoutError wherever it is. `until` and `steps`: see the module docstring."""
 
     __slots__ = ("payload", "future", "seqs", "expires", "submitted", "sink", "left", "admitted", "chunks",
-                 "deadline", "order", "heap_entry", "late")
+                 "deadline", "order", "heap_entry", "late", "until", "steps")
 
     def __init__(self, payload: Any, future: EngineFuture, limit_s: float, sink: ChunkSink | None,
                  deadline: float | None = None) -> None:
@@ -51,6 +64,8 @@ class LoopRequest:
         self.chunks = 0
         self.heap_entry: list | None = None  # its entry in `Deadlines` while it waits there
         self.late = "finish"  # "drop": it leaves the loop when its deadline passes, even while running
+        self.until = "slot"  # what its deadline asks for: "slot", "chunk" (a stream) or "end" (late="drop")
+        self.steps: int | None = None  # iterations the finish-by estimate counts (None: no estimate)
 
 
 class LoopSequence:
@@ -188,3 +203,46 @@ class Deadlines:
 
     def __len__(self) -> int:
         return self._live
+
+
+def planned_steps(specs: Sequence[Any], plugin: str) -> int | None:
+    """The iterations a request's longest sequence runs at most (`SequenceSpec.steps`); None when
+    any sequence does not say. A bad value is a ValueError naming the plugin."""
+    most = 0
+    for spec in specs:
+        steps = getattr(spec, "steps", None)
+        if steps is None:
+            return None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"plugin {plugin}: SequenceSpec.steps={steps!r} must be an int >= 1 (the iterations "
+                             "the sequence runs at most, e.g. its denoising steps or max_tokens) or None")
+        most = max(most, steps)
+    return most
+
+
+def finish_by_miss(index: int, req: LoopRequest, now: float, per_iteration_s: float) -> DeadlineMissedError | None:
+    """None while `req` can still meet its own deadline if it starts at `now`: its `steps` iterations
+    of `per_iteration_s` each (the loop's recent median; 0.0 before the first) end before the
+    deadline, or with no estimate (`steps` None) the deadline is still ahead. Else the error that
+    answers it, naming the estimate and the deadline. Worked example: deadline 100 ms after
+    submission, 8 denoising steps of 15 ms, 5 ms waited -> 5 + 120 > 100: missed, without running."""
+    need = per_iteration_s * req.steps if req.steps is not None else 0.0
+    if now + need < req.deadline:
+        return None
+    waited, given = now - req.submitted, req.deadline - req.submitted
+    what = "its first chunk" if req.until == "chunk" else "its result"
+    estimate = (f"{what} needs {req.steps} iteration(s) of about {per_iteration_s * 1e3:.1f} ms here lately "
+                f"({need * 1e3:.1f} ms)" if need > 0 else "it had no time left")
+    return DeadlineMissedError(
+        f"replica {index}: the request's deadline ({given * 1e3:.1f} ms) could not be met: {waited * 1e3:.1f} ms "
+        f"waited and {estimate}; it was not run. Give it a later deadline or fewer steps (max_tokens), or add "
+        "replicas or lower the load", replica=index, waited_s=waited, deadline_s=given)
+
+
+def first_chunk_missed(index: int, req: LoopRequest, now: float) -> DeadlineMissedError:
+    """The answer to a stream that got a slot but no chunk by its own deadline (it is dropped)."""
+    waited, given = now - req.submitted, req.deadline - req.submitted
+    return DeadlineMissedError(
+        f"replica {index}: the stream's deadline ({given * 1e3:.1f} ms) passed after {waited * 1e3:.1f} ms, before "
+        "its first chunk; the stream was dropped. Give it a later deadline, or add replicas or lower the load",
+        replica=index, waited_s=waited, deadline_s=given)

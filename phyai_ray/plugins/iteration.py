@@ -53,11 +53,15 @@ class SequenceSpec:
     it: tokens of an LLM prompt (its prefill; `TokenBudget` then counts 1 per later iteration),
     latent tokens x CFG branches of a diffusion request (`CostBudget` counts it every iteration).
     `group`: an optional hashable key (a latent shape, a LoRA adapter) a policy may limit per iteration.
+    `steps`: the iterations it runs at most (a flow policy's denoising steps, an LLM's max_tokens);
+    with a deadline, the loop admits it only if `steps` x its recent iteration time ends in time.
+    None (unknown): no such estimate; only the deadline itself is checked.
     """
 
     payload: Any
     cost: int = 1
     group: Hashable | None = None
+    steps: int | None = None
 
 
 @dataclass

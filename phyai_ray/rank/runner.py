@@ -14,7 +14,7 @@ from typing import Any
 from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_groups
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.work import Kind
+from phyai_ray.work import BATCH, CALL, ITERATE, STEP, STREAM, Kind
 from placement.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,15 @@ class RankRunner:
     def execute(self, kind: Any, payload: Any, sink: Any = None) -> Any:
         """Run one unit of work of `kind` (phyai_ray.work.Kind): the one entry every executor's ranks
         call; the output rank returns the result, the others None. `sink` is a STREAM's chunk sink."""
-        if kind == Kind.STEP:
+        if kind == STEP:
             return self.step(payload)
-        if kind == Kind.BATCH:
+        if kind == BATCH:
             return self.step_batch(payload)
-        if kind == Kind.ITERATE:
+        if kind == ITERATE:
             return self.iterate(payload)
-        if kind == Kind.STREAM:
+        if kind == STREAM:
             return self.stream(payload, sink)
-        if kind == Kind.CALL:
+        if kind == CALL:
             method, args, kwargs = payload
             return self.call(method, args, kwargs)
         raise ValueError(f"unknown work kind {kind!r}; one of {[k.value for k in Kind]}")

@@ -220,9 +220,11 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
         return (f"request {rid}: group {runner.group} could not act ({failure.kind}, {failure.status}): "
                 f"{failure.message}{again}", fatal)
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
-    status = runner.engine.replica_status()[0]
+    # the version that computed this chunk (the runner's timing); the replica's current one only without it
+    version = timing["weight_version"] if "weight_version" in timing else \
+        runner.engine.replica_status()[0].weight_version
     reply["server_timing"] = {**timing_fields(timing, deadline_s), "total_ms": (time.perf_counter() - start) * 1e3,
-                              "weight_version": status.weight_version, "group": runner.group, "request_id": rid,
+                              "weight_version": version, "group": runner.group, "request_id": rid,
                               **freshness(received_at)}
     try:
         return await _off_loop(len(frame), pack, reply), False

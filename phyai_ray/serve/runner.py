@@ -87,7 +87,8 @@ class GroupRunner:
         `forward=False` keeps the request on this group (a session bound to it): it fails instead.
         `deadline_s` counts from this call (the request's arrival): `Engine.submit`'s deadline, and
         `late` ("finish" / "drop"; None: the deployment's BatchingConfig.late) is `Engine.submit`'s. A
-        `timing` dict is filled with the request's `EngineFuture.timing()` when it ran on this group.
+        `timing` dict is filled with the request's `EngineFuture.timing()` and its `weight_version` (the
+        version of the weights that computed it, not the replica's current one) when it ran on this group.
         """
         note_failed(tuple(failed))
         received = time.monotonic()
@@ -104,7 +105,8 @@ class GroupRunner:
             return await self._within(awaitable(future), "; the request keeps running on its group")
         finally:
             if future.done() and callable(getattr(future, "timing", None)):  # an EngineFuture
-                measured = future.timing()
+                # the version stamped when the request reached the ranks: the weights that computed it
+                measured = {**future.timing(), "weight_version": getattr(future, "weight_version", None)}
                 if timing is not None:
                     timing.update(measured)
                 if self.on_timing is not None:

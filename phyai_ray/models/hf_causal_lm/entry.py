@@ -91,7 +91,8 @@ class HFCausalLMEntry(Entry):
         return self._parsed(request).seeded()
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in self._parsed(request).payloads()]
+        return [SequenceSpec(payload=p, cost=len(p["prompt"]), steps=p["max_tokens"])
+                for p in self._parsed(request).payloads()]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """One `TokenOutput` per prompt, in order; with `text` when the request gave text."""

@@ -56,7 +56,8 @@ class ReferenceFlowPolicyEntry(Entry):
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per frame (one slot, one row per denoising step)."""
-        return [SequenceSpec(payload=Frame.parse(request, self.config).to_payload(), cost=1)]
+        return [SequenceSpec(payload=Frame.parse(request, self.config).to_payload(), cost=1,
+                             steps=self.config.num_steps)]
 
     def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
         [out] = outputs

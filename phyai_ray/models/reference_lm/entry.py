@@ -52,7 +52,7 @@ class ReferenceLMEntry(Entry):
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per prompt, seeded `sequence_seed(seed, i)` as `step` seeds it; costs its prompt length."""
         payloads = GenerateRequest.parse(request, self.config).payloads()
-        return [SequenceSpec(payload=p, cost=len(p["prompt"])) for p in payloads]
+        return [SequenceSpec(payload=p, cost=len(p["prompt"]), steps=p["max_tokens"]) for p in payloads]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:
         """The request's result: one `TokenOutput` per prompt, in prompt order (as `sequences` split it)."""
