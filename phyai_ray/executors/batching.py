@@ -169,5 +169,13 @@ class BatchStats:
         self.batch_size.observe(samples)
         self.queue_wait.observe(wait)
 
+    def record_here(self, wait: float) -> None:
+        """`record_one(1, wait)` for the inline fast path, without its calls."""
+        sizes, waits = self.batch_size, self.queue_wait
+        sizes.counts[0] += 1  # a batch of 1 falls in the first bucket (le=1)
+        sizes.total += 1
+        waits.counts[bisect.bisect_left(waits.bounds, wait)] += 1
+        waits.total += wait
+
     def snapshot(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size.snapshot(), "queue_wait_seconds": self.queue_wait.snapshot()}

@@ -143,7 +143,7 @@ class ReplicaScheduler(DeadlineClock):
             work.here = True
             now = work.dispatched = self._head_since = outcome.started = time.monotonic()  # `_dispatch`, unrolled
             outcome.weight_version = self.weight_version
-            self.stats.record_one(1, now - work.submitted)
+            self.stats.record_here(now - work.submitted)
             self._dispatched.append(work)
             self._arm(now + limit_s)
         try:
@@ -154,7 +154,13 @@ class ReplicaScheduler(DeadlineClock):
             if not outcome._done:
                 outcome.finished, outcome._value, outcome._error, outcome._done = time.monotonic(), value, error, True
                 self.tally.count(error)
-            self._finish_locked(work)
+            line = self._dispatched
+            if len(line) == 1 and line[0] is work and not self._queued and not self._draining:
+                line.pop()  # `_finish_locked` of the one thing at the rank, with nothing waiting behind it
+                self._last_finish = now = time.monotonic()
+                self.service.record(now - work.dispatched)
+            else:
+                self._finish_locked(work)
         if self._to_launch:
             self._send_launches()
         work.future = None  # no work <-> outcome cycle for the cyclic collector
