@@ -127,6 +127,36 @@ def test_a_request_admitted_half_way_joins_at_the_next_step(wan_folders):
     torch.testing.assert_close(done[2]["video"], reference(wan_folders["wan21"], b), rtol=0, atol=1e-5)
 
 
+def test_requests_with_one_schedule_share_a_scheduler_and_one_may_leave_half_way(wan_folders):
+    """Three requests of 4 steps admitted together share ONE scheduler (a cohort, as WanPipeline's
+    N-prompt call); one is dropped after two steps and one restarted from its noise: the others go on,
+    and every result still equals WanPipeline's for that request alone."""
+    entry = DiffusersPipelineEntry({"model": str(wan_folders["wan21"])})
+    ctx = SimpleNamespace(rank=0, device=torch.device("cpu"), parallel=ParallelConfig(), is_output_rank=True,
+                          group_rank=lambda name: 0, group_size=lambda name: 1)
+    model = entry.create({"model": str(wan_folders["wan21"])}, ctx)
+    reqs = {i: {**BASE, "prompt": p, "num_inference_steps": 4, "guidance_scale": g, "seed": 20 + i,
+                "output_type": "latent"}
+            for i, (p, g) in enumerate([("a robot arm", 5.0), ("a dog runs left", 3.0), ("a cat", 5.0)])}
+    for i, r in reqs.items():
+        model.admit(i, entry.sequences(r)[0].payload)
+    model.iterate()
+    cohort = model.jobs[0].cohort
+    assert cohort is not None and [model.jobs[i].cohort for i in (1, 2)] == [cohort, cohort]
+    assert all(model.jobs[i].scheduler is cohort.scheduler for i in range(3)), "one scheduler for the three"
+    model.iterate()
+    model.drop(1)  # leaves after two of four steps: its rows leave the shared scheduler's state
+    assert cohort.jobs == [model.jobs[0], model.jobs[2]]
+    model.recompute(2)  # starts again from its noise on a scheduler of its own
+    assert model.jobs[2].cohort is None and cohort.jobs == [model.jobs[0]]
+    done = {}
+    for _ in range(8):
+        done.update({k: d.value for k, d in model.iterate().items() if d.stop_reason == "completed"})
+    assert sorted(done) == [0, 2] and not model.jobs
+    for i in (0, 2):
+        torch.testing.assert_close(done[i]["video"], reference(wan_folders["wan21"], reqs[i]), rtol=0, atol=1e-5)
+
+
 def test_wan22_two_experts_and_the_ti2v_layout_equal_wan_pipeline(wan_folders):
     two = {**BASE, "num_inference_steps": 4, "guidance_scale": 4.0, "guidance_scale_2": 2.0, "seed": 7}
     with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(wan_folders["wan22"])})) as engine:

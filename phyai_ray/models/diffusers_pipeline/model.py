@@ -80,6 +80,7 @@ class PipelineModel:
                             for key, p in self.components[name].state_dict().items()}
         self.family.parallelize(ctx)
         self.jobs: dict[int, Job] = {}
+        self.joining: list[Job] = []  # admitted since the last iteration: `family.join` takes them together
         self.payloads: dict[int, dict[str, Any]] = {}
         self.weight_version: Any = None
         logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s", ctx.rank, folder.class_name,
@@ -89,6 +90,7 @@ class PipelineModel:
         """One whole (checked) request through the same loop, alone: every step, then the result."""
         payload = request.to_payload() if hasattr(request, "to_payload") else dict(request)
         job = self.family.start(payload)
+        self.family.join([job])
         while not job.done:
             self.family.step([job])
         return self._result(job) if self.ctx.is_output_rank else None
@@ -96,20 +98,35 @@ class PipelineModel:
     # -- the iteration protocol -------------------------------------------------------------------
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
         self.payloads[ident] = payload
-        self.jobs[ident] = self.family.start(payload)
+        self.jobs[ident] = job = self.family.start(payload)
+        self.joining.append(job)
 
     def drop(self, ident: int) -> None:
-        self.jobs.pop(ident, None)
+        self._leave(self.jobs.pop(ident, None))
         self.payloads.pop(ident, None)
 
     def recompute(self, ident: int) -> None:
         """Start the request again from its noise: the transformer changed under it."""
         if ident in self.payloads:
-            self.jobs[ident] = self.family.start(self.payloads[ident])
+            self._leave(self.jobs.get(ident))
+            self.jobs[ident] = job = self.family.start(self.payloads[ident])
+            self.joining.append(job)
+
+    def _leave(self, job: Job | None) -> None:
+        """`job` stops before its last step: out of the joining list and of its cohort."""
+        if job is None:
+            return
+        if job in self.joining:
+            self.joining.remove(job)
+        if job.cohort is not None:
+            job.cohort.remove(job)
 
     @torch.no_grad()
     def iterate(self) -> dict[int, Delta]:
         """ONE denoising step of every running request; the ones that finished leave with their result."""
+        if self.joining:
+            joining, self.joining = self.joining, []
+            self.family.join(joining)
         groups: dict[tuple[int, ...], list[Job]] = {}
         for job in self.jobs.values():
             groups.setdefault(job.group, []).append(job)

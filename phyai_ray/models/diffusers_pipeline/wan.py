@@ -2,16 +2,18 @@
 
 What `WanPipeline.__call__` does for one prompt, split where the iteration protocol needs it:
 
-    start     prompt -> UMT5 embeddings, padded with zeros past the prompt's tokens to
-              max_sequence_length (cond; and the negative prompt, uncond, when guidance_scale > 1);
-              latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
+    start     latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
               a deep copy of the scheduler, set_timesteps(n), set_begin_index(0)
+    join      the jobs that arrived together: their prompts -> UMT5 embeddings in one call per
+              branch, padded with zeros past each prompt's tokens to max_sequence_length (cond; and
+              the negative prompts, uncond, when guidance_scale > 1); jobs with one schedule and shape
+              share one scheduler (a `Cohort`, family.py)
     step      per job: t = timesteps[i]; the expert is `transformer` while t >= boundary_ratio *
               num_train_timesteps (always, without boundary_ratio), else `transformer_2` with
               guidance_scale_2; per (expert, text length): ONE forward over the cond rows of every
               job, ONE over the uncond rows of those with guidance (as the pipeline's two calls, so
-              one request alone equals it bit for bit), noise = u + g (c - u), then the job's own
-              scheduler.step
+              one request alone equals it bit for bit), noise = u + g (c - u), then the scheduler step
+              (one per cohort, else the job's own)
     decode    latents / latents_std + latents_mean -> VAE decode -> (x / 2 + 0.5).clamp(0, 1)
 
 TI2V (`expand_timesteps`): the timestep is given per latent token ([B, F * h/2 * w/2]), all equal
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.diffusers_pipeline.family import Family, Job
+from phyai_ray.models.diffusers_pipeline.family import Family, Job, advance, form_cohorts
 
 
 def _clean(text: str) -> str:
@@ -78,11 +80,7 @@ class WanFamily(Family):
     # -- admission ----------------------------------------------------------------------------------
     def start(self, request: Any) -> Job:
         r, guided = request, request["guidance_scale"] > 1.0
-        cond: dict[str, Any] = {"guided": guided, "length": r["max_sequence_length"]}
-        if self.branches.cond:
-            cond["cond"] = self._embed(r["prompt"], r["max_sequence_length"])
-        if guided and self.branches.uncond:
-            cond["uncond"] = self._embed(r["negative_prompt"], r["max_sequence_length"])
+        cond: dict[str, Any] = {"guided": guided, "length": r["max_sequence_length"]}  # embeddings: `join`
         from diffusers.utils.torch_utils import randn_tensor
 
         frames = (r["num_frames"] - 1) // self.temporal + 1
@@ -94,16 +92,34 @@ class WanFamily(Family):
         scheduler.set_begin_index(0)
         return Job(request=r, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps, cond=cond)
 
+    def join(self, jobs: list[Job]) -> None:
+        """The prompts of the jobs that arrived together, encoded in one text-encoder call per branch and
+        text length (as WanPipeline encodes an N-prompt call); then the jobs with one schedule share a
+        scheduler (`form_cohorts`)."""
+        lengths: dict[int, list[Job]] = {}
+        for job in jobs:
+            lengths.setdefault(job.cond["length"], []).append(job)
+        for length, group in lengths.items():
+            if self.branches.cond:
+                for job, row in zip(group, self._embed([job.request["prompt"] for job in group], length)):
+                    job.cond["cond"] = row
+            guided = [job for job in group if job.cond["guided"]]
+            if guided and self.branches.uncond:
+                for job, row in zip(guided, self._embed([job.request["negative_prompt"] for job in guided], length)):
+                    job.cond["uncond"] = row
+        form_cohorts(jobs)
+
     @torch.no_grad()
-    def _embed(self, text: str, length: int) -> torch.Tensor:
-        """[1, length, d_model] in the transformer's dtype, exactly as WanPipeline._get_t5_prompt_embeds."""
-        tokens = self.tokenizer([_clean(text)], padding="max_length", max_length=length, truncation=True,
-                                add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    def _embed(self, texts: list[str], length: int) -> list[torch.Tensor]:
+        """[1, length, d_model] per text, in the transformer's dtype, exactly as WanPipeline._get_t5_prompt_embeds."""
+        tokens = self.tokenizer([_clean(text) for text in texts], padding="max_length", max_length=length,
+                                truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                return_tensors="pt")
         ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
         hidden = self.text_encoder(ids, mask).last_hidden_state.to(self.text_encoder.dtype)
-        used = int(mask.gt(0).sum())
-        padded = torch.cat([hidden[0, :used], hidden.new_zeros(length - used, hidden.shape[-1])])
-        return padded.unsqueeze(0).to(self.model_dtype)
+        used = mask.gt(0).sum(dim=1).tolist()
+        return [torch.cat([hidden[k, :n], hidden.new_zeros(length - n, hidden.shape[-1])]).unsqueeze(0).to(self.model_dtype)
+                for k, n in enumerate(used)]
 
     # -- one step ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -112,8 +128,10 @@ class WanFamily(Family):
         stacks: dict[tuple[int, int], list[Job]] = {}
         for job in jobs:
             stacks.setdefault((self._expert_index(job), job.cond["length"]), []).append(job)
+        noise: dict[int, torch.Tensor] = {}
         for (expert, _), stack in stacks.items():
-            self._step_stack(self.transformer if expert == 0 else self.transformer_2, expert, stack)
+            self._guided_noise(self.transformer if expert == 0 else self.transformer_2, expert, stack, noise)
+        advance(jobs, noise)  # every prediction first: a cohort's members may sit in different stacks
 
     def _expert_index(self, job: Job) -> int:
         t = job.timesteps[job.i]
@@ -121,7 +139,8 @@ class WanFamily(Family):
             return 0 if self.transformer is not None else 1
         return 1 if self.boundary is not None else 0
 
-    def _step_stack(self, transformer: Any, expert: int, jobs: list[Job]) -> None:
+    def _guided_noise(self, transformer: Any, expert: int, jobs: list[Job], out: dict[int, torch.Tensor]) -> None:
+        """Each job's guided noise prediction at its step, into `out[id(job)]`."""
         ts = torch.stack([job.timesteps[job.i] for job in jobs])
         latents = torch.cat([job.latents for job in jobs])
         cond, uncond = self._predict(transformer, latents.to(self.model_dtype), ts, jobs)
@@ -132,8 +151,7 @@ class WanFamily(Family):
                 g = r["guidance_scale"] if expert == 0 or self.boundary is None else (
                     r["guidance_scale_2"] if r["guidance_scale_2"] is not None else r["guidance_scale"])
                 noise = uncond[k:k + 1] + g * (noise - uncond[k:k + 1])
-            job.latents = job.scheduler.step(noise, job.timesteps[job.i], job.latents, return_dict=False)[0]
-            job.i += 1
+            out[id(job)] = noise
 
     def _predict(self, transformer: Any, latents: torch.Tensor, ts: torch.Tensor,
                  jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor | None]:
