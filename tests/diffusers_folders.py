@@ -96,3 +96,54 @@ def build_wan(folder: Path, *, two_experts: bool = False, ti2v: bool = False, se
                        boundary_ratio=0.6 if two_experts else None, expand_timesteps=ti2v)
     pipe.save_pretrained(folder)
     return folder
+
+
+def _image_encoder():
+    """A tiny CLIP vision tower: 32x32 images in 8x8 patches -> 17 tokens of width 32."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=16)
+    return CLIPVisionModel(config).eval()
+
+
+def _image_processor():
+    """CLIP's preprocessing sized for the tiny tower (resize the short edge to 32, crop 32x32). Built with
+    transformers' PIL backend (no torchvision here) and saved under the class name real checkpoints carry."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    return CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
+def build_wan_i2v(folder: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random WanImageToVideoPipeline folder (the Wan 2.1 I2V layout) at `folder`.
+
+    The transformer takes 16 noisy + 4 mask + 16 condition = 36 channels and the CLIP tower's
+    second-to-last hidden states through `image_dim` / `added_kv_proj_dim`; the VAE, text encoder and
+    tokenizer are build_wan's. model_index.json names the image processor "CLIPImageProcessor" as a
+    real checkpoint does (transformers loads it with the PIL backend when torchvision is absent)."""
+    import json
+
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    tokenizer = _tokenizer()
+    text_encoder = _text_encoder(len(tokenizer))
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=16 + 4 + 16, out_channels=16, text_dim=32, freq_dim=32,
+                                        ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=32,
+                                        added_kv_proj_dim=24).eval()
+    vae, image_encoder = _vae(False), _image_encoder()
+    for module in (text_encoder, transformer, vae, image_encoder):
+        _perturb(module, gen)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                                   transformer=transformer, image_encoder=image_encoder,
+                                   image_processor=_image_processor())
+    pipe.save_pretrained(folder)
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index_file.write_text(json.dumps({**index, "image_processor": ["transformers", "CLIPImageProcessor"]}, indent=2))
+    return folder

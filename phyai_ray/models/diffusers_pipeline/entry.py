@@ -73,7 +73,7 @@ class DiffusersPipelineEntry(Entry):
                       spatial=int(vae.get("scale_factor_spatial") or 8),
                       patch=tuple(int(p) for p in tf.get("patch_size", (1, 2, 2))),
                       two_experts=folder.index.get("boundary_ratio") is not None,
-                      conditioning=folder.class_name == "Cosmos2_5_PredictBasePipeline")
+                      conditioning=folder.class_name in ("Cosmos2_5_PredictBasePipeline", "WanImageToVideoPipeline"))
 
     def served_name(self) -> str:
         return self._folder().path.resolve().name
@@ -96,6 +96,10 @@ class DiffusersPipelineEntry(Entry):
             from phyai_ray.models.diffusers_pipeline.cosmos import cosmos_request
 
             request = cosmos_request(request)
+        elif self._folder().class_name == "WanImageToVideoPipeline":
+            from phyai_ray.models.diffusers_pipeline.wan_i2v import i2v_request
+
+            request = i2v_request(request)
         return VideoRequest.parse(request, self._limits_checked())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:

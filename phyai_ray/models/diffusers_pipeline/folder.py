@@ -37,6 +37,7 @@ class PipelineSpec:
     required: tuple[str, ...]
     transformers: tuple[str, ...] = ("transformer",)  # at least the first; the rest are optional experts
     mask_channels: int = 0  # transformer in_channels beyond the VAE's z_dim (Cosmos: the condition mask)
+    check: str | None = None  # "module:function" refusing layouts of this class not served (after the checks)
 
 
 PIPELINES: dict[str, PipelineSpec] = {
@@ -46,9 +47,13 @@ PIPELINES: dict[str, PipelineSpec] = {
     "Cosmos2_5_PredictBasePipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos:CosmosFamily",
                                                   ("tokenizer", "text_encoder", "vae", "scheduler"),
                                                   mask_channels=1),
+    "WanImageToVideoPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.wan_i2v:WanImageToVideoFamily",
+                                            ("tokenizer", "text_encoder", "vae", "scheduler", "image_encoder",
+                                             "image_processor"), mask_channels=4 + 16,  # mask + condition
+                                            check="phyai_ray.models.diffusers_pipeline.wan_i2v:check_folder"),
 }
 
-MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")  # weights checked against configs
+MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder", "image_encoder")  # weights checked against configs
 
 
 @dataclass
@@ -93,6 +98,9 @@ class Folder:
         folder._check_components()
         folder._check_tensors()
         folder._check_agreement()
+        if folder.spec.check is not None:
+            module, function = folder.spec.check.split(":")
+            getattr(importlib.import_module(module), function)(folder)
         return folder
 
     # -- checks ----------------------------------------------------------------------------------
@@ -145,11 +153,11 @@ class Folder:
 
 
 def _read_config(folder: Path, name: str, entry: list) -> dict[str, Any]:
-    for file in ("config.json", "scheduler_config.json", "tokenizer_config.json"):
+    for file in ("config.json", "scheduler_config.json", "tokenizer_config.json", "preprocessor_config.json"):
         if (folder / file).is_file():
             return json.loads((folder / file).read_text())
     raise PipelineFolderError(f"{folder}: component {name!r} ({entry[0]}.{entry[1]}) has no config.json, "
-                              "scheduler_config.json or tokenizer_config.json; save it with save_pretrained")
+                              "scheduler_config.json, tokenizer_config.json or preprocessor_config.json; save it with save_pretrained")
 
 
 def _check_shapes(folder: Path, entry: list, config: dict[str, Any]) -> None:

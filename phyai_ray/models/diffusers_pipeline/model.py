@@ -47,6 +47,11 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
 
             out[name] = AutoTokenizer.from_pretrained(path)
             continue
+        if name == "image_processor":  # no weights; transformers picks its backend (PIL without torchvision)
+            from transformers import AutoImageProcessor
+
+            out[name] = AutoImageProcessor.from_pretrained(path)
+            continue
         cls = getattr(importlib.import_module(library), class_name)
         if name == "scheduler":
             out[name] = cls.from_pretrained(path)

@@ -12,9 +12,10 @@
      "output_type": "uint8",                            "uint8" video [frames, H, W, 3] (default),
                                                         "float" the same in [0, 1], "latent" the final
                                                         latents [C, F, h, w]
-     "image": None, "video": None}                      Cosmos only: uint8 [H, W, 3] (image-to-world) or
+     "image": None, "video": None}                      Cosmos: uint8 [H, W, 3] (image-to-world) or
                                                         [frames, H, W, 3] (video-to-world); the Cosmos
-                                                        defaults and rules are cosmos.py's (`cosmos_request`)
+                                                        defaults and rules are cosmos.py's (`cosmos_request`);
+                                                        WanImageToVideoPipeline: `image` required (wan_i2v.py)
 
 Where diffusers rounds a bad size down with a warning, a request here is refused with the rule
 named: num_frames must be 4k+1 (the VAE's temporal factor), height and width multiples of the VAE's
@@ -121,7 +122,8 @@ class VideoRequest:
                                     "this folder has one transformer: leave guidance_scale_2 unset")
         if (self.image is not None or self.video is not None) and not limits.conditioning:
             raise VideoRequestError("image / video conditioning frames are for Cosmos2_5_PredictBasePipeline "
-                                    "folders; this pipeline generates from text only: leave them unset")
+                                    "folders (`image` also for WanImageToVideoPipeline folders); this pipeline "
+                                    "generates from text only: leave them unset")
         if self.output_type not in OUTPUT_TYPES:
             raise VideoRequestError(f"output_type={self.output_type!r} is not one of {list(OUTPUT_TYPES)}")
         if not 0 <= self.seed < 2 ** 63:
