@@ -5,14 +5,17 @@ Run: flock /tmp/phyai-ray-tests.lock .venv/bin/python -m pytest tests/test_lerob
 Three robots run `openpi_client.WebsocketClientPolicy` in the clients' venv (tests/client_venv.py),
 sending uint8 HWC camera frames, the state and the prompt under openpi's keys; their chunks must
 equal `Engine.step` of the same frames on one inline rank, the metadata frame names the key
-mapping, and robots share expert steps.
+mapping, and robots share expert steps. A chunk's `server_timing["weight_version"]` is the version of
+the weights that computed it, even when an update lands before its reply is sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -20,9 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineConfig
+from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineConfig, WeightSender
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
+from phyai_ray.serve.holder import EngineHolder
+from phyai_ray.serve.openpi import _answer, pack, unpack
+from phyai_ray.serve.runner import GroupRunner
 from tests.client_venv import client_python, run_client
 from tests.conftest import RAY_CPUS, wait_for_no_leaks
 from tests.helpers import free_port
@@ -91,3 +97,50 @@ def test_openpi_client_robots_get_the_inline_engines_chunks(server: str, tmp_pat
             for actions in robot["actions"]:
                 np.testing.assert_allclose(np.array(actions, dtype=np.float32), want, rtol=1e-5, atol=1e-5)
     assert max(max(out[str(r)]["batch_sizes"]) for r in range(3)) >= 2  # robots shared expert steps
+
+
+class UpdateAfterChunk(GroupRunner):
+    """The group runner of the edge, with a trainer's weight update landing after the next chunk is
+    computed and before the edge builds that chunk's reply (what a concurrent update does at worst)."""
+
+    def __init__(self, engine: Engine, update: Any) -> None:
+        super().__init__(EngineHolder(lambda: engine))
+        self.update = update
+
+    async def run(self, request: Any, **kwargs: Any) -> Any:
+        value = await super().run(request, **kwargs)
+        if self.update is not None:
+            update, self.update = self.update, None
+            await asyncio.to_thread(update)
+        return value
+
+
+def test_each_chunk_names_the_weight_version_that_computed_it(ray_session) -> None:
+    from tests.test_lerobot_policy_weights import CHANGED, trained
+
+    frames = openpi_frames()
+    frame = pack({"observation/image": frames["image_0"], "observation/wrist_image": frames["wrist_image_0"],
+                  "observation/state": frames["state_0"], "prompt": str(frames["prompt_0"]),
+                  "noise": frames["noise_0"]})
+    options = SimpleNamespace(max_tensor_bytes=1 << 24, overload_status=503)
+    first = load_file(str(ROOT / "pretrained_model" / "model.safetensors"))
+    engine = Engine(EngineArgs(plugin=PLUGIN, plugin_args=ARGS, config=CPU),
+                    DeploymentConfig(mode="local", replica_count=1, cpus_per_rank=0.5))
+    try:
+        sender = WeightSender("gloo")
+        sender.init_transfer(engine)
+        sender.update(engine, [(name, first[name]) for name in CHANGED], version=1)
+        new = trained()
+        runner = UpdateAfterChunk(engine, lambda: sender.update(engine, [(n, new[n]) for n in CHANGED], version=2))
+        replies = []
+        for rid in ("before", "after"):
+            reply, fatal = asyncio.run(_answer(frame, runner, options, rid))
+            assert not fatal and not isinstance(reply, str), reply
+            replies.append(unpack(reply, 1 << 24))
+        assert runner.update is None and engine.replica_status()[0].weight_version == 2  # the update landed
+    finally:
+        engine.close()
+    before, after = replies
+    assert before["server_timing"]["weight_version"] == 1  # computed by version 1, replied after version 2 came
+    assert after["server_timing"]["weight_version"] == 2
+    assert not np.allclose(before["actions"], after["actions"], atol=1e-3)  # the update changed the chunk

@@ -19,6 +19,12 @@ read from another group through `forward_stream` (the deployment handle's stream
 counts as a session while open; every wait for its next items is bounded by `wait_s`, and the
 first item of a forwarded one by FORWARD_WAIT_S.
 
+Failover is at once: a failed group forwards straight away while the registry's view shows a
+healthy group it has not passed (the router then picks it). It waits only when no group is healthy
+(all failed, or Serve still starting their replacements), never on a route that could only pick a
+failed group again: for no longer than the request's deadline, else FORWARD_WAIT_S, then 503 naming
+every group and its state.
+
 `view` is the last copy of every group's report (see `group_registry.py`); it answers `/v1/replicas`,
 `/readyz` and the per-group metrics, whichever group the proxy picked. No Ray needed here.
 """
@@ -36,13 +42,14 @@ from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, Phy
 from phyai_ray.async_streams import stream_items
 from phyai_ray.executors.futures import awaitable
 from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.group_registry import GroupReport, note_failed, set_failed
+from phyai_ray.serve.group_registry import GroupReport, describe, note_failed, set_failed, takers
 from phyai_ray.validation import Validated, validate
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
 StreamForward = Callable[[Any, int, tuple], AsyncIterator[list]]  # the same, for a stream's item lists
 MAX_HOPS = 3
 FORWARD_WAIT_S = 30.0  # a forwarded request waits this long for a healthy group (Serve replacing them all)
+VIEW_POLL_S = 0.05  # while no group is healthy, how often a forwarded request looks at the view again
 _ENGINE_ERRORS = (EngineOverloadedError, RequestTimeoutError, EngineUnavailableError, RequestRejectedError)
 
 
@@ -61,6 +68,7 @@ class GroupRunner:
         self.routable = True  # False from a Serve replica's start until Serve first checks its health
         self.sessions = 0  # long-lived sessions open on this group: openpi WebSockets, streamed responses
         self.on_timing: Callable[[dict], None] | None = None  # each request's timing (the edge's metrics)
+        self.direct: tuple[str, int] | None = None  # (host, port) of its own port under Serve's direct ingress
 
     @property
     def engine(self) -> Any:
@@ -112,15 +120,18 @@ class GroupRunner:
                 if self.on_timing is not None:
                     self.on_timing(measured)
 
-    async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (),
-                     forward: bool = True) -> AsyncIterator[list[tuple[str, Any]]]:
+    async def stream(self, request: Any, *, hops: int = 0, failed: tuple = (), forward: bool = True,
+                     deadline_s: float | None = None) -> AsyncIterator[list[tuple[str, Any]]]:
         """The items of `request`'s stream, in lists of those ready together; leaving early cancels it.
-        Validated as `run` validates; refused at open because this group failed, it is forwarded (see the module)."""
+        Validated as `run` validates; refused at open because this group failed, it is forwarded (see the module).
+        `deadline_s` (from this call): its first chunk's deadline (`stream_items`)."""
+        received = time.monotonic()
         note_failed(tuple(failed))
         if not isinstance(request, Validated):
             request = await asyncio.to_thread(validate, self.entry, request)
         with self.session():  # the stream counts as open on this group until its last item
-            items = stream_items(self.engine, request)
+            left = None if deadline_s is None else max(deadline_s - (time.monotonic() - received), 1e-6)
+            items = stream_items(self.engine, request, deadline_s=left)
             try:
                 try:
                     first = await _next_items(items, self.wait_s, "for the stream's first chunk")
@@ -144,11 +155,13 @@ class GroupRunner:
 
     async def _forwarded_stream(self, request: Any, hops: int, failed: tuple) -> AsyncIterator[list]:
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
-        remote = self.forward_stream(request, hops, failed)
         limit = min(self.wait_s, FORWARD_WAIT_S)  # until a healthy group answers; then its own bounds
+        began = time.monotonic()
+        await self._until_a_group_can_take("stream", failed, limit)
+        remote = self.forward_stream(request, hops, failed)
         try:
             with self._as_forwarded("stream", limit):
-                got = await _next_items(remote, limit, "from the group it was forwarded to")
+                got = await _next_items(remote, _left(began, limit), "from the group it was forwarded to")
             while True:
                 yield got
                 with _unwrapped():
@@ -166,10 +179,30 @@ class GroupRunner:
         request's deadline (what is left of it) and `late` travel with it, and bound the wait."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
         limit = min(self.wait_s, FORWARD_WAIT_S, deadline_s if deadline_s is not None else float("inf"))
+        began = time.monotonic()
+        await self._until_a_group_can_take("request", failed, limit)
+        if deadline_s is not None:
+            deadline_s = _left(began, deadline_s)
         extra = {k: v for k, v in (("deadline_s", deadline_s), ("late", late)) if v is not None}
         with self._as_forwarded("request", limit):
             return await self._within(self.forward(request, hops, failed, **extra),
-                                      "from the group it was forwarded to", limit)
+                                      "from the group it was forwarded to", _left(began, limit))
+
+    async def _until_a_group_can_take(self, what: str, failed: tuple, limit: float) -> None:
+        """Return at once while the view shows a healthy group past `failed` (or no view yet: the router
+        decides); else look again every VIEW_POLL_S for `limit` seconds, then 503 naming every group."""
+        end = time.monotonic() + limit
+        while takers(self.view, failed) == []:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise self._none_healthy(what, limit)
+            await asyncio.sleep(min(VIEW_POLL_S, left))
+
+    def _none_healthy(self, what: str, limit: float) -> EngineUnavailableError:
+        others = describe([r for r in self.view if r.group != self.group])
+        return EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} within "
+                                      f"{limit:.0f}s (the other groups: {others}); retry later",
+                                      reason="no_healthy_replica")
 
     @contextlib.contextmanager
     def _as_forwarded(self, what: str, limit: float) -> Iterator[None]:
@@ -179,8 +212,7 @@ class GroupRunner:
             with _unwrapped():
                 yield
         except RequestTimeoutError:
-            raise EngineUnavailableError(f"group {self.group} has failed and no healthy group took the {what} "
-                                         f"within {limit:.0f}s; retry later", reason="no_healthy_replica") from None
+            raise self._none_healthy(what, limit) from None
 
     def _submit(self, request: Validated, deadline_s: float | None = None, received: float | None = None,
                 late: str | None = None) -> Any:
@@ -217,7 +249,8 @@ class GroupRunner:
             in_flight=status.in_flight, sessions=self.sessions, queued=status.queued, dispatched=status.dispatched, served=status.served,
             errored=status.errored, failure=status.failure, failure_reason=status.failure_reason,
             failed_rank=status.failed_rank, nodes=tuple(status.nodes), pids=tuple(status.pids),
-            replica_pid=os.getpid(), rebuilds=self.holder.rebuilds, requests=requests)
+            replica_pid=os.getpid(), rebuilds=self.holder.rebuilds, requests=requests,
+            direct_host=self.direct[0] if self.direct else None, direct_port=self.direct[1] if self.direct else None)
 
     def groups(self, requests: tuple[tuple[str, str, int], ...] = ()) -> list[GroupReport]:
         """Every group: the registry's copy, with this group's own state fresh."""
@@ -230,6 +263,11 @@ class GroupRunner:
         """Whether some group of the app can serve (this one, or another by the last report)."""
         mine = self.engine.healthy and self.routable
         return mine or any(r.healthy for r in self.view if r.group != self.group)
+
+
+def _left(began: float, limit: float) -> float:
+    """What is left of `limit` seconds counted from `began` (never quite 0: a spent one still answers)."""
+    return max(limit - (time.monotonic() - began), 1e-6)
 
 
 async def _awaited(awaitable: Awaitable[Any]) -> Any:
