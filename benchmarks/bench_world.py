@@ -245,8 +245,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not opts.skip_ray:
             results["ray"] = parallel_runs(folder, opts.repeats)
     if opts.json is not None:
-        opts.json.write_text(json.dumps(results, indent=2))
+        write_json(opts.json, results)
     return results
+
+
+def write_json(path: Path, results: dict[str, Any]) -> None:
+    """The results as `benchmarks/results.py` files are (benchmark "world"), for benchmarks/plot.py."""
+    import results as files  # benchmarks/results.py, beside this script
+
+    for n, row in results.get("throughput", {}).items():
+        files.record("throughput", n=int(n.split("=")[1]), engine_s=row["engine"]["median_s"],
+                     engine_p99_s=row["engine"]["p99_s"], diffusers_one_batch_s=row["diffusers_one_batch"]["median_s"],
+                     diffusers_sequential_s=row["diffusers_sequential"]["median_s"],
+                     max_abs_diff=row["max_abs_diff_vs_diffusers"])
+    if "mixed_steps" in results:
+        files.record("mixed", **results["mixed_steps"])
+    for layout, row in results.get("ray", {}).items():
+        if isinstance(row, dict):
+            for case in ("cfg", "ulysses"):
+                if case in row:
+                    files.record("ray", layout=layout, case=case, median_s=row[case]["median_s"],
+                                 p99_s=row[case]["p99_s"], peak_rss_mib=max(row["peak_rss_mib_per_rank"]))
+    files.write(str(path), "world", results["machine"])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
 
-One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, load.png),
+One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, load.png, world.png),
 titled with the machine the file names. matplotlib only (the `docs` extra); no display needed.
 """
 
@@ -95,8 +95,30 @@ def plot_load(tables: dict, fig: Any) -> None:
     ax.legend(fontsize=8)
 
 
+def plot_world(tables: dict, fig: Any) -> None:
+    """Requests/s of N concurrent video requests (diffusers_pipeline vs diffusers' pipeline called once
+    per request and once with all N prompts); one request's latency per parallel layout on Ray."""
+    rates = fig.add_subplot(1, 2, 1)
+    rows = sorted(tables["throughput"], key=lambda r: r["n"])
+    sides = [("engine_s", "phyai-ray, batched per step"), ("diffusers_one_batch_s", "diffusers, one N-prompt call"),
+             ("diffusers_sequential_s", "diffusers, once per request")]
+    width = 0.8 / len(sides)
+    for k, (key, label) in enumerate(sides):
+        rates.bar([i + k * width for i in range(len(rows))], [r["n"] / r[key] for r in rows], width, label=label)
+    rates.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [f"N = {r['n']}" for r in rows])
+    rates.set_ylabel("requests/s (8 steps, CFG, latents)")
+    rates.legend(fontsize=7)
+    if tables.get("ray"):
+        layouts = fig.add_subplot(1, 2, 2)
+        ray = tables["ray"]
+        labels = [f"{r['layout']}\n({r['case']})" for r in ray]
+        layouts.bar(range(len(ray)), [r["median_s"] for r in ray], 0.6)
+        layouts.set_xticks(range(len(ray)), labels, fontsize=7)
+        layouts.set_ylabel("one request, seconds (Ray, gloo)")
+
+
 PLOTS: dict[str, Callable[[dict, Any], None]] = {"batching": plot_batching, "generation": plot_generation,
-                                                 "fleet": plot_fleet, "load": plot_load}
+                                                 "fleet": plot_fleet, "load": plot_load, "world": plot_world}
 
 
 def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -105,7 +127,7 @@ def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     bench = doc.get("benchmark")
     if bench not in PLOTS:
         raise ValueError(f"{path}: benchmark {bench!r} has no plot; plotted: {sorted(PLOTS)}")
-    fig = plt.figure(figsize=(10 if bench == "fleet" else 7, 4.2))
+    fig = plt.figure(figsize=(10 if bench in ("fleet", "world") else 7, 4.2))
     PLOTS[bench](doc["tables"], fig)
     fig.suptitle(f"{bench}: {doc.get('machine', 'machine not named')}", fontsize=8)
     fig.tight_layout()

@@ -129,6 +129,7 @@ def test_benchmark_json_plots(tmp_path: pathlib.Path):
         results.record("goodput", policy=object())
     for path in sorted((DOCS / "benchmarks" / "data").glob("*.json")):
         assert plot.plot_file(path, tmp_path / "committed").stat().st_size > 1000
-    assert {p.name for p in (tmp_path / "committed").iterdir()} >= {"batching.png", "generation.png", "fleet.png"}
-    for name in ("batching", "generation", "fleet", "load"):
+    assert {p.name for p in (tmp_path / "committed").iterdir()} >= {"batching.png", "generation.png", "fleet.png",
+                                                                     "world.png"}
+    for name in ("batching", "generation", "fleet", "load", "world"):
         assert (DOCS / "benchmarks" / f"{name}.png").exists(), f"docs/benchmarks/{name}.png: run benchmarks/plot.py"
