@@ -66,6 +66,8 @@ class GroupReport:
     replica_pid: int = 0
     rebuilds: int = 0
     requests: tuple[tuple[str, str, int], ...] = ()  # (route, status, count) of HTTP requests it answered
+    direct_host: str | None = None  # under Serve's direct ingress: the address of its own HTTP port...
+    direct_port: int | None = None  # ...which it reads from its own listening socket (None: not enabled)
     seen: float = field(default=0.0, compare=False)  # when the registry last heard from it
 
     @property
@@ -94,7 +96,8 @@ class GroupRegistry:
             if now - old.seen > KEEP_GONE_S:
                 del self._groups[key]
             elif now - old.seen > GONE_AFTER_S and old.state != "gone":
-                self._groups[key] = replace(old, state="gone", in_flight=0, sessions=0, queued=0, dispatched=0)
+                self._groups[key] = replace(old, state="gone", in_flight=0, sessions=0, queued=0, dispatched=0,
+                                            direct_host=None, direct_port=None)
         return list(self._groups.values())
 
 
@@ -105,3 +108,22 @@ def request_totals(reports: list[GroupReport]) -> dict[tuple[str, str], int]:
         for route, status, count in report.requests:
             totals[(route, status)] = totals.get((route, status), 0) + count
     return totals
+
+
+def takers(reports: list[GroupReport], passed: tuple[str, ...]) -> list[GroupReport] | None:
+    """The groups that can take a request a failed group forwards: serving, not among the `passed`
+    groups (those it already went through), not known failed in this process. None when `reports`
+    is empty: no registry view yet, so only the router can tell.
+
+        A failed (passed), B serving, C starting   ->  [B]
+        A failed (passed), B failed, C starting    ->  []   (wait for Serve to bring one up)
+    """
+    if not reports:
+        return None
+    return [r for r in reports if r.healthy and r.group not in passed and not failed_here(r.group)]
+
+
+def describe(reports: list[GroupReport]) -> str:
+    """Each group and its state, for an error message: `abc: serving, def: failed (worker_exit)`."""
+    parts = [f"{r.group}: {r.state}" + (f" ({r.failure_reason})" if r.failure_reason else "") for r in reports]
+    return ", ".join(parts) or "no group known"
