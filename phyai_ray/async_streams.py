@@ -23,13 +23,21 @@ can tell "refused, nothing ran" (safe to send elsewhere) from a failure of a str
 
     async for items in stream_items(engine, request):    # lists of ("chunk" | "end" | "error", value)
         ...
+
+`deadline_s` (seconds from the call): the stream's first chunk must come by then. It goes to
+`Engine.open_stream` (the iteration loop admits the stream only if one iteration fits, and drops it
+if no chunk came in time); whatever the replica, a stream with no item by then is cancelled here and
+ends with ("error", DeadlineMissedError).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, AsyncIterator, Iterator
+
+from phyai_ray.errors import DeadlineMissedError
 
 _RECHECK_S = 1.0  # a threadless stream looks at its reader at least this often, woken or not
 
@@ -87,12 +95,15 @@ class StreamPump:
             self._closed.set()
 
 
-async def stream_items(engine: Any, request: Any, *, session: Any = None,
-                       max_buffered: int = 64) -> AsyncIterator[list[tuple[str, Any]]]:
+async def stream_items(engine: Any, request: Any, *, session: Any = None, max_buffered: int = 64,
+                       deadline_s: float | None = None) -> AsyncIterator[list[tuple[str, Any]]]:
     """Every item of `engine`'s stream of `request`, in lists of those ready together; leaving early
-    (closing the generator) cancels the stream. Threadless when its reader can wake us (`subscribe`)."""
+    (closing the generator) cancels the stream. Threadless when its reader can wake us (`subscribe`).
+    `deadline_s`: its first item by then (see the module docstring)."""
+    first_by = None if deadline_s is None else time.monotonic() + deadline_s
+    extra = {} if deadline_s is None else {"deadline_s": deadline_s}  # any engine with open_stream serves without
     opening = asyncio.ensure_future(asyncio.to_thread(
-        lambda: engine.open_stream(request, session=session, max_buffered=max_buffered)))
+        lambda: engine.open_stream(request, session=session, max_buffered=max_buffered, **extra)))
     try:
         future, reader = await asyncio.shield(opening)
     except asyncio.CancelledError:  # the reader left while the stream opened: cancel it once it is open
@@ -106,7 +117,7 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
         except RuntimeError:  # the loop is closed: nobody reads any more
             pass
     if not reader.subscribe(poke):  # a reader that only blocks: a pump with a thread of its own
-        async for items in _pumped(engine.read_stream(future, reader)):
+        async for items in _pumped(engine.read_stream(future, reader), first_by, deadline_s):
             yield items
         return
     try:
@@ -123,9 +134,14 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
                 yield items
                 return
             if items:
+                first_by = None
                 yield items
+            elif first_by is not None and time.monotonic() >= first_by:
+                yield [("error", first_chunk_late(deadline_s))]  # `finally` cancels the stream
+                return
+            wait_s = _RECHECK_S if first_by is None else min(_RECHECK_S, max(first_by - time.monotonic(), 0.0))
             try:
-                await asyncio.wait_for(woken.wait(), timeout=_RECHECK_S)
+                await asyncio.wait_for(woken.wait(), timeout=wait_s)
             except asyncio.TimeoutError:
                 pass
     finally:
@@ -133,9 +149,26 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None,
             reader.cancel()
 
 
-async def _pumped(chunks: Iterator[Any]) -> AsyncIterator[list[tuple[str, Any]]]:
+def first_chunk_late(deadline_s: float) -> DeadlineMissedError:
+    """The answer to a stream that gave no item within its own deadline (`deadline_s`)."""
+    return DeadlineMissedError(f"the stream's deadline ({deadline_s * 1e3:.1f} ms) passed before its first chunk; "
+                               "the stream was cancelled. Give it a later deadline, or add replicas or lower the load",
+                               waited_s=deadline_s, deadline_s=deadline_s)
+
+
+async def _pumped(chunks: Iterator[Any], first_by: float | None = None,
+                  deadline_s: float | None = None) -> AsyncIterator[list[tuple[str, Any]]]:
     pump = StreamPump(chunks, name="phyai-stream-pump")
     try:
+        if first_by is not None:  # its first item by then, else it ends missed (closing the pump cancels it)
+            try:
+                items = await asyncio.wait_for(pump.get_ready(), timeout=max(first_by - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                yield [("error", first_chunk_late(deadline_s))]
+                return
+            yield items
+            if items[-1][0] != "chunk":
+                return
         while True:
             items = await pump.get_ready()
             yield items

@@ -140,28 +140,39 @@ class Engine(EngineControl):
                 for e in list(self._executors)]
 
     def stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
-               timeout: float | None = None) -> Iterator[Any]:
+               timeout: float | None = None, deadline_s: float | None = None) -> Iterator[Any]:
         """Yield the output rank's partial outputs as the plugin produces them (its `stream(request, emit)`).
 
         The generator's return value (`StopIteration.value`) is the request's final result. Leaving
         the loop early (break, close(), garbage collection) cancels: every rank stops at the same
         step and the replica is free for the next request. At most `max_buffered` chunks wait
         unread. `timeout` bounds the whole stream (default: execution_timeout_s plus a grace).
+        `deadline_s` (seconds from now): its first chunk must come by then, else DeadlineMissedError
+        (as `open_stream`); a stream with its first chunk streams on to its end.
         """
-        future, reader = self.open_stream(request, session=session, max_buffered=max_buffered)
-        return (yield from self.read_stream(future, reader, timeout))
+        future, reader = self.open_stream(request, session=session, max_buffered=max_buffered, deadline_s=deadline_s)
+        return (yield from self.read_stream(future, reader, timeout, deadline_s))
 
-    def read_stream(self, future: Future, reader: Any, timeout: float | None = None) -> Iterator[Any]:
+    def read_stream(self, future: Future, reader: Any, timeout: float | None = None,
+                    deadline_s: float | None = None) -> Iterator[Any]:
         """`stream`'s loop over a stream `open_stream` opened: its chunks, then (as the generator's
-        value) its result; leaving early cancels it. `timeout` bounds the whole stream."""
+        value) its result; leaving early cancels it. `timeout` bounds the whole stream; with
+        `deadline_s`, a stream with no chunk that long after this call is cancelled, DeadlineMissedError."""
         deadline = time.monotonic() + (timeout if timeout is not None else self._default_wait_s())
+        first_by = None if deadline_s is None else time.monotonic() + deadline_s
         done = False
         try:
             while not done:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"stream() passed its {timeout or self._default_wait_s():.1f}s deadline")
-                chunks, done = reader.read(min(left, 0.5))
+                wait_s = min(left, 0.5) if first_by is None else min(left, 0.5, max(first_by - time.monotonic(), 0))
+                chunks, done = reader.read(wait_s)
+                if chunks:
+                    first_by = None
+                elif first_by is not None and not done and time.monotonic() >= first_by:
+                    from phyai_ray.async_streams import first_chunk_late
+                    raise first_chunk_late(deadline_s)
                 yield from chunks
                 if not done and future.done() and future.exception() is not None:
                     raise future.exception()
@@ -175,16 +186,19 @@ class Engine(EngineControl):
         """Whether the replicas run the plugin's iteration protocol (continuous batching)."""
         return bool(self._executors) and all(e.iterative for e in self._executors)
 
-    def open_stream(self, request: Any, *, session: Any = None,
-                    max_buffered: int = DEFAULT_MAX_BUFFERED) -> tuple[Future, Any]:
+    def open_stream(self, request: Any, *, session: Any = None, max_buffered: int = DEFAULT_MAX_BUFFERED,
+                    deadline_s: float | None = None) -> tuple[Future, Any]:
         """The parts `stream` is built on, for consumers with a loop of their own: the request's future
         and a reader (`phyai_ray.streams.LocalReader` describes the protocol): `read(timeout_s) ->
         (chunks, done)`, `cancel()`, and `subscribe(wake)`, True when the reader calls `wake()` after
         every chunk and at the end, so an asyncio consumer needs no thread per stream
-        (`phyai_ray.async_streams.stream_items`)."""
+        (`phyai_ray.async_streams.stream_items`). `deadline_s` (seconds from now): its first chunk's
+        deadline; the iteration loop admits it only if an iteration fits and drops it past the
+        deadline without a chunk (a step-path stream is held to it by its reader: `read_stream`)."""
         self._check_open()
         request = checked(self.entry, request)
-        return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered), session)
+        deadline = _deadline(deadline_s)
+        return self._dispatcher.route(lambda e: e.submit_stream(request, max_buffered, deadline), session)
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, replica: int | None = None,
                        all_ranks: bool = False, **kwargs: Any) -> Any:

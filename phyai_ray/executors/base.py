@@ -121,11 +121,11 @@ class ScheduledReplica:
             # future, so a stream of step() calls leaves no garbage for the cyclic collector to find
         return future
 
-    def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
+    def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None) -> tuple[Future, Any]:
         """Queue a streamed request; returns its future (the final result) and a chunk reader."""
         if self._failure is not None:
             raise self.unavailable_error()
-        return self.queue.submit_stream(request, max_buffered)
+        return self.queue.submit_stream(request, max_buffered, deadline)
 
     def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
                        all_ranks: bool = False) -> Future:

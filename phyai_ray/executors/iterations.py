@@ -11,15 +11,14 @@ A sequence joins at the next iteration and leaves the one it ends in, so a short
 admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
 (`scheduling="deadline"`: a request's own deadline, else when it expires) or in arrival order
 ("fifo"); a request none of whose sequences got a slot by its own deadline is answered with
-DeadlineMissedError and never runs. Finish-by admission: a request with its own deadline is
-admitted (at submit, and again when it reaches the head) only if its planned iterations
-(`SequenceSpec.steps`; a stream: one, for its first chunk) x the loop's recent iteration time end
-before that deadline; else it is answered DeadlineMissedError at once, naming the estimate
-(sequences.py says what each deadline asks for). Requests keep the engine's contract: a future per request
-(`cancel()` drops its sequences at the next iteration and frees their slots, whenever it is
-called), `RequestTimeoutError` past `execution_timeout_s` (dropped likewise), exact counts
-(`queued`: no sequence admitted yet; `dispatched`: some running). Control at iteration
-boundaries (pause, sleep, weight updates): iteration_control.py.
+DeadlineMissedError and never runs. Finish-by: at submit and at the head, a request with its own
+deadline stays only if its planned iterations (`SequenceSpec.steps`; a stream: 1, its first chunk)
+x the recent iteration time end before it; else it is answered at once (sequences.py: the rules).
+Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
+next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
+`execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
+`dispatched`: some running). Control at iteration boundaries (pause, sleep, weight updates):
+iteration_control.py.
 
 The loop is a part of its replica, with explicit collaborators: it never runs plugin code on the
 ranks itself. Each iteration goes through `run_iteration(plan)` (the replica's scheduler, whose
@@ -107,11 +106,11 @@ class IterationLoop(IterationControl):
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
-        req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
         if deadline is None and self.default_deadline_s is not None:  # due then, not failed then
             req.order = min(req.order, req.submitted + self.default_deadline_s)
         future.work = req
         if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
+            req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
             missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
             if missed is not None:
                 self._settle([(req, None, missed)])
@@ -222,7 +221,9 @@ class IterationLoop(IterationControl):
                     return
                 now = time.monotonic()
                 settle += self._expire(now)
-                plan = self._plan() if self._can_iterate() else None
+                plan = self._plan(settle) if self._can_iterate() else None
+                if plan is not None and plan[0].empty and not self._running:
+                    plan = None  # every waiting head was refused by its deadline: nothing to run
                 if plan is None and not settle:
                     if not self._requests and not self._to_drop and now - idle_since >= _IDLE_EXIT_S:
                         self._thread = None
@@ -241,20 +242,21 @@ class IterationLoop(IterationControl):
             return False
         return bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
 
-    def _plan(self) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
-        """Lock held: this iteration's drops, rebuilds and admissions."""
+    def _plan(self, settle: list) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
+        """Lock held: this iteration's drops, rebuilds and admissions (refused requests go to `settle`)."""
         drop, self._to_drop = tuple(self._to_drop), []
         rebuild = [s for s in self._running.values() if s.stale]
-        admitted = self._admit() if self._n_waiting and self._admitting else []
+        admitted = self._admit(settle) if self._n_waiting and self._admitting else []
         for seq in admitted:
             seq.request.future.batch_size = len(self._running)
         plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
                              recompute=tuple(s.ident for s in rebuild))
         return plan, admitted, rebuild
 
-    def _admit(self) -> list[LoopSequence]:
+    def _admit(self, settle: list) -> list[LoopSequence]:
         """Lock held: the waiting sequences the policy admits, head first; its first refusal ends the
-        round (nothing overtakes the sequence it refused)."""
+        round (nothing overtakes the sequence it refused). A head whose request can no longer meet its
+        own deadline (finish-by, see the module docstring) leaves instead, answered in `settle`."""
         self.policy.begin(Candidates(list(self._running.values())))
         admitted: list[LoopSequence] = []
         while self._waiting:
@@ -262,6 +264,13 @@ class IterationLoop(IterationControl):
             if seq.state != "waiting":  # its request left (cancelled, expired, aborted)
                 self._waiting.popleft()
                 continue
+            req = seq.request
+            if req.deadline is not None and not req.admitted:
+                missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
+                if missed is not None:
+                    self._forget(req)  # its sequences are "done" now: the next turns pop them
+                    settle.append((req, None, missed))
+                    continue
             if not self.policy.admit(seq.candidate()):
                 break
             self._waiting.popleft()
@@ -271,7 +280,7 @@ class IterationLoop(IterationControl):
             if not seq.request.admitted:
                 seq.request.admitted = True
                 self._queued -= 1
-                if seq.request.late != "drop":  # its own deadline asked for a slot: it has one
+                if seq.request.until == "slot":  # its own deadline asked for a slot: it has one
                     self._deadlines.discard(seq.request)
                 seq.request.future.started = time.monotonic()
             admitted.append(seq)
@@ -291,6 +300,7 @@ class IterationLoop(IterationControl):
             self._in_flight = False
             self.iterations += 1
             self._durations.append(time.monotonic() - now)
+            self.service.record(self._durations[-1])
             if error is not None:
                 settle = self._fail_running(error)
             else:
@@ -322,6 +332,8 @@ class IterationLoop(IterationControl):
                     self._deadlines.discard(seq.request)
                     ended.append(seq.request)
         for req, changed in touched.values():
+            if req.until == "chunk":  # its own deadline asked for a first chunk: it has one now
+                self._deadlines.discard(req)
             stream_chunk(req, changed)
         return [self._ended(req) for req in ended]
 
@@ -344,13 +356,15 @@ class IterationLoop(IterationControl):
 
     def _expire(self, now: float) -> list:
         """Lock held: requests past `expires` leave (running sequences are dropped next iteration);
-        requests past their own deadline with no slot yet are answered without running."""
+        requests past their own deadline and still owing what it asks for are answered missed."""
         missed = []
-        for req in self._deadlines.due(now):
-            if req in self._requests and (not req.admitted or req.late == "drop"):
-                self._forget(req)  # a running one (late="drop"): its sequences leave at the next iteration
-                missed.append((req, None, deadline_missed(self.index, now - req.submitted,
-                                                          req.deadline - req.submitted, late_result=req.admitted)))
+        for req in self._deadlines.due(now):  # only requests still owing what their deadline asks for
+            if req in self._requests:
+                self._forget(req)  # a running one (late="drop", a stream): its sequences leave next iteration
+                error = first_chunk_missed(self.index, req, now) if req.admitted and req.until == "chunk" else \
+                    deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
+                                    late_result=req.admitted)
+                missed.append((req, None, error))
         expired = list(itertools.takewhile(lambda r: r.expires <= now, self._requests))
         for req in expired:
             self._forget(req)

@@ -28,7 +28,9 @@ class RequestQueue(Protocol):
     def submit(self, request: Any, *, key: Any = None, size: int = 1, deadline: float | None = None,
                late: str = "finish") -> Any: ...
 
-    def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]: ...
+    def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None) -> tuple[Any, Any]:
+        """`deadline`: the first chunk's (monotonic); the iteration loop admits and drops by it, a
+        StepQueue leaves it to the stream's reader (Engine.read_stream, async_streams.stream_items)."""
 
     def counts(self) -> Counts:
         """Requests it holds beyond the scheduler's own (a StepQueue's are the scheduler's)."""
@@ -60,7 +62,7 @@ class StepQueue:
         return self._scheduler.submit(STEP, payload, self._limit_s, key=key, size=size,
                                       weight=self._ranks.weight(payload), deadline=deadline, late=late)
 
-    def submit_stream(self, request: Any, max_buffered: int) -> tuple[Any, Any]:
+    def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None) -> tuple[Any, Any]:
         payload, reader_for = self._ranks.stream(request, max_buffered)
         future = self._scheduler.submit(STREAM, payload, self._limit_s)
         return future, reader_for(future)

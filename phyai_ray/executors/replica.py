@@ -39,8 +39,9 @@ class Replica(Protocol):
         once, queueing nothing. `deadline`: the request's own (monotonic seconds); `late`: "drop"
         answers a result ready after it as missed."""
 
-    def submit_stream(self, request: Any, max_buffered: int) -> tuple[Future, Any]:
-        """Queue a streamed request: its future and a reader (`phyai_ray.streams.LocalReader`)."""
+    def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None) -> tuple[Future, Any]:
+        """Queue a streamed request: its future and a reader (`phyai_ray.streams.LocalReader`);
+        `deadline`: its first chunk's (monotonic; see queues.RequestQueue.submit_stream)."""
 
     def collective_rpc(self, method: str, args: tuple, kwargs: dict, timeout_s: float,
                        all_ranks: bool = False) -> Future:
