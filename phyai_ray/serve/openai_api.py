@@ -1,7 +1,8 @@
 """OpenAI-compatible routes for token plugins (`Entry.generates_tokens = True`: reference_lm, hf_causal_lm).
 
     POST /v1/completions        prompt as text or token ids (one, or a list); max_tokens, temperature,
-                                top_p, seed, stop (strings, or token ids), logprobs, n, stream
+                                top_p, seed, stop (strings, or token ids), logprobs, n, stream;
+                                deadline_ms (an extension) or X-Request-Deadline-Ms (openai_common.py)
     POST /v1/chat/completions   messages through the checkpoint's chat template (`serve/openai_chat.py`)
     GET  /v1/models             one model: `--model-name`, else the plugin's (hf_causal_lm: the folder's name)
 
@@ -31,11 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
 from phyai_ray.serve.openai_chat import add_chat_route
-from phyai_ray.serve.openai_common import OpenAIError, finish_reason, generation_request, openai_error, sse
+from phyai_ray.serve.openai_common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
+                                           openai_error, sse)
 from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
 from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.timing import DEADLINE_HEADER, deadline_ms
+from phyai_ray.serve.timing import DEADLINE_HEADER
 from phyai_ray.validation import Validated, validate
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
@@ -103,28 +105,20 @@ def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
     @api.post("/v1/completions", tags=["openai"], summary="Completions (OpenAI-compatible, token ids)")
     async def completions(body: dict[str, Any], http: Request) -> Any:
         try:  # parsing, size checks, the n copies and the plugin's validator (once): off the event loop
-            deadline_s = request_deadline(http)
+            deadline = RequestDeadline(http.headers.get(DEADLINE_HEADER), body.get("deadline_ms"))
             request, checked, choices = await asyncio.to_thread(_prepare, runner, body, name)
             codec = usable(text_codec(runner.entry))
             if request.stream:
                 chunks = CompletionChunks(request, name, codec, choices)
-                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overloaded),
+                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overloaded, deadline),
                                          media_type="text/event-stream")
-            outputs = await runner.run(checked, deadline_s=deadline_s)
+            outputs = await runner.run(checked, deadline_s=deadline.left())
             return JSONResponse(_completion(outputs, request, name, codec))
         except Exception as exc:  # a bad body, engine errors: OpenAI's shape, the failure table's status
             return openai_error(exc, overload_status=overloaded).response()
 
     if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
         add_chat_route(api, runner, name, stream_interval=stream_interval, overload_status=overloaded)
-
-
-def request_deadline(http: Request) -> float | None:
-    """`X-Request-Deadline-Ms` in seconds (None without it); a bad value is a 400 naming the header."""
-    try:
-        return deadline_ms(http.headers.get(DEADLINE_HEADER), "X-Request-Deadline-Ms")
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc), param="X-Request-Deadline-Ms") from None
 
 
 def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRequest, Validated, int]:

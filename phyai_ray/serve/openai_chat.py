@@ -11,7 +11,8 @@ The messages go through the checkpoint's chat template with `add_generation_prom
 tokenized without adding special tokens again, and run as `n` sequences of one request. Honoured:
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
 logprobs with top_logprobs (each token's log-probability and its k most likely alternatives),
-stream, chat_template_kwargs (more template variables). Content as text parts is joined into one
+stream, chat_template_kwargs (more template variables), deadline_ms (an extension; or the
+X-Request-Deadline-Ms header: see openai_common.py). Content as text parts is joined into one
 string. Bad input (no messages, an unknown role, a message without content, a template that refuses
 the chat, messages over max_model_len x CHARS_PER_TOKEN characters, a prompt longer than the model
 takes) is a 400 in OpenAI's error shape, and so is any of tools, tool_choice, functions,
@@ -26,11 +27,13 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.openai_common import OpenAIError, finish_reason, generation_request, openai_error, sse
+from phyai_ray.serve.openai_common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
+                                           openai_error, sse)
+from phyai_ray.serve.timing import DEADLINE_HEADER
 from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
 from phyai_ray.validation import Validated, validate
 
@@ -83,14 +86,15 @@ class ChatRequest(BaseModel):
 def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int = 1,
                    overload_status: int = 503) -> None:
     @api.post("/v1/chat/completions", tags=["openai"], summary="Chat completions (OpenAI-compatible)")
-    async def chat(body: dict[str, Any]) -> Any:
+    async def chat(body: dict[str, Any], http: Request) -> Any:
         try:  # template, tokenization and checks (the plugin's validator once) off the event loop
+            deadline = RequestDeadline(http.headers.get(DEADLINE_HEADER), body.get("deadline_ms"))
             request, checked, codec, prompt_tokens = await asyncio.to_thread(_prepare, runner, body, name)
             if request.stream:
                 chunks = ChatChunks(request, name, codec, request.n)
-                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overload_status),
+                return StreamingResponse(sse(runner, checked, chunks, stream_interval, overload_status, deadline),
                                          media_type="text/event-stream")
-            outputs = await runner.run(checked)
+            outputs = await runner.run(checked, deadline_s=deadline.left())
             return JSONResponse(_response(outputs, request, name, codec, prompt_tokens))
         except Exception as exc:
             return openai_error(exc, overload_status=overload_status).response()

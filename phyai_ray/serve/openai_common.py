@@ -4,18 +4,29 @@
     openai_error(exc).response()             # any failure in OpenAI's shape, with its failure-table status
     generation_request([[1, 2]], n=2, ...)    # the token plugins' request: every prompt n times
     StreamingResponse(sse(runner, checked, chunks), media_type="text/event-stream")
+    deadline = RequestDeadline(http.headers.get("x-request-deadline-ms"), body.get("deadline_ms"))
 
 The bottom of the three OpenAI modules: `openai_text.py` (prompts, stop strings, streamed text),
 `openai_chat.py` (/v1/chat/completions) and `openai_api.py` (/v1/completions, /v1/models, and
 mounting both) import it, and it imports none of them. A request the plugin refuses is a 400
 (`invalid_request_error`, `param` the field when known); every other failure has its row of the
 failure table (`serve/error_map.py`).
+
+Deadlines (both routes, streamed or not): the `X-Request-Deadline-Ms` header, or `deadline_ms` in
+the body (an extension of OpenAI's API: `extra_body={"deadline_ms": 150}` in the openai client),
+in milliseconds from the request's arrival; the earlier one when both are given. A whole request
+must meet it (finish-by: max_tokens x the loop's recent iteration time must fit), else it is a 504
+`deadline_missed` at once. A stream must deliver its first chunk by it; one that cannot is answered
+with an SSE error event (code 504) and `data: [DONE]`, not a 504 status: the response's 200 and
+headers go out when the route returns, before the stream opens, and a proxy or client then sees the
+stream start at once instead of waiting with no byte; the openai client raises `APIError` from it.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from typing import Any, AsyncIterator
 
 from pydantic import ValidationError
@@ -23,9 +34,11 @@ from starlette.responses import JSONResponse
 
 from phyai_ray.outputs import entry_values
 from phyai_ray.serve.error_map import classify
+from phyai_ray.serve.timing import deadline_ms
 
 BAD_REQUEST = 400  # OpenAI's status for a request at fault, the plugin's refusal included
-OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error"}  # every other server kind: server_error
+OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error",  # every other server kind: server_error
+                "deadline_missed": "deadline_missed"}  # as every other protocol names it (error_map.py)
 
 
 class OpenAIError(Exception):
@@ -41,14 +54,41 @@ class OpenAIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-async def sse(runner: Any, request: Any, chunks: Any, interval: int = 1,
-              overload_status: int = 503) -> AsyncIterator[str]:
+class RequestDeadline:
+    """A request's own deadline from `X-Request-Deadline-Ms` (`header`) and the body's `deadline_ms`
+    (see the module docstring), held from its arrival: `left()` is the seconds that remain (None:
+    no deadline; a spent one leaves a microsecond, which the engine answers as missed). A bad value
+    is a 400 naming the header or the field."""
+
+    def __init__(self, header: Any, body: Any) -> None:
+        self.received = time.monotonic()
+        given = []
+        for value, where in ((header, "X-Request-Deadline-Ms"), (body, "deadline_ms")):
+            try:
+                seconds = deadline_ms(value, where)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param=where) from None
+            if seconds is not None:
+                given.append(seconds)
+        self.seconds = min(given, default=None)
+
+    def left(self) -> float | None:
+        if self.seconds is None:
+            return None
+        return max(self.seconds - (time.monotonic() - self.received), 1e-6)
+
+
+async def sse(runner: Any, request: Any, chunks: Any, interval: int = 1, overload_status: int = 503,
+              deadline: RequestDeadline | None = None) -> AsyncIterator[str]:
     """Server-sent events of one streamed generation, rendered by `chunks` (`tokens`, `end`, `finished`);
     leaving early (disconnect), or every choice stopping, cancels the generation.
 
     One write carries every event waiting; after the first token (written at once) a write waits
-    until `interval` token steps are there, or the stream ended. `request` is the plugin's, validated."""
-    items, final = runner.stream(request), []  # forwarded when this group failed; open as a session meanwhile
+    until `interval` token steps are there, or the stream ended. `request` is the plugin's, validated.
+    `deadline`: the first chunk's (see the module docstring)."""
+    left = deadline.left() if deadline is not None else None
+    items = runner.stream(request) if left is None else runner.stream(request, deadline_s=left)
+    final: list = []  # forwarded when this group failed; open as a session meanwhile
     try:
         ended, events, steps, written = False, [], 0, False
         async for ready in items:
