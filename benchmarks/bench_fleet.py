@@ -201,7 +201,7 @@ def part_c(port: int, frames: int) -> list[str]:
     group = Session(0, None, 5000.0)
     asyncio.run(drive_count(group, url, frames))
     direct = Session(0, None, 5000.0)
-    ports = direct_ports(timeout_s=10)
+    ports = direct_ports("fleet", timeout_s=10)
     if ports:
         asyncio.run(drive_count(direct, f"ws://127.0.0.1:{ports[0]}/v1/openpi", frames))
     bare_port = port + 1

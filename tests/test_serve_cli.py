@@ -22,7 +22,7 @@ from phyai_ray.errors import ParallelConfigError
 from phyai_ray.serve import codec
 from phyai_ray.serve.options import API_KEY_ENV, ServeOptions, app_arg_keys, parse_app_args
 from tests.helpers import (REPO, console_script, free_port, kill_leftovers, post_step, stop_and_check, wait_for_log,
-                           wait_ready)
+                           wait_ready, wait_until)
 from tests.plugins.tiny import reference
 
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
@@ -204,6 +204,69 @@ def test_direct_ingress_gives_the_group_a_port_of_its_own_with_the_same_key_chec
         stop_and_check(proc, started)
     finally:
         _cleanup(proc, started, log)
+
+
+def test_direct_ingress_lists_each_groups_own_port_and_a_replaced_groups_new_one(tmp_path: Path) -> None:
+    """/v1/replicas lists the group's own direct port (`direct_port`), which answers; another listener in
+    Serve's port range is no group's and is not printed; once Serve has replaced the group (its replica
+    killed), the route lists the new group's port, which answers, and the gone group's no more."""
+    import re
+    import signal
+
+    import requests
+
+    stray = _listen_in_range(30040, 30064)  # the range a scan of Serve's ports would have taken it from
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = start_server(tmp_path, port, "--direct-ingress")
+    started: set[int] = set()
+    auth = {"Authorization": "Bearer cli-key"}
+
+    def serving() -> list[dict]:
+        try:
+            rows = requests.get(f"{url}/v1/replicas", headers=auth, timeout=5).json()["replicas"]
+        except (requests.RequestException, ValueError, KeyError):  # the proxy while no group is up
+            return []
+        return [r for r in rows if r["state"] == "serving" and r["direct_port"] is not None]
+
+    def answers(row: dict) -> bool:
+        reply = post_step(f"http://{row['direct_host']}:{row['direct_port']}", {"x": torch.ones(1, 8)}, key="cli-key")
+        return reply.status_code == 200 and torch.equal(codec.decode(reply.json()["result"])["y"],
+                                                        reference(torch.ones(1, 8)))
+
+    try:
+        wait_ready(proc, url, 150, log)
+        wait_for_log(log, "direct port:", 60)
+        printed = [int(p) for p in re.findall(r"direct port: http://127\.0\.0\.1:(\d+)", log.read_text())]
+        first = wait_until(serving, 30, "the group to report its direct port")[0]
+        assert printed == [first["direct_port"]] and stray.getsockname()[1] not in printed, (printed, first)
+        assert first["direct_host"] == "127.0.0.1" and answers(first)
+        os.kill(first["replica_pid"], signal.SIGKILL)  # Serve replaces the group: a new replica, a new port
+        second = wait_until(lambda: [r for r in serving() if r["group"] != first["group"]], 120,
+                            "the replacement group to report its direct port")[0]
+        assert answers(second), second
+        rows = requests.get(f"{url}/v1/replicas", headers=auth, timeout=10).json()["replicas"]
+        assert [r["direct_port"] for r in rows if r["group"] == first["group"] and r["state"] == "gone"] in ([], [None])
+        stop_and_check(proc, started)
+    finally:
+        stray.close()
+        _cleanup(proc, started, log)
+
+
+def _listen_in_range(low: int, high: int) -> "socket.socket":
+    """A listener of this test process on the first free port of low..high-1."""
+    import socket
+
+    for candidate in range(low, high):
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen()
+        return sock
+    raise AssertionError(f"no free port in {low}..{high - 1} for the stray listener")
 
 
 def test_sigterm_while_the_app_starts_still_shuts_down_cleanly(tmp_path: Path) -> None:

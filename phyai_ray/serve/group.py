@@ -32,6 +32,7 @@ from ray import serve
 from phyai_ray.config.deployment import DeploymentConfig, PlacementSpec
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.errors import DeploymentConfigError
+from phyai_ray.serve.direct import enabled as direct_ingress, own_direct_port
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.oip_grpc import OipGrpcMethods
 from phyai_ray.serve.options import ServeOptions
@@ -142,6 +143,8 @@ class ReplicaGroup(OipGrpcMethods):
         while True:
             try:
                 counts = self.api.state.metrics.request_counts() if self.api is not None else ()
+                if self.runner.direct is None and direct_ingress():  # Serve opens it after __init__
+                    self.runner.direct = own_direct_port()
                 report = self.runner.report(counts)
                 self._publish_failed()
                 self.runner.view = await asyncio.wait_for(_awaited(self.registry.report.remote(report)), 5.0)

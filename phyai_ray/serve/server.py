@@ -15,13 +15,13 @@ import logging
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.raystart import ensure_ray, plan_cpus
+from phyai_ray.serve.direct import DIRECT_INGRESS_ENV, direct_ports
 from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     With `blocking=False` the running `Server` is returned; call its `shutdown()`.
     `direct_ingress`: every group's Serve replica also listens on a port of its own (Ray Serve's
     direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1, set for the Ray instance started here), so a
-    robot's frames skip the proxy; the ports are printed once serving (`direct_ports`).
+    robot's frames skip the proxy; the groups' own ports are printed once serving (`direct_ports`) and
+    listed by `/v1/replicas`, a replaced group's new port too.
     """
     from phyai_ray.serve.app import create_app
 
@@ -113,7 +114,7 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     if options.grpc_port is not None:
         print(f"phyai-ray: Open Inference Protocol gRPC at {host}:{options.grpc_port}", flush=True)
     if direct_ingress:
-        for direct in direct_ports():
+        for direct in direct_ports(APP_NAME):
             print(f"phyai-ray: a replica group's direct port: http://{host}:{direct} (ws://{host}:{direct}/v1/openpi)",
                   flush=True)
     if not blocking:
@@ -131,29 +132,6 @@ def _deploy(app: Any, host: str, port: int, grpc_port: int | None = None) -> Non
 
     serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options(grpc_port))
     serve.run(app, name=APP_NAME, route_prefix="/")
-
-
-DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
-
-
-def direct_ports(host: str = "127.0.0.1", timeout_s: float = 30.0) -> list[int]:
-    """The ports Serve's direct ingress gave this node's groups (its HTTP range, from
-    RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, 30000 by default): those that accept a connection once
-    the first does, or none after `timeout_s`."""
-    import socket
-
-    low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = []
-        for port in range(low, low + 64):
-            with socket.socket() as sock:
-                sock.settimeout(0.05)
-                if sock.connect_ex((host, port)) == 0:
-                    found.append(port)
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.5)
 
 
 def grpc_options(port: int | None) -> dict[str, Any] | None:
