@@ -115,8 +115,9 @@ def _image_processor():
     return CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
-def build_wan_i2v(folder: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random WanImageToVideoPipeline folder (the Wan 2.1 I2V layout) at `folder`.
+def build_wan_i2v(folder: Path, *, first_last: bool = False, seed: int = 0) -> Path:
+    """Write a tiny random WanImageToVideoPipeline folder (the Wan 2.1 I2V layout) at `folder`; with
+    `first_last`, the first-last-frame layout (FLF2V: the transformer's pos_embed_seq_len = 2 x 17 tokens).
 
     The transformer takes 16 noisy + 4 mask + 16 condition = 36 channels and the CLIP tower's
     second-to-last hidden states through `image_dim` / `added_kv_proj_dim`; the VAE, text encoder and
@@ -134,7 +135,7 @@ def build_wan_i2v(folder: Path, *, seed: int = 0) -> Path:
                                         in_channels=16 + 4 + 16, out_channels=16, text_dim=32, freq_dim=32,
                                         ffn_dim=32, num_layers=2, cross_attn_norm=True,
                                         qk_norm="rms_norm_across_heads", rope_max_seq_len=32, image_dim=32,
-                                        added_kv_proj_dim=24).eval()
+                                        added_kv_proj_dim=24, pos_embed_seq_len=2 * 17 if first_last else None).eval()
     vae, image_encoder = _vae(False), _image_encoder()
     for module in (text_encoder, transformer, vae, image_encoder):
         _perturb(module, gen)

@@ -59,7 +59,8 @@ _PIPES: dict = {}
 
 
 def reference(folder, request: dict, output_type: str = "latent") -> torch.Tensor:
-    """What WanImageToVideoPipeline gives for `request` alone (latents without the batch axis, or the float video).
+    """What WanImageToVideoPipeline gives for `request` alone (latents without the batch axis, or the float
+    video), its image (and last image) given as PIL images of the request's arrays.
 
     diffusers' I2V pipeline calls ftfy.fix_text unconditionally (WanPipeline only when ftfy is installed);
     without ftfy it gets the identity, which is what WanPipeline, and so the plugin, applies then."""
@@ -73,7 +74,9 @@ def reference(folder, request: dict, output_type: str = "latent") -> torch.Tenso
     if folder not in _PIPES:
         _PIPES[folder] = WanImageToVideoPipeline.from_pretrained(folder)
         _PIPES[folder].set_progress_bar_config(disable=True)
-    kwargs = {k: v for k, v in request.items() if k not in ("seed", "output_type", "image")}
+    kwargs = {k: v for k, v in request.items() if k not in ("seed", "output_type", "image", "last_image")}
+    if request.get("last_image") is not None:
+        kwargs["last_image"] = Image.fromarray(request["last_image"])
     with torch.no_grad():
         out = _PIPES[folder](image=Image.fromarray(request["image"]), **kwargs,
                              generator=torch.Generator("cpu").manual_seed(request.get("seed", 0)),
@@ -144,6 +147,30 @@ def test_the_image_is_encoded_once_at_admission_and_a_late_request_joins(folder)
     torch.testing.assert_close(done[2]["video"], reference(folder, b), rtol=0, atol=1e-5)
 
 
+def test_first_last_frame_folders_equal_the_pipeline_alone_and_batched(tmp_path):
+    """FLF2V: `last_image` ends the clip and joins the CLIP call; two requests batched per step pair their
+    image rows in job order (1e-5), one alone equals the pipeline (1e-6); last_image is required there."""
+    flf = build_wan_i2v(tmp_path / "flf2v", first_last=True, seed=1)
+    alone = {**BASE, "image": picture(7), "last_image": picture(8, 32, 40), "num_inference_steps": 3,
+             "guidance_scale": 4.0, "seed": 9}
+    other = {**BASE, "prompt": "a cat", "image": picture(10), "last_image": picture(11), "num_inference_steps": 2,
+             "guidance_scale": 1.0, "seed": 10}
+    with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(flf)})) as engine:
+        got = engine.step({**alone, "output_type": "latent"})["video"]
+        torch.testing.assert_close(got, reference(flf, alone), rtol=0, atol=1e-6)
+        no_last = engine.step({**alone, "last_image": picture(12), "output_type": "latent"})["video"]
+        assert (no_last - got).abs().max() > 1e-3, "the last frame conditions the video"
+        engine.pause(mode="keep")
+        futures = [engine.submit({**r, "output_type": "latent"}) for r in (alone, other)]
+        engine.resume()
+        wait(futures, timeout=120)
+        assert max(f.timing()["batch_size"] for f in futures) == 2
+        for future, request in zip(futures, (alone, other)):
+            torch.testing.assert_close(future.result()["video"], reference(flf, request), rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match=r"first-last-frame folder .* needs `last_image`"):
+            engine.step({**alone, "last_image": None})
+
+
 def _counted(function, calls: dict, name: str):
     def counted(*args, **kwargs):
         calls[name] += 1
@@ -157,7 +184,7 @@ def _counted(function, calls: dict, name: str):
     ({"image": np.zeros((32, 32, 3), np.float32)}, r"image must be uint8 \[H, W, 3\].*got float32"),
     ({"video": np.zeros((5, 32, 32, 3), np.uint8)}, r"conditions on one `image`; `video` is for Cosmos"),
     ({"max_sequence_length": 16}, r"max_sequence_length=16: .* at 512 text tokens"),
-    ({"last_image": np.zeros((32, 32, 3), np.uint8)}, r"unknown request fields \['last_image'\]"),
+    ({"last_image": np.zeros((32, 32, 3), np.uint8)}, r"last_image needs a first-last-frame folder"),
     ({"num_frames": 10}, r"num_frames=10 breaks the rule num_frames = 4k\+1"),
 ])
 def test_bad_requests_are_refused_naming_the_field_and_the_engine_serves_on(engine, folder, change, rule):
@@ -186,7 +213,8 @@ def _edited(folder, tmp_path, name, index=None, transformer=None, remove=None):
     ({"remove": "image_processor"}, r"needs component 'image_processor'"),
     ({"index": {"boundary_ratio": 0.9}}, r"model_index.json: WanImageToVideoPipeline with boundary_ratio=0.9"),
     ({"index": {"expand_timesteps": True}}, r"model_index.json: .* expand_timesteps=true .* is not supported"),
-    ({"transformer": {"pos_embed_seq_len": 34}}, r"transformer/config.json: .* pos_embed_seq_len=34"),
+    ({"transformer": {"pos_embed_seq_len": 30}}, r"transformer/config.json: pos_embed_seq_len=30 is not 2 x the "
+                                                 r"image encoder's 17 tokens"),
 ])
 def test_bad_folders_are_refused_before_any_rank_starts(folder, tmp_path, edit, rule):
     bad = _edited(folder, tmp_path, "bad", **edit)

@@ -73,7 +73,8 @@ class DiffusersPipelineEntry(Entry):
                       spatial=int(vae.get("scale_factor_spatial") or 8),
                       patch=tuple(int(p) for p in tf.get("patch_size", (1, 2, 2))),
                       two_experts=folder.index.get("boundary_ratio") is not None,
-                      conditioning=folder.class_name in ("Cosmos2_5_PredictBasePipeline", "WanImageToVideoPipeline"))
+                      conditioning=folder.class_name in ("Cosmos2_5_PredictBasePipeline", "WanImageToVideoPipeline"),
+                      last_image=folder.class_name == "WanImageToVideoPipeline")
 
     def served_name(self) -> str:
         return self._folder().path.resolve().name
@@ -99,7 +100,7 @@ class DiffusersPipelineEntry(Entry):
         elif self._folder().class_name == "WanImageToVideoPipeline":
             from phyai_ray.models.diffusers_pipeline.wan_i2v import i2v_request
 
-            request = i2v_request(request)
+            request = i2v_request(request, self._folder())
         return VideoRequest.parse(request, self._limits_checked())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:

@@ -12,10 +12,12 @@
      "output_type": "uint8",                            "uint8" video [frames, H, W, 3] (default),
                                                         "float" the same in [0, 1], "latent" the final
                                                         latents [C, F, h, w]
-     "image": None, "video": None}                      Cosmos: uint8 [H, W, 3] (image-to-world) or
+     "image": None, "video": None,                      Cosmos: uint8 [H, W, 3] (image-to-world) or
                                                         [frames, H, W, 3] (video-to-world); the Cosmos
                                                         defaults and rules are cosmos.py's (`cosmos_request`);
                                                         WanImageToVideoPipeline: `image` required (wan_i2v.py)
+     "last_image": None}                                WanImageToVideoPipeline first-last-frame folders:
+                                                        the last frame, uint8 [H, W, 3] (required there)
 
 Where diffusers rounds a bad size down with a warning, a request here is refused with the rule
 named: num_frames must be 4k+1 (the VAE's temporal factor), height and width multiples of the VAE's
@@ -31,7 +33,7 @@ from phyai_ray.errors import PhyAIError
 
 OUTPUT_TYPES = ("uint8", "float", "latent")
 FIELDS = ("prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps", "guidance_scale",
-          "guidance_scale_2", "seed", "max_sequence_length", "output_type", "image", "video")
+          "guidance_scale_2", "seed", "max_sequence_length", "output_type", "image", "video", "last_image")
 
 
 class VideoRequestError(PhyAIError, ValueError):
@@ -47,6 +49,7 @@ class Limits:
     patch: tuple[int, int, int]  # transformer patch (t, h, w)
     two_experts: bool  # boundary_ratio set: guidance_scale_2 allowed
     conditioning: bool = False  # image / video conditioning frames allowed (Cosmos)
+    last_image: bool = False  # a last frame allowed (WanImageToVideoPipeline; wan_i2v.py checks the layout)
 
     @property
     def size_multiple(self) -> tuple[int, int]:
@@ -77,6 +80,7 @@ class VideoRequest:
     output_type: str = "uint8"
     image: Any = None  # uint8 [H, W, 3] (Cosmos image-to-world)
     video: Any = None  # uint8 [frames, H, W, 3] (Cosmos video-to-world)
+    last_image: Any = None  # uint8 [H, W, 3] (Wan first-last-frame-to-video)
 
     @classmethod
     def parse(cls, request: Any, limits: Limits) -> "VideoRequest":
@@ -124,6 +128,8 @@ class VideoRequest:
             raise VideoRequestError("image / video conditioning frames are for Cosmos2_5_PredictBasePipeline "
                                     "folders (`image` also for WanImageToVideoPipeline folders); this pipeline "
                                     "generates from text only: leave them unset")
+        if self.last_image is not None and not limits.last_image:
+            raise VideoRequestError("last_image is for WanImageToVideoPipeline first-last-frame folders; leave it unset")
         if self.output_type not in OUTPUT_TYPES:
             raise VideoRequestError(f"output_type={self.output_type!r} is not one of {list(OUTPUT_TYPES)}")
         if not 0 <= self.seed < 2 ** 63:

@@ -16,14 +16,19 @@ protocol needs it (the rest is `WanFamily`'s: prompt encoding in `join`, cohorts
               = 36 channels), `encoder_hidden_states_image` the stacked image embeddings; one forward
               for the cond rows, one for the uncond rows of the guided jobs, as WanFamily
 
+First-last-frame folders (FLF2V: the transformer's `pos_embed_seq_len` = 2 x the CLIP tokens) take
+`last_image` too, required there: both images go through CLIP in one call ([2, tokens, image_dim],
+which the transformer folds into one row of 2 x tokens, so jobs stack row pairs in job order), the
+last frame ends the VAE's clip instead of a black one and its mask is 1 as well.
+
 Refused before any rank starts (`check_folder`): the Wan 2.2 layouts (boundary_ratio / transformer_2,
-expand_timesteps) and a transformer without `image_dim` (no CLIP path), the first-last-frame layout
-(`pos_embed_seq_len`); per request (`i2v_request`): no `image`, a `video`, an image not uint8
-[H, W, 3], and max_sequence_length other than 512 (diffusers' Wan attention splits its context into
-image and text tokens at 512 text tokens, hard-coded).
+expand_timesteps), a transformer without `image_dim` (no CLIP path); per request (`i2v_request`): no
+`image`, a `video`, an image not uint8 [H, W, 3], `last_image` missing on a first-last-frame folder
+or given to another, and max_sequence_length other than 512 (diffusers' Wan attention splits its
+context into image and text tokens at 512 text tokens, hard-coded).
 
 The CLIP image processor is transformers' own class; without torchvision installed transformers
-loads its PIL backend (`AutoImageProcessor`), which the tests give diffusers' pipeline as well.
+loads its PIL backend (`AutoImageProcessor`), as diffusers' pipeline then does too.
 """
 
 from __future__ import annotations
@@ -53,22 +58,32 @@ def check_folder(folder: Any) -> None:
          f"boundary_ratio={folder.index.get('boundary_ratio')} / transformer_2 (the Wan 2.2 A14B two-expert layout)"),
         (bool(folder.index.get("expand_timesteps")), index_file, "expand_timesteps=true (the Wan 2.2 TI2V layout)"),
         (tf.get("image_dim") is None, where, "image_dim=null (a transformer without the CLIP image path)"),
-        (tf.get("pos_embed_seq_len") is not None, where,
-         f"pos_embed_seq_len={tf.get('pos_embed_seq_len')} (the first-last-frame layout, `last_image`)"),
     ]
     for refused, file, what in refusals:
         if refused:
             raise PipelineFolderError(f"{file}: {PIPELINE} with {what} is not supported; supported: the Wan 2.1 "
                                       "I2V layout (one transformer with image_dim, CLIP image_encoder)")
-    hidden = folder.configs["image_encoder"].get("hidden_size")
-    if hidden is not None and tf["image_dim"] != hidden:
+    clip, clip_file = folder.configs["image_encoder"], folder.path / "image_encoder" / "config.json"
+    if clip.get("hidden_size") is not None and tf["image_dim"] != clip["hidden_size"]:
         raise PipelineFolderError(f"{where}: image_dim={tf['image_dim']} disagrees with the image encoder's "
-                                  f"hidden_size={hidden} ({folder.path / 'image_encoder' / 'config.json'})")
+                                  f"hidden_size={clip['hidden_size']} ({clip_file})")
+    tokens = (clip.get("image_size", 224) // clip.get("patch_size", 32)) ** 2 + 1
+    if tf.get("pos_embed_seq_len") not in (None, 2 * tokens):
+        raise PipelineFolderError(f"{where}: pos_embed_seq_len={tf['pos_embed_seq_len']} is not 2 x the image "
+                                  f"encoder's {tokens} tokens ({clip_file}): the first-last-frame layout embeds "
+                                  "the two images side by side")
 
 
-def i2v_request(request: Any) -> Any:
-    """An image-to-video request dict with its `image` checked (required, uint8 [H, W, 3]) and made a numpy
-    array, before request.py's rules; what this layout does not take is refused naming the field."""
+def first_last(folder: Any) -> bool:
+    """A first-last-frame (FLF2V) folder: its transformer embeds two images (`pos_embed_seq_len` set), so
+    every request gives `last_image`; any other I2V folder takes `image` only."""
+    return folder.transformer_config().get("pos_embed_seq_len") is not None
+
+
+def i2v_request(request: Any, folder: Any) -> Any:
+    """An image-to-video request dict with its `image` (and `last_image` for a first-last-frame folder)
+    checked (required, uint8 [H, W, 3]) and made numpy arrays, before request.py's rules; what this
+    folder's layout does not take is refused naming the field."""
     if not isinstance(request, dict):
         return request  # VideoRequest.parse refuses it with an example
     if request.get("image") is None:
@@ -80,14 +95,22 @@ def i2v_request(request: Any) -> Any:
     if length is not None and length != TEXT_TOKENS:
         raise VideoRequestError(f"max_sequence_length={length}: {PIPELINE}'s transformer splits its context into "
                                 f"image and text tokens at {TEXT_TOKENS} text tokens; leave it unset or {TEXT_TOKENS}")
-    return {**request, "image": image_array(request["image"])}
+    last, flf = request.get("last_image"), first_last(folder)
+    if flf and last is None:
+        raise VideoRequestError(f"{folder.path} is a first-last-frame folder (its transformer's pos_embed_seq_len "
+                                "is set): it needs `last_image`, the last frame, uint8 [H, W, 3] (RGB)")
+    if not flf and last is not None:
+        raise VideoRequestError(f"last_image needs a first-last-frame folder (pos_embed_seq_len set); {folder.path} "
+                                "conditions on the first frame only: leave it unset")
+    out = {**request, "image": image_array(request["image"])}
+    return out if last is None else {**out, "last_image": image_array(last, "last_image")}
 
 
-def image_array(value: Any) -> np.ndarray:
-    """`image` as uint8 numpy [H, W, 3]; else a VideoRequestError naming the field and what came."""
+def image_array(value: Any, name: str = "image") -> np.ndarray:
+    """`name` as uint8 numpy [H, W, 3]; else a VideoRequestError naming the field and what came."""
     array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     if array.dtype != np.uint8 or array.ndim != 3 or array.shape[-1] != 3 or 0 in array.shape:
-        raise VideoRequestError(f"image must be uint8 [H, W, 3] (RGB), got {array.dtype} {list(array.shape)}")
+        raise VideoRequestError(f"{name} must be uint8 [H, W, 3] (RGB), got {array.dtype} {list(array.shape)}")
     return array
 
 
@@ -114,37 +137,41 @@ class WanImageToVideoFamily(WanFamily):
         job = super().start(request)
         from PIL import Image
 
-        picture = Image.fromarray(image_array(request["image"]))
-        job.cond["image"] = self._embed_image(picture)
-        job.cond["condition"] = self._condition(picture, request, job.latents)
+        first = Image.fromarray(image_array(request["image"]))
+        last = None if request.get("last_image") is None else Image.fromarray(image_array(request["last_image"]))
+        job.cond["image"] = self._embed_image(first if last is None else [first, last])
+        job.cond["condition"] = self._condition(first, last, request, job.latents)
         return job
 
-    def _embed_image(self, picture: Any) -> torch.Tensor:
-        """[1, tokens, image_dim] exactly as WanImageToVideoPipeline.encode_image, in the transformer's dtype."""
-        pixels = self.image_processor(images=picture, return_tensors="pt").to(self.image_encoder.device)
+    def _embed_image(self, pictures: Any) -> torch.Tensor:
+        """[1 or 2, tokens, image_dim] exactly as WanImageToVideoPipeline.encode_image, in the transformer's dtype
+        (two rows for first and last frame: the transformer folds them into one row of 2 x tokens)."""
+        pixels = self.image_processor(images=pictures, return_tensors="pt").to(self.image_encoder.device)
         hidden = self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2]
         return hidden.to(device=self.device, dtype=self.model_dtype)
 
-    def _condition(self, picture: Any, r: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
-        """mask ++ latent_condition [1, 4 + z, F, h, w] (float32) as the pipeline's prepare_latents."""
+    def _condition(self, first: Any, last: Any, r: dict[str, Any], latents: torch.Tensor) -> torch.Tensor:
+        """mask ++ latent_condition [1, 4 + z, F, h, w] (float32) as the pipeline's prepare_latents: the
+        first frame, black frames, and the last frame when given."""
         frames, height, width = r["num_frames"], r["height"], r["width"]
-        image = self.video_processor.preprocess(picture, height=height, width=width).to(self.device, torch.float32)
-        image = image.unsqueeze(2)
-        clip = torch.cat([image, image.new_zeros(1, image.shape[1], frames - 1, height, width)], dim=2)
+        given = [self.video_processor.preprocess(p, height=height, width=width).to(self.device, torch.float32)
+                 .unsqueeze(2) for p in ([first] if last is None else [first, last])]
+        black = given[0].new_zeros(1, given[0].shape[1], frames - len(given), height, width)
+        clip = torch.cat([given[0], black, *given[1:]], dim=2)
         encoded = self.vae.encode(clip.to(device=self.vae.device, dtype=self.vae.dtype)).latent_dist.mode()
         z = self.vae.config.z_dim
         mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         latent_condition = (encoded.to(device=latents.device, dtype=latents.dtype) - mean) * std
-        return torch.cat([self._mask(frames, latents), latent_condition], dim=1)
+        return torch.cat([self._mask(frames, last is not None, latents), latent_condition], dim=1)
 
-    def _mask(self, frames: int, latents: torch.Tensor) -> torch.Tensor:
+    def _mask(self, frames: int, with_last: bool, latents: torch.Tensor) -> torch.Tensor:
         """[1, T, F, h, w] (T the temporal factor): the pixel frames of each latent frame that are given
-        (the first one only), as the pipeline folds its per-pixel-frame mask into latent frames."""
+        (the first, and the last with `last_image`), as the pipeline folds its per-pixel-frame mask."""
         _, _, _, h, w = latents.shape
         t = self.temporal
         mask = torch.ones(1, 1, frames, h, w)
-        mask[:, :, 1:] = 0
+        mask[:, :, 1:frames - 1 if with_last else frames] = 0
         mask = torch.cat([mask[:, :, :1].repeat_interleave(t, dim=2), mask[:, :, 1:]], dim=2)
         return mask.view(1, -1, t, h, w).transpose(1, 2).to(latents.device)
 
@@ -155,13 +182,13 @@ class WanImageToVideoFamily(WanFamily):
         latents ++ condition (36 channels) with each row's image embeddings beside its text."""
         b, guided = self.branches, [k for k, job in enumerate(jobs) if job.cond["guided"]]
         x = torch.cat([latents, torch.cat([job.cond["condition"] for job in jobs]).to(latents.dtype)], dim=1)
-        images = torch.cat([job.cond["image"] for job in jobs])
         cond = uncond = None
         if b.cond:
-            cond = self._forward_i2v(transformer, x, ts, [job.cond["cond"] for job in jobs], images)
+            cond = self._forward_i2v(transformer, x, ts, [job.cond["cond"] for job in jobs],
+                                     [job.cond["image"] for job in jobs])
         if b.uncond and guided:
             part = self._forward_i2v(transformer, x[guided], ts[guided], [jobs[k].cond["uncond"] for k in guided],
-                                     images[guided])
+                                     [jobs[k].cond["image"] for k in guided])
             uncond = part if len(guided) == len(jobs) else torch.zeros_like(latents).index_copy_(
                 0, torch.tensor(guided, device=part.device), part.to(latents.dtype))
         if b.cfg_size == 1:
@@ -170,5 +197,7 @@ class WanImageToVideoFamily(WanFamily):
         return b.gather(local)
 
     def _forward_i2v(self, transformer: Any, x: torch.Tensor, ts: torch.Tensor, embeds: list[torch.Tensor],
-                     images: torch.Tensor) -> torch.Tensor:
-        return self.denoise(transformer, x, self._timestep(ts, x), torch.cat(embeds), encoder_hidden_states_image=images)
+                     images: list[torch.Tensor]) -> torch.Tensor:
+        """One forward; each job's image rows (1, or 2 for first and last frame) follow in job order."""
+        return self.denoise(transformer, x, self._timestep(ts, x), torch.cat(embeds),
+                            encoder_hidden_states_image=torch.cat(images))
