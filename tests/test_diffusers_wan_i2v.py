@@ -171,6 +171,60 @@ def test_first_last_frame_folders_equal_the_pipeline_alone_and_batched(tmp_path)
             engine.step({**alone, "last_image": None})
 
 
+def test_cfg_split_over_two_ranks_equals_the_pipeline(folder, monkeypatch):
+    """The CFG split's math without Ray: two per-rank models (cfg rank 0 the cond rows, rank 1 the uncond
+    rows, zeros for a request without guidance) on two threads, `Branches.gather` an in-process exchange
+    in place of the all-gather over group "cfg"; rank 0's latents equal the pipeline's."""
+    import threading
+
+    from phyai_ray.models.diffusers_pipeline.family import Branches
+
+    barrier, slots = threading.Barrier(2, timeout=60), {}
+
+    def gather(self, local):
+        slots[self.cfg_rank] = local
+        slots[("calls", self.cfg_rank)] = slots.get(("calls", self.cfg_rank), 0) + 1
+        barrier.wait()
+        both = (slots[0], slots[1])
+        barrier.wait()
+        return both
+
+    monkeypatch.setattr(Branches, "gather", gather)
+    entry = DiffusersPipelineEntry({"model": str(folder)})
+    requests = [{**BASE, "image": picture(13), "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 21},
+                {**BASE, "image": picture(14), "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 22}]
+    payloads = [entry.sequences({**r, "output_type": "latent"})[0].payload for r in requests]
+    results: dict = {}
+
+    def model_of(cfg_rank: int):  # loaded one after the other: loading is not thread-safe
+        ctx = SimpleNamespace(rank=cfg_rank, device=torch.device("cpu"), parallel=ParallelConfig(),
+                              is_output_rank=True, group_rank=lambda name: cfg_rank if name == "cfg" else 0,
+                              group_size=lambda name: 2 if name == "cfg" else 1)
+        return entry.create({"model": str(folder)}, ctx)
+
+    models = [model_of(0), model_of(1)]
+
+    def rank(cfg_rank: int) -> None:
+        model = models[cfg_rank]
+        for i, payload in enumerate(payloads):
+            model.admit(i, payload)
+        with torch.no_grad():
+            while model.jobs:
+                for ident, delta in model.iterate().items():
+                    if delta.stop_reason == "completed":
+                        results[(cfg_rank, ident)] = delta.value["video"]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(results) == [(0, 0), (0, 1), (1, 0), (1, 1)], f"ranks finished {sorted(results)}"
+    assert slots[("calls", 0)] == slots[("calls", 1)] == 3, "one exchange per step: 3 steps, 2 of them shared"
+    for ident, request in enumerate(requests):
+        torch.testing.assert_close(results[(0, ident)], reference(folder, request), rtol=0, atol=1e-5)
+
+
 def _counted(function, calls: dict, name: str):
     def counted(*args, **kwargs):
         calls[name] += 1
