@@ -4,11 +4,13 @@ Run: `.venv/bin/python -m pytest tests/test_diffusers_wan_i2v.py -q`
 
 Every reference is `WanImageToVideoPipeline.from_pretrained(folder)(image=<PIL image of the same uint8
 array>, ..., generator=torch.Generator("cpu").manual_seed(seed), output_type="latent")` in this process
-under torch.no_grad(), on the tiny random Wan 2.1 I2V folder of tests/diffusers_folders.py. Shown: one
+under torch.no_grad(), on the tiny random Wan 2.1 I2V folders of tests/diffusers_folders.py. Shown: one
 request alone equals it (latents 1e-6, the float video); requests of different step counts, guidance
-and images batched per step (1e-5); the image encoded once per request, not per step; bad requests
-(no image, a bad image, a video, a text length other than 512) and bad folders (no image_encoder,
-the Wan 2.2 and first-last-frame layouts) refused naming the field or file.
+and images batched per step (1e-5); first-last-frame folders (`last_image`) alone and batched; the CFG
+split's math over two per-rank models without Ray; the image encoded once per request, not per step;
+bad requests (no image, a bad image, a video, a misplaced last_image, a text length other than 512)
+and bad folders (no image_encoder / image_processor, the Wan 2.2 layouts, no CLIP path) refused naming
+the field or file.
 """
 
 from __future__ import annotations
