@@ -10,8 +10,8 @@ own, from RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT..MAX_HTTP_PORT (30000..31000 by
 (`own_direct_port`: a listener of this very process in that range, never another process's), sends
 it with its report to the registry, and `/v1/replicas` lists it per group (`direct_host`,
 `direct_port`). A replaced group comes with a new port: the route lists the new group's port, and
-the gone group's no more. `direct_ports` reads the same from the driver (what `phyai-ray serve
---direct-ingress` prints).
+the gone group's no more. `server.direct_ports` reads the same from the driver (what `phyai-ray
+serve --direct-ingress` prints).
 
 The sockets are read from /proc (Linux), as the socket lane does.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 _WILDCARDS = ("0.0.0.0", "::")
@@ -82,20 +81,3 @@ def own_direct_port() -> tuple[str, int] | None:
                 host = ray.util.get_node_ip_address()
             return host, port
     return None
-
-
-def direct_ports(app_name: str = "phyai", timeout_s: float = 30.0) -> list[int]:
-    """The direct ports of the app's groups, from its registry (the driver's view of `/v1/replicas`):
-    once every group that is not gone has reported one, or what is known after `timeout_s`."""
-    from ray import serve
-
-    from phyai_ray.serve.app import REGISTRY_NAME
-
-    registry = serve.get_deployment_handle(REGISTRY_NAME, app_name=app_name)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        groups = [r for r in registry.snapshot.remote().result(timeout_s=max(timeout_s, 5.0)) if r.state != "gone"]
-        ports = [r.direct_port for r in sorted(groups, key=lambda r: r.group) if r.direct_port is not None]
-        if (groups and len(ports) == len(groups)) or time.monotonic() > deadline:
-            return ports
-        time.sleep(0.25)

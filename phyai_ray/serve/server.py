@@ -15,13 +15,14 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.raystart import ensure_ray, plan_cpus
-from phyai_ray.serve.direct import DIRECT_INGRESS_ENV, direct_ports
+from phyai_ray.serve.direct import DIRECT_INGRESS_ENV
 from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,23 @@ def _deploy(app: Any, host: str, port: int, grpc_port: int | None = None) -> Non
 
     serve.start(http_options={"host": host, "port": port}, grpc_options=grpc_options(grpc_port))
     serve.run(app, name=APP_NAME, route_prefix="/")
+
+
+def direct_ports(app_name: str = APP_NAME, timeout_s: float = 30.0) -> list[int]:
+    """The direct ports of the app's groups, from its registry (the driver's view of `/v1/replicas`):
+    once every group that is not gone has reported one, or what is known after `timeout_s`."""
+    from ray import serve
+
+    from phyai_ray.serve.app import REGISTRY_NAME
+
+    registry = serve.get_deployment_handle(REGISTRY_NAME, app_name=app_name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = [r for r in registry.snapshot.remote().result(timeout_s=max(timeout_s, 5.0)) if r.state != "gone"]
+        ports = [r.direct_port for r in sorted(groups, key=lambda r: r.group) if r.direct_port is not None]
+        if (groups and len(ports) == len(groups)) or time.monotonic() > deadline:
+            return ports
+        time.sleep(0.25)
 
 
 def grpc_options(port: int | None) -> dict[str, Any] | None:
