@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from actors import peer
+from actors import fetch, peer
 from actors.ipc_codec import MAX_BATCH_FDS, SUPPORTED, Encoded, close_fds, decode, encode, join
 from actors.ipc_wire import cuda_visible, frame, poll_writable, recv_frame, send_some
 from actors.lane import BoundedLane
@@ -83,14 +83,12 @@ class IpcLane(BoundedLane):
     def __init__(self, actors: Sequence[Any], *, capacity: int, name: str, timeout_s: float,
                  on_reply: Callable[[Any, int, Any], None], on_broken: Callable[[int, BaseException], None],
                  on_unsent: Callable[[Any, BaseException], None]) -> None:
-        import ray
-
         super().__init__(capacity, on_unsent)
         self._on_reply, self._on_broken = on_reply, on_broken
         self._name = name
         self._prepared: weakref.WeakSet[Encoded] = weakref.WeakSet()  # closed with the lane, wherever they wait
         here_cuda = cuda_visible()
-        opened = ray.get([actor.open_ipc.remote(here_cuda, os.getpid()) for actor in actors], timeout=timeout_s)
+        opened = fetch.get([actor.open_ipc.remote(here_cuda, os.getpid()) for actor in actors], timeout=timeout_s)
         self.cuda_ipc = all(rank_cuda for _, _, rank_cuda, _ in opened)  # CUDA request tensors go by handle
         self._socks: list[socket.socket] = []
         try:  # each rank's listener must be that rank's process (its pid comes over Ray): `actors.peer`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
+from actors import fetch
 
 
 class RemoteReader:
@@ -30,7 +30,7 @@ class RemoteReader:
             if sent is None:
                 return [], self.work.future.done()
         try:
-            return ray.get(self._sink.read_stream.remote(sent.seq, 64, timeout_s), timeout=timeout_s + 10)
+            return fetch.get(self._sink.read_stream.remote(sent.seq, 64, timeout_s), timeout=timeout_s + 10)
         except Exception:  # the replica failed: the future says why
             return [], self.work.future.done()
 

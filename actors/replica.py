@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 
+from actors import fetch
 from actors.compiled import CompiledLane
 from actors.ipc import IpcLane
 from actors.lane import ActorCallLane
@@ -215,7 +216,7 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
 
         def gather() -> None:
             try:
-                future.set_result(ray.get(refs, timeout=timeout_s))
+                future.set_result(fetch.get(refs, timeout=timeout_s))
             except ray.exceptions.GetTimeoutError:
                 future.set_exception(TimeoutError(f"control op {op!r} got no reply from every rank in {timeout_s:.1f}s"))
             except BaseException as exc:

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from actors import fetch
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.work import Work
 
@@ -29,7 +30,7 @@ class ReplicaHealth:
         if self._failure is not None:
             return
         try:  # the cause Ray knows, when it already knows it (the socket usually closes first)
-            ray.get(self._actors[rank].ping.remote(), timeout=1.0)
+            fetch.get(self._actors[rank].ping.remote(), timeout=1.0)
         except ray.exceptions.RayActorError as dead:
             self._fail(self._rank_error(rank, dead))
             return
@@ -56,7 +57,7 @@ class ReplicaHealth:
         pings = [actor.ping.remote() for actor in self._actors]
         for rank, ping in enumerate(pings):
             try:
-                ray.get(ping, timeout=2.0)
+                fetch.get(ping, timeout=2.0)
             except ray.exceptions.RayActorError as exc:
                 return self._rank_error(rank, exc)
             except Exception:

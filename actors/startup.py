@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import ray
 
+from actors import fetch
 from phyai_ray.errors import StartupError
 from phyai_ray.raystart import ensure_ray  # noqa: F401  (the one way to join or start Ray)
 
@@ -38,7 +39,7 @@ def gather_within(refs: Sequence[Any], deadline: float, replica: int, what: str,
         for ref in ready:
             rank = pending.pop(ref)
             try:
-                results[rank] = ray.get(ref, timeout=max(left, 1.0))
+                results[rank] = fetch.get(ref, timeout=max(left, 1.0))
             except Exception as exc:
                 node = nodes[rank] if nodes else None
                 raise StartupError(f"replica {replica} rank {rank}{f' (node {node[:12]})' if node else ''} "

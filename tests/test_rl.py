@@ -253,3 +253,44 @@ def test_engine_actor_control_stays_fast_with_two_thousand_in_flight(ray_session
         ray.kill(driver)
         ray.get(rollout.close.remote(), timeout=60)
         ray.kill(rollout)
+
+
+def test_an_engine_actor_never_blocks_its_event_loop_on_ray_get(ray_session):
+    """Ray warns once per process about any `ray.get` in an asyncio actor: an EngineActor's engine waits on
+    its ranks through `ObjectRef.future()` (actors/fetch.py), so start, steps, control and a weight update
+    leave Ray's flag unset, while a deliberate `ray.get` in the same process sets it (the check can fail)."""
+    import ray
+
+    from phyai_ray import EngineActor
+
+    args = EngineArgs(plugin=LinearPolicyEntry, config=EngineConfig(device=CPU))
+    rollout = EngineActor.options(num_cpus=0).remote(args, DeploymentConfig(mode="local", replica_count=1,
+                                                                            cpus_per_rank=0.5))
+
+    def warned(_actor):
+        import ray._private.worker as worker
+
+        return worker.blocking_get_inside_async_warned
+
+    def blocking_get(_actor):
+        import ray as r
+
+        return r.get(r.put(1), timeout=10)
+
+    try:
+        ray.get(rollout.step.remote({"x": torch.ones(1, 8)}), timeout=60)
+        ray.get(rollout.pause.remote(mode="wait"), timeout=30)
+        ray.get(rollout.resume.remote(), timeout=30)
+        policy = torch.nn.Linear(8, 4)
+        sender = WeightSender("object_store")
+        sender.init_transfer(rollout)
+        sender.update(rollout, [(f"linear.{k}", v) for k, v in policy.state_dict().items()], version=2)
+        after = ray.get(rollout.submit.remote({"x": torch.ones(1, 8)}), timeout=30)
+        assert after.weight_version == 2
+        assert ray.get(rollout.__ray_call__.remote(warned), timeout=30) is False, \
+            "the EngineActor's process called a blocking ray.get"
+        assert ray.get(rollout.__ray_call__.remote(blocking_get), timeout=30) == 1
+        assert ray.get(rollout.__ray_call__.remote(warned), timeout=30) is True, "the flag never moves: no check"
+    finally:
+        ray.get(rollout.close.remote(), timeout=60)
+        ray.kill(rollout)
