@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -34,7 +35,7 @@ from phyai_ray import __version__
 from phyai_ray.serve import codec
 from phyai_ray.serve.error_map import (RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
                                        from_http_exception, from_validation_errors)
-from phyai_ray.serve.guard import EdgeGuard
+from phyai_ray.serve.guard import OIP_PREFIX, OPEN_PATHS, EdgeGuard
 from phyai_ray.serve.metrics import EdgeMetrics
 from phyai_ray.serve.options import ServeOptions
 from phyai_ray.serve.runner import GroupRunner
@@ -68,10 +69,37 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
 
         add_openai_routes(api, runner, options)
     _add_protocol_routes(api, runner, options)
+    declare_errors(api)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
     api.state.metrics = metrics
     return api
+
+
+_BODY_ERRORS = (400, 413, 415, 422, 429, 503, 504)  # what a route that reads a body and runs a request may answer
+_OWN_SHAPE = ("/v1/completions", "/v1/chat/completions", "/v1/models", OIP_PREFIX)  # their protocol's error body
+
+
+def declare_errors(api: FastAPI) -> None:
+    """Every route's OpenAPI entry lists the errors it can answer, so a client generated from the document
+    knows them: 401 (the key guard; not the open probes), 500 everywhere, and the body and engine errors
+    on routes that take a body. The phyai-ray routes' errors have `ErrorBody`'s shape; the OpenAI and
+    OIP routes answer in their protocol's own error shape (described, not modelled here)."""
+    routes = [route for route in api.routes if isinstance(route, APIRoute)]
+    # ErrorBody's field as FastAPI built it for /v1/step (which declares every error at creation): a route
+    # given the model afterwards needs the field too, or its document shows the status without the body
+    fields = next(route.response_fields for route in routes if route.path == "/v1/step")
+    for route in routes:
+        own = route.path.startswith(_OWN_SHAPE)
+        codes = ([] if route.path in OPEN_PATHS else [401]) + [500]
+        if route.methods & {"POST", "PUT"}:
+            codes += list(_BODY_ERRORS)
+        for code in codes:
+            if code in route.responses:
+                continue
+            route.responses[code] = {"description": ERRORS[code]["description"]} if own else dict(ERRORS[code])
+            if not own:
+                route.response_fields[code] = fields[code]
 
 
 def _add_protocol_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
