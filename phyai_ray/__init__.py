@@ -27,7 +27,7 @@ _EXPORTS = by_module({
     "phyai_ray.errors": ("PhyAIError", "ParallelConfigError", "DeploymentConfigError", "PluginError", "StartupError",
                          "EngineUnavailableError", "EngineOverloadedError", "RequestTimeoutError",
                          "DeadlineMissedError", "RequestAbortedError", "ReplicaStateError",
-                         "WeightUpdateRefusedError", "RequestRejectedError"),
+                         "WeightUpdateRefusedError", "RequestRejectedError", "StreamNotSupportedError"),
     "phyai_ray.executors.control": ("ReplicaState", "ControlReport"),
     "phyai_ray.rl.actor": ("EngineActor", "StepResult"),
     "phyai_ray.rl.sender": ("WeightSender",),

@@ -125,6 +125,8 @@ async def stream_items(engine: Any, request: Any, *, session: Any = None, max_bu
             woken.clear()
             chunks, done = reader.read(0.0)
             done = done and future.done()  # its outcome is what ends the stream (it wakes us when set)
+            if future.done() and (future.cancelled() or future.exception() is not None):
+                done = True  # a failure ends it even if its sink was never closed: no reader waits forever
             items: list[tuple[str, Any]] = [("chunk", c) for c in chunks]
             if done:
                 if future.cancelled():

@@ -19,6 +19,7 @@ like, so callers may catch either:
     │   └── DeadlineMissedError           its own deadline (submit(deadline_s=)) passed before it
     │                                     started: answered at once, never run
     ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
+    ├── StreamNotSupportedError(TypeError) a stream of a plugin whose model has no stream(); use step()
     ├── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
     └── WeightUpdateRefusedError(ValueError)
                                           a weight update whose names, shapes or dtypes do not
@@ -171,6 +172,11 @@ class RequestAbortedError(PhyAIError, RuntimeError):
 
     def __reduce__(self):
         return (_rebuild_aborted, (str(self), self.replica))
+
+
+class StreamNotSupportedError(PhyAIError, TypeError):
+    """A streamed request to a plugin whose per-rank model has no `stream(request, emit)` (nor the
+    iteration protocol): nothing ran; send it as a step (`Engine.step`, `POST /v1/step`)."""
 
 
 class ReplicaStateError(PhyAIError, RuntimeError):

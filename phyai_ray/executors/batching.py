@@ -92,6 +92,11 @@ def form_batch(queue: deque, policy: BatchPolicy, now: float, live: Callable[[An
     return formed
 
 
+def _kind(item: Any) -> Any:
+    """A queued item's work kind (a stream never joins a batch of steps); None for a plain item."""
+    return getattr(item, "kind", None)
+
+
 def _scan(queue: deque, policy: BatchPolicy, live: Callable[[Any], bool],
           dead: list) -> tuple[list, int, int]:
     """(requests that would share the head's batch, the longest prefix ending at a preferred size, items scanned)."""
@@ -107,7 +112,7 @@ def _scan(queue: deque, policy: BatchPolicy, live: Callable[[Any], bool],
         if not live(item):
             dead.append(item)
             continue
-        if item.key != head.key or total + item.size > policy.max_size:
+        if item.key != head.key or total + item.size > policy.max_size or _kind(item) != _kind(head):
             continue
         if policy.max_weight is not None and weight + item.weight > policy.max_weight:
             continue

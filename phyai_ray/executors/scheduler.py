@@ -45,13 +45,14 @@ from phyai_ray.executors.batching import BatchPolicy, BatchStats, form_batch
 from phyai_ray.executors.clock import DeadlineClock
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded
 from phyai_ray.executors.service import ServiceTime
-from phyai_ray.executors.futures import CallbackThread, EngineFuture, HereResult
+from phyai_ray.executors.futures import CallbackThread, EngineFuture
+from phyai_ray.executors.here import HereRun
 from phyai_ray.work import BATCH, CALL, REQUEST_KINDS, STEP, Work
 
 logger = logging.getLogger(__name__)
 
 
-class ReplicaScheduler(DeadlineClock):
+class ReplicaScheduler(DeadlineClock, HereRun):
     """Queue, bounded dispatch, deadlines and accounting of one replica (thread-safe)."""
 
     def __init__(self, index: int, *, max_ongoing: int | None, max_queued: int | None,
@@ -129,43 +130,6 @@ class ReplicaScheduler(DeadlineClock):
         self._send_launches()
         return future
 
-    def run_here(self, payload: Any, limit_s: float, run: Callable[[Any], Any]) -> HereResult | None:
-        """The inline fast path: when nothing is queued, dispatched or held and batching is off, run a
-        plain step on this thread now (`run(payload)`) and return its outcome; None otherwise (then
-        `submit` as usual). It counts as dispatched meanwhile, so the hang clock and the accounting see
-        it and other callers queue behind it. Its outcome is a `HereResult`, not a future: the clock or
-        a failure may set it first (the caller then gets theirs), but nobody ever waits on it."""
-        with self._lock:
-            if self._refusal is not None or self._held or self._queued or self._dispatched or self.policy is not None:
-                return None
-            work = Work(STEP, payload, limit_s, None)
-            work.future = outcome = HereResult(self.index, self._lock)
-            work.here = True
-            now = work.dispatched = self._head_since = outcome.started = time.monotonic()  # `_dispatch`, unrolled
-            outcome.weight_version = self.weight_version
-            self.stats.record_here(now - work.submitted)
-            self._dispatched.append(work)
-            self._arm(now + limit_s)
-        try:
-            value, error = run(payload), None
-        except BaseException as exc:  # the plugin's own exception goes to the caller as is
-            value, error = None, exc
-        with self._lock:  # every setter of the outcome holds this lock: it is unset unless one came first
-            if not outcome._done:
-                outcome.finished, outcome._value, outcome._error, outcome._done = time.monotonic(), value, error, True
-                self.tally.count(error)
-            line = self._dispatched
-            if len(line) == 1 and line[0] is work and not self._queued and not self._draining:
-                line.pop()  # `_finish_locked` of the one thing at the rank, with nothing waiting behind it
-                self._last_finish = now = time.monotonic()
-                self.service.record(now - work.dispatched)
-            else:
-                self._finish_locked(work)
-        if self._to_launch:
-            self._send_launches()
-        work.future = None  # no work <-> outcome cycle for the cyclic collector
-        return outcome
-
     def _quiet(self) -> bool:
         """Lock held: with batching on, the caller's thread runs a request alone only when the replica
         has been idle for `BatchPolicy.idle_gap_s`: right after a step, more requests are on their way
@@ -225,6 +189,15 @@ class ReplicaScheduler(DeadlineClock):
     def _pump_batch(self) -> bool:
         """Dispatch the next batch; False when the head waits for a fuller one (the clock wakes it)."""
         now, service_s = time.monotonic(), self.service.estimate()
+        head = self._queued[0]
+        if head.kind != STEP:  # a stream runs alone: its payload is (request, sink), never a batch member
+            self._queued.popleft()
+            if head.expires <= now or head.missed(now, service_s):
+                self.deliver(head, error=self._missed_error(head, now) if head.missed(now, service_s) else
+                             self._timeout_error(head, now))
+            elif head.future.start():
+                self._dispatch(head)
+            return True
         formed = form_batch(self._queued, self.policy, now,
                             lambda w: not w.future.done() and w.expires > now and not w.missed(now, service_s),
                             service_s)

@@ -11,6 +11,7 @@ import datetime
 import logging
 from typing import Any
 
+from phyai_ray.errors import StreamNotSupportedError
 from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_groups
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
@@ -148,12 +149,14 @@ class RankRunner:
     def stream(self, request: Any, sink: Any) -> Any:
         """Run one request with the model's `stream(request, emit)`, chunks going to `sink` (output rank)."""
         fn = getattr(self.model, "stream", None)
-        if not callable(fn):
-            raise TypeError(f"plugin {self.entry.display_name()}: per-rank model {type(self.model).__name__} has no "
-                            "stream(request, emit) method; use step() for this plugin")
         from phyai_ray.streams import collective_emit
 
-        try:
+        try:  # the sink closes whatever happens, so its reader ends (with the error) instead of waiting
+            if not callable(fn):
+                raise StreamNotSupportedError(
+                    f"plugin {self.entry.display_name()}: per-rank model {type(self.model).__name__} has no "
+                    "stream(request, emit) method: it cannot stream; send the request as a step (Engine.step, "
+                    "POST /v1/step)")
             with self.ctx.groups.activate():
                 out = fn(request, collective_emit(sink, self.ctx))
         finally:

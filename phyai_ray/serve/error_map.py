@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 from phyai_ray.errors import (DeadlineMissedError, EngineOverloadedError, EngineUnavailableError,
-                              RequestRejectedError, RequestTimeoutError)
+                              RequestRejectedError, RequestTimeoutError, StreamNotSupportedError)
 from phyai_ray.serve.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
@@ -82,6 +82,8 @@ def classify(exc: BaseException, *, overload_status: int = 503, rejected_status:
         return Failure(exc.status_code, exc.type, str(exc.detail), exc.reason, "Retry-After" in (exc.headers or {}))
     if isinstance(exc, RequestRejectedError):
         return Failure(rejected_status, "rejected", str(exc), param=exc.field)
+    if isinstance(exc, StreamNotSupportedError) or isinstance(getattr(exc, "cause", None), StreamNotSupportedError):
+        return Failure(400, "bad_request", str(getattr(exc, "cause", None) or exc))
     if isinstance(exc, EngineOverloadedError):
         return Failure(overload_status, "overloaded", f"overloaded, retry later: {exc}", retry_after=True)
     if isinstance(exc, DeadlineMissedError):

@@ -46,7 +46,8 @@ from phyai_ray.validation import Validated, validate
 
 ROUTES = ("/v1/step", "/v1/step/stream", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
-    (400, "the body is not JSON"), (401, "missing or wrong API key"), (413, "body over the size limit"),
+    (400, "the body is not JSON"), (401, "missing or wrong API key"),
+    (404, "the path names a model or version this server does not serve"), (413, "body over the size limit"),
     (415, "not application/json"), (422, "schema, codec or plugin validation failed; no rank was touched"),
     (429, "overloaded, when the server runs with overload_status=429; retry after Retry-After"),
     (500, "the plugin failed on this request, or a server fault"),
@@ -91,14 +92,14 @@ def declare_errors(api: FastAPI) -> None:
     fields = next(route.response_fields for route in routes if route.path == "/v1/step")
     for route in routes:
         own = route.path.startswith(_OWN_SHAPE)
-        codes = ([] if route.path in OPEN_PATHS else [401]) + [500]
+        codes = ([] if route.path in OPEN_PATHS else [401]) + [500] + ([404] if "{" in route.path else [])
         if route.methods & {"POST", "PUT"}:
             codes += list(_BODY_ERRORS)
         for code in codes:
             if code in route.responses:
                 continue
             route.responses[code] = {"description": ERRORS[code]["description"]} if own else dict(ERRORS[code])
-            if not own:
+            if not own and code in fields:
                 route.response_fields[code] = fields[code]
 
 
@@ -186,7 +187,8 @@ def _add_step_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) ->
                            default=Body(..., description=docs))])
     step.__annotations__ = {"http": Request, "body": annotation, "return": JSONResponse}
     api.add_api_route("/v1/step", step, methods=["POST"], tags=["inference"], summary="Run one request",
-                      responses={200: {"model": StepResponse}, **ERRORS}, response_class=JSONResponse)
+                      responses={200: {"model": StepResponse}, **{k: v for k, v in ERRORS.items() if k != 404}},
+                      response_class=JSONResponse)
 
 
 def header_deadline(http: Request) -> float | None:

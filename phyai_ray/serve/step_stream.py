@@ -53,17 +53,24 @@ def add_step_stream_route(api: FastAPI, runner: GroupRunner, options: ServeOptio
             raise from_engine_error(exc, overload_status=options.overload_status) from None
         return StreamingResponse(_lines(items, first, options.overload_status), media_type=MEDIA_TYPE)
 
+    model = runner.entry.request_model  # the same body as /v1/step's (which puts the model in the document)
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"} if model is not None else {"type": "object"}
     api.add_api_route("/v1/step/stream", step_stream, methods=["POST"], tags=["inference"],
                       summary="Run one request, streamed: one JSON object per line (progress, then the result)",
-                      response_class=StreamingResponse)
+                      response_class=StreamingResponse, openapi_extra={"requestBody": {
+                          "required": True, "content": {"application/json": {"schema": schema}}}})
 
 
 async def _first(items: AsyncIterator[list]) -> list:
     """The stream's first items: a refusal (nothing ran) raises here, before any header is sent."""
     try:
-        return await items.__anext__()
+        first = await items.__anext__()
     except StopAsyncIteration:
         return []
+    if first and first[0][0] == "error":  # failed before its first chunk (e.g. a plugin that cannot stream)
+        await items.aclose()
+        raise first[0][1]
+    return first
 
 
 async def _lines(items: AsyncIterator[list], first: list, overload_status: int) -> AsyncIterator[bytes]:

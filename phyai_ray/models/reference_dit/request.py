@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,8 +31,10 @@ class ReferenceDiTRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tokens: list[list[int]] = Field(description="Token ids [B, S], every row the same length, 0 <= id < vocab.")
-    labels: list[int] | None = Field(None, description="Condition label per sample [B], 0 <= label < classes.")
+    tokens: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(
+        min_length=1, description="Token ids [B, S], every row the same length, 0 <= id < vocab.")
+    labels: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="Condition label per sample [B], 0 <= label < classes.")
     guidance_scale: float | None = Field(None, description="Classifier-free guidance scale; None disables it.")
 
 
