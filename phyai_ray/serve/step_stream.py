@@ -53,7 +53,7 @@ def add_step_stream_route(api: FastAPI, runner: GroupRunner, options: ServeOptio
             raise from_engine_error(exc, overload_status=options.overload_status) from None
         return StreamingResponse(_lines(items, first, options.overload_status), media_type=MEDIA_TYPE)
 
-    model = runner.entry.request_model  # the same body as /v1/step's (which puts the model in the document)
+    model = getattr(runner.entry, "request_model", None)  # /v1/step's body (which puts it in the document)
     schema = {"$ref": f"#/components/schemas/{model.__name__}"} if model is not None else {"type": "object"}
     api.add_api_route("/v1/step/stream", step_stream, methods=["POST"], tags=["inference"],
                       summary="Run one request, streamed: one JSON object per line (progress, then the result)",
