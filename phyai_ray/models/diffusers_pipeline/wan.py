@@ -161,11 +161,11 @@ class WanFamily(Family):
         then the uncond rows together, as WanPipeline runs its two branches (so one request alone
         equals it bit for bit; cond and uncond rows in ONE forward differ from it by float rounding)."""
         b, guided = self.branches, [k for k, job in enumerate(jobs) if job.cond["guided"]]
-        cond = uncond = None
+        x, cond, uncond = self._inputs(latents, jobs), None, None
         if b.cond:
-            cond = self._forward(transformer, latents, ts, [job.cond["cond"] for job in jobs])
+            cond = self._forward(transformer, x, ts, jobs, "cond")
         if b.uncond and guided:
-            part = self._forward(transformer, latents[guided], ts[guided], [jobs[k].cond["uncond"] for k in guided])
+            part = self._forward(transformer, x[guided], ts[guided], [jobs[k] for k in guided], "uncond")
             uncond = part if len(guided) == len(jobs) else torch.zeros_like(latents).index_copy_(
                 0, torch.tensor(guided, device=part.device), part.to(latents.dtype))
         if b.cfg_size == 1:
@@ -173,9 +173,13 @@ class WanFamily(Family):
         local = cond if b.cond else (uncond if uncond is not None else torch.zeros_like(latents))
         return b.gather(local)
 
-    def _forward(self, transformer: Any, latents: torch.Tensor, ts: torch.Tensor,
-                 embeds: list[torch.Tensor]) -> torch.Tensor:
-        return self.denoise(transformer, latents, self._timestep(ts, latents), torch.cat(embeds))
+    def _inputs(self, latents: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+        """The transformer's input rows for the stacked `latents` (a subclass may add conditioning channels)."""
+        return latents
+
+    def _forward(self, transformer: Any, x: torch.Tensor, ts: torch.Tensor, jobs: list[Job], branch: str) -> torch.Tensor:
+        """One forward over `jobs`' rows with their `branch` ("cond" / "uncond") text embeddings."""
+        return self.denoise(transformer, x, self._timestep(ts, x), torch.cat([job.cond[branch] for job in jobs]))
 
     def _timestep(self, t: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """[B] (or [B, tokens] for TI2V's expand_timesteps: t at every latent token)."""

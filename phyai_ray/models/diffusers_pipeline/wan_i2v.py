@@ -176,28 +176,11 @@ class WanImageToVideoFamily(WanFamily):
         return mask.view(1, -1, t, h, w).transpose(1, 2).to(latents.device)
 
     # -- one step -----------------------------------------------------------------------------------------
-    def _predict(self, transformer: Any, latents: torch.Tensor, ts: torch.Tensor,
-                 jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(cond, uncond) noise predictions [B, 16, ...] as WanFamily._predict, the transformer's input being
-        latents ++ condition (36 channels) with each row's image embeddings beside its text."""
-        b, guided = self.branches, [k for k, job in enumerate(jobs) if job.cond["guided"]]
-        x = torch.cat([latents, torch.cat([job.cond["condition"] for job in jobs]).to(latents.dtype)], dim=1)
-        cond = uncond = None
-        if b.cond:
-            cond = self._forward_i2v(transformer, x, ts, [job.cond["cond"] for job in jobs],
-                                     [job.cond["image"] for job in jobs])
-        if b.uncond and guided:
-            part = self._forward_i2v(transformer, x[guided], ts[guided], [jobs[k].cond["uncond"] for k in guided],
-                                     [jobs[k].cond["image"] for k in guided])
-            uncond = part if len(guided) == len(jobs) else torch.zeros_like(latents).index_copy_(
-                0, torch.tensor(guided, device=part.device), part.to(latents.dtype))
-        if b.cfg_size == 1:
-            return cond, uncond
-        local = cond if b.cond else (uncond if uncond is not None else torch.zeros_like(latents))
-        return b.gather(local)
+    def _inputs(self, latents: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+        """latents ++ each job's condition (36 channels), the Wan 2.1 I2V transformer's input."""
+        return torch.cat([latents, torch.cat([job.cond["condition"] for job in jobs]).to(latents.dtype)], dim=1)
 
-    def _forward_i2v(self, transformer: Any, x: torch.Tensor, ts: torch.Tensor, embeds: list[torch.Tensor],
-                     images: list[torch.Tensor]) -> torch.Tensor:
-        """One forward; each job's image rows (1, or 2 for first and last frame) follow in job order."""
-        return self.denoise(transformer, x, self._timestep(ts, x), torch.cat(embeds),
-                            encoder_hidden_states_image=torch.cat(images))
+    def _forward(self, transformer: Any, x: torch.Tensor, ts: torch.Tensor, jobs: list[Job], branch: str) -> torch.Tensor:
+        """WanFamily's forward with each job's image rows (1, or 2 for first and last frame) in job order."""
+        return self.denoise(transformer, x, self._timestep(ts, x), torch.cat([job.cond[branch] for job in jobs]),
+                            encoder_hidden_states_image=torch.cat([job.cond["image"] for job in jobs]))
