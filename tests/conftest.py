@@ -35,6 +35,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="gpu test: no CUDA GPU visible"))
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add every phase's time (setup, call, teardown) to its test file's total."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 15 test files that took longest (the suite's budget is watched per file, not only per test)."""
+    if len(_FILE_SECONDS) < 2:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section("slowest 15 test files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
+
+
 def _gpu_count() -> int:
     try:
         import torch
