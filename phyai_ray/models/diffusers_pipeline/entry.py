@@ -104,10 +104,13 @@ class DiffusersPipelineEntry(Entry):
         return VideoRequest.parse(request, self._limits_checked())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        """One sequence per request; cost = latent tokens x guidance branches; group = latent shape."""
+        """One sequence per request; cost = latent tokens x guidance branches; group = latent shape;
+        steps = its num_inference_steps (one denoising step per iteration: with a deadline, finish-by
+        admission runs it only if that many iterations of the replica's recent length end in time)."""
         parsed = self.validate_request(request)
         shape = parsed.latent_shape(int(self._folder().transformer_config().get("in_channels", 16)), self.limits)
-        return [SequenceSpec(payload=parsed.to_payload(), cost=self.cost(parsed), group=shape)]
+        return [SequenceSpec(payload=parsed.to_payload(), cost=self.cost(parsed), group=shape,
+                             steps=parsed.num_inference_steps)]
 
     def cost(self, request: VideoRequest) -> int:
         """Latent tokens (F * h/p_h * w/p_w) times guidance branches (2 when guidance_scale > 1)."""

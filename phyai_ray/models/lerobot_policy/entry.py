@@ -88,9 +88,18 @@ class LeRobotPolicyEntry(Entry):
         return parse_frame(request, self._require())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        """One sequence per frame; its cost is the KV cache it keeps while it runs: prefix tokens x layers."""
+        """One sequence per frame; its cost is the KV cache it keeps while it runs: prefix tokens x layers;
+        its steps the expert's denoising steps (with a deadline, finish-by admission runs the frame only
+        if that many iterations of the replica's recent length end in time)."""
         payload = request if "images" in request else parse_frame(request, self._require())
-        return [SequenceSpec(payload=payload, cost=self.prefix_cost(payload))]
+        return [SequenceSpec(payload=payload, cost=self.prefix_cost(payload), steps=self.denoising_steps())]
+
+    def denoising_steps(self) -> int:
+        """The Euler steps of one frame, as policy.py runs them: SmolVLA's `num_steps`, pi0 / pi0.5's
+        `num_inference_steps` (10 when the config leaves it out)."""
+        self._require()
+        cfg = self.folder.config
+        return int(cfg.get("num_steps", 10) if self.folder.type == "smolvla" else cfg.get("num_inference_steps", 10))
 
     def prefix_cost(self, payload: dict[str, Any]) -> int:
         """(cameras x image tokens + prompt tokens + the state token) x VLM layers, the prompt counted
