@@ -204,6 +204,7 @@ def test_a_frames_cost_bounds_its_prefix_cache(policy):
     text = entry.folder.config["tokenizer_max_length"]  # pi0: 16, pi0.5: 48 (the state is in the prompt)
     assert spec.cost == (2 * 16 + text) * 2  # (2 cameras x (32 / 8)^2 patches + prompt) x 2 layers
     rank.admit(0, payload)
+    rank.iterate()  # the prefix runs at the iteration after admission (with the plan's other frames)
     prefix = rank.running[0].prefix
     assert 2 * 16 < prefix.length <= 2 * 16 + text
     assert len(prefix.keys) == 2 and prefix.keys[0].shape[0] == prefix.length

@@ -13,6 +13,8 @@ plugin_args:
     sizes      pi0 / pi0.5 sizes other than their variant names' (see pi0.py), e.g. tiny test models
     max_prefix_cache  the admission seam: frames join an expert step while their prefix caches
                ((cameras x image tokens + tokenizer_max_length [+ 1 state]) x VLM layers each) fit it
+    batch_prefixes  true (default): the frames admitted in one plan run their prefixes as ONE VLM pass
+               (right-padded, masked); false: one pass per frame (the same numbers; for measuring)
     openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
                "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
@@ -69,6 +71,10 @@ class LeRobotPolicyEntry(Entry):
             raise ValueError(f'lerobot_policy: plugin_args["max_prefix_cache"] must be an int >= 1 (prefix tokens x '
                              f"layers of the frames running together), got {budget!r}")
         self._cache_budget = budget
+        self._batch_prefixes = plugin_args.get("batch_prefixes", True)
+        if not isinstance(self._batch_prefixes, bool):
+            raise ValueError(f'lerobot_policy: plugin_args["batch_prefixes"] must be true or false (one VLM pass for '
+                             f"the frames admitted together, or one per frame), got {self._batch_prefixes!r}")
         cfg = folder.config
         [(state_key, state_shape)] = folder.features("STATE").items()
         [action_shape] = folder.features("ACTION").values()
@@ -131,4 +137,4 @@ class LeRobotPolicyEntry(Entry):
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> LeRobotPolicy:
         if self.folder is None:
             self.configure(plugin_args)
-        return LeRobotPolicy(self.folder, ctx)
+        return LeRobotPolicy(self.folder, ctx, batch_prefixes=self._batch_prefixes)

@@ -75,6 +75,19 @@ def stack_right(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
+def by_shape(images: list[torch.Tensor], fn) -> list[torch.Tensor]:
+    """fn over the images [C, H, W] stacked by shape (one call per distinct shape: every frame's cameras of
+    one size go through the vision tower together) -> fn's output row of each image, in the given order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, img in enumerate(images):
+        groups.setdefault(tuple(img.shape), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(images)
+    for members in groups.values():
+        for i, row in zip(members, fn(torch.stack([images[i] for i in members]))):
+            out[i] = row
+    return out
+
+
 def pad_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:
     """[B, length] True on each row's first L_i positions."""
     return torch.arange(length, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]

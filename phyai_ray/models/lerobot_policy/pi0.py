@@ -2,7 +2,8 @@
 
     prefix  = [SigLIP(image_c) -> projector] per camera + [token embeddings * sqrt(width)]
               (pi0.5: the state is written into the prompt as 256-bin integers); all tokens see each other
-    cache   = per Gemma layer its keys (rotated) and values: ONE pass per frame, at admission
+    cache   = per Gemma layer its keys (rotated) and values: computed once per frame, the frames admitted
+              together in ONE pass (right-padded, masked)
     step    = the expert (a narrower Gemma, same heads and depth) over the suffix, attending to the
               prefix cache and to the suffix: pi0: [state_proj(state)] + action tokens
               (action_in_proj(x_t) ++ sin-cos(time) -> mlp); pi0.5: action tokens only, the time's
@@ -26,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, pad_mask, time_embedding
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, by_shape, pad_mask, stack_right, \
+    time_embedding
 
 VARIANTS = {
     "gemma_2b": {"width": 2048, "depth": 18, "mlp_dim": 16384, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
@@ -211,25 +213,42 @@ class PiZero(nn.Module):
         cleaned = task.strip().replace("_", " ").replace("\n", " ")
         return f"Task: {cleaned}, State: {' '.join(map(str, bins))};\nAction: "
 
-    # -- the prefix, once per frame ---------------------------------------------------------------
+    # -- the prefix, once per frame: the frames admitted together in one forward -----------------------
     @torch.inference_mode()
-    def encode_prefix(self, images: list[torch.Tensor], tokens: torch.Tensor, state: torch.Tensor) -> Prefix:
+    def encode_prefixes(self, images: list[list[torch.Tensor]], tokens: list[torch.Tensor],
+                        states: torch.Tensor) -> list[Prefix]:
+        """B frames' prefix caches from ONE pass: images[b] the frame's cameras [3, H, W] (resized, in
+        [-1, 1]), tokens[b] its prompt [T_b] (pi0.5's holds the state; `states` is unused here).
+
+        Frame b's prefix is [its cameras' SigLIP tokens, in camera order] ++ [its prompt], L_b tokens,
+        all seeing each other. Prompts differ in length, so the rows are padded on the right to L_max:
+        a padded key is masked out of every real token's attention and its positions run on 0..L_b-1,
+        so row b computes what frame b alone computes; its cache is cut back to L_b afterwards.
+        """
         pg = self.paligemma_with_expert.paligemma.model
-        # the cameras (all resized to image_resolution) through SigLIP as one batch, in camera order
-        h = pg.vision_tower.vision_model(pixel_values=torch.stack(images)).last_hidden_state
-        lang = pg.language_model.embed_tokens(tokens)
-        x = torch.cat([pg.multi_modal_projector.linear(h).flatten(0, 1), lang * math.sqrt(lang.shape[-1])])[None]
-        length = x.shape[1]
-        mask = torch.ones(1, length, length, dtype=torch.bool, device=x.device)
-        pos = torch.arange(length, device=x.device)[None]
+        tower, project = pg.vision_tower.vision_model, pg.multi_modal_projector.linear
+        flat = by_shape([img for frame in images for img in frame],
+                        lambda px: project(tower(pixel_values=px).last_hidden_state))
+        embed, rows, at = pg.language_model.embed_tokens, [], 0
+        for frame, ids in zip(images, tokens):
+            lang = embed(ids)
+            rows.append(torch.cat([*flat[at:at + len(frame)], lang * math.sqrt(lang.shape[-1])]))
+            at += len(frame)
+        lengths = [r.shape[0] for r in rows]
+        lmax, dev = max(lengths), rows[0].device
+        x = stack_right(rows, lmax)
+        real = pad_mask(lengths, lmax, dev)
+        mask = real[:, None, :] & real[:, :, None]
+        pos = torch.arange(lmax, device=dev)[None].expand(len(rows), lmax)
         keys, values = [], []
         d, heads, kv = self.pg["head_dim"], self.pg["num_heads"], self.pg["num_kv_heads"]
         for layer in pg.language_model.layers:
             q, k, v, gate = layer.qkv(x, pos, d, None)
-            keys.append(k[0])
-            values.append(v[0])
+            keys.append(k)
+            values.append(v)
             x = layer.finish(x, gemma_attention(q, k, v, mask, heads, kv), gate, None)
-        return Prefix(keys, values, length)
+        return [Prefix([k[b, :n].clone() for k in keys], [v[b, :n].clone() for v in values], n)
+                for b, n in enumerate(lengths)]
 
     # -- one expert step for a stack of frames --------------------------------------------------------
     def _suffix(self, x: torch.Tensor, time: torch.Tensor, states: torch.Tensor | None):

@@ -1,20 +1,26 @@
 """One rank of a LeRobot policy: the iteration protocol, ONE action-expert Euler step per iteration.
 
-    admit(frame)    preprocess (normalize the state, resize the cameras, tokenize the task), run the
-                    prefix through the VLM once and keep its KV cache (and SmolVLA's projected
-                    cross-attention K/V); the frame's noise becomes x at time 1
-    iterate()       every running frame of every robot takes its next step in ONE expert forward:
+    admit(frame)    preprocess (normalize the state, resize the cameras, tokenize the task); the
+                    frame's noise becomes x at time 1; its prefix waits for the coming iteration
+                    (several admits come before one iterate: the frames of one plan)
+    iterate()       the prefixes of the frames admitted since the last iteration run through the
+                    VLM in ONE batched pass (right-padded, masked; see `encode`), each frame keeping
+                    its KV cache (and SmolVLA's projected cross-attention K/V). Then every running
+                    frame of every robot takes its next step in ONE expert forward:
                     prefixes stacked with right padding and pad masks, each frame at its own time
                     (1 + j * dt), RTC per robot; a frame whose last step this was ends with its
                     actions, sliced to the real action dim and unnormalized
     drop / recompute   forget a frame / start it again from its noise (after a weight update)
 
 A frame that arrives while others run joins at the next iteration; its rows never mix with another
-frame's, so a robot's chunk is the same alone or batched (to float rounding).
+frame's, so a robot's chunk is the same alone or batched (to float rounding). With
+plugin_args["batch_prefixes"] false, each admitted frame's prefix runs alone (one VLM pass per frame):
+the same numbers, kept to measure what batching the prefixes buys.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +53,13 @@ def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
 
 @dataclass
 class Running:
-    """One frame on its way: its prefix cache, sample, steps taken and RTC guidance."""
+    """One frame on its way: its prefix cache (None until its prefix pass; `inputs` hold the resized
+    cameras and the prompt's tokens until then), sample, steps taken and RTC guidance."""
 
     prefix: Any
     x: torch.Tensor  # [chunk, max_action_dim]
     payload: dict[str, Any]
+    inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None
     j: int = 0
     guidance: Guidance | None = None
     state: torch.Tensor | None = None  # normalized, padded to max_state_dim (pi0's suffix takes it)
@@ -60,8 +68,8 @@ class Running:
 class LeRobotPolicy:
     """The per-rank model of `lerobot_policy` (see the module docstring)."""
 
-    def __init__(self, folder: PolicyFolder, ctx: Any) -> None:
-        self.folder, self.ctx = folder, ctx
+    def __init__(self, folder: PolicyFolder, ctx: Any, batch_prefixes: bool = True) -> None:
+        self.folder, self.ctx, self.batch_prefixes = folder, ctx, batch_prefixes
         self.device = torch.device(getattr(ctx, "device", "cpu") or "cpu")
         cfg = folder.config
         net = build_network(folder, self.device)
@@ -83,6 +91,7 @@ class LeRobotPolicy:
         self.cameras = list(folder.features("VISUAL"))
         [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
         self.running: dict[int, Running] = {}
+        self.prefix_passes: Counter[int] = Counter()  # {frames in one VLM prefix pass: how many such passes}
         self._stacked: tuple[tuple[int, ...], StackedPrefixes] | None = None
         self.weight_version: Any = None
 
@@ -96,16 +105,19 @@ class LeRobotPolicy:
 
     @torch.inference_mode()
     def recompute(self, ident: int) -> None:
+        """Start the frame again from its noise; its prefix runs again (with this plan's admissions)."""
         if ident in self.running:
             self.running[ident] = self._start(self.running[ident].payload)
 
     @torch.inference_mode()
     def iterate(self) -> dict[int, Delta]:
-        """ONE Euler step of the action expert for every running frame (see the module docstring)."""
+        """The new frames' prefixes in one pass, then ONE Euler step of the action expert for every
+        running frame (see the module docstring)."""
         if not self.running:
             return {}
         idents = list(self.running)
         frames = [self.running[i] for i in idents]
+        self._encode([f for f in frames if f.prefix is None])
         self._advance(frames)
         out: dict[int, Delta] = {}
         for ident, frame in zip(idents, frames):
@@ -114,12 +126,17 @@ class LeRobotPolicy:
                 out[ident] = Delta(stop_reason="completed", value={"actions": self._postprocess(frame.x)})
         return out
 
+    @torch.inference_mode()
     def step(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
         """A whole frame alone: every step of one frame (the same math as per iteration)."""
-        frame = self._start(payload)
+        [frame] = self.encode([payload])
         for _ in range(self.num_steps):
             self._advance([frame])
         return {"actions": self._postprocess(frame.x)}
+
+    def prefix_stats(self) -> dict[int, int]:
+        """{frames in one VLM prefix pass: passes of that size} since this rank started (collective_rpc)."""
+        return dict(self.prefix_passes)
 
     # -- weight updates by the checkpoint's own names ----------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -141,7 +158,28 @@ class LeRobotPolicy:
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
     # -- the math -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode(self, payloads: list[dict[str, Any]]) -> list[Running]:
+        """Frames ready for their first step, their prefixes from ONE VLM pass (see `_encode`)."""
+        frames = [self._start(p) for p in payloads]
+        self._encode(frames)
+        return frames
+
+    def _encode(self, frames: list[Running]) -> None:
+        """The frames' prefix caches: ONE pass of the VLM over all of them (or one pass per frame with
+        batch_prefixes off); counted in `prefix_passes` by frames per pass."""
+        groups = [frames] if self.batch_prefixes else [[f] for f in frames]
+        for group in filter(None, groups):
+            images, tokens = zip(*(f.inputs for f in group))
+            prefixes = self.net.encode_prefixes(list(images), list(tokens), torch.stack([f.state for f in group]))
+            for frame, prefix in zip(group, prefixes):
+                frame.prefix, frame.inputs = prefix, None
+            self.prefix_passes[len(group)] += 1
+
     def _start(self, payload: dict[str, Any]) -> Running:
+        """The frame at time 1, preprocessed as LeRobot does (its prefix not yet run): the state
+        normalized and padded, the cameras resized to [-1, 1], the prompt tokenized; its noise (given,
+        or drawn from its seed) and its RTC guidance."""
         dev = self.device
         state = self.norm.apply(payload["state"].to(dev), self.state_key, "STATE")
         state = pad_vector(state, self.max_state)
@@ -157,12 +195,11 @@ class LeRobotPolicy:
             tokens = self.tokenizer(self.net.state_prompt(payload["task"], state), newline=False)
         else:
             tokens = self.tokenizer(payload["task"])
-        prefix = self.net.encode_prefix(images, tokens.to(dev), state)
         noise = payload.get("noise")
         if noise is None:
             gen = torch.Generator(device="cpu").manual_seed(int(payload["noise_seed"]))
             noise = torch.randn(self.chunk, self.max_action, generator=gen)
-        frame = Running(prefix, noise.to(dev, torch.float32).clone(), payload, state=state)
+        frame = Running(None, noise.to(dev, torch.float32).clone(), payload, (images, tokens.to(dev)), state=state)
         prev = payload.get("prev_actions")
         if prev is not None:
             model_space = self.norm.apply(prev.to(dev), self.action_key, "ACTION")

@@ -4,7 +4,8 @@
               + [token embeddings * sqrt(d)] + [state_proj(state)]        attends: images+language
                                                                            both ways, the state all
     cache   = per VLM layer (the first num_vlm_layers of SmolVLM's text model) its keys (rotated)
-              and values: ONE pass per frame, at admission
+              and values: computed once per frame, the frames admitted together in ONE pass
+              (right-padded, masked)
     cross   = per cross-attention layer, the expert's k_proj / v_proj of that layer's cached keys
               and values: also once per frame (LeRobot recomputes them every step)
     step    = the expert (a narrower Llama) over the chunk's action tokens:
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, apply_rope, att_2d_masks, attention, \
-    pad_mask, time_embedding
+    by_shape, pad_mask, stack_right, time_embedding
 
 
 def expert_intermediate(hidden: int, multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -144,41 +145,60 @@ class SmolVLA(nn.Module):
         h = tower.encoder(inputs_embeds=h, attention_mask=None).last_hidden_state
         return tower.post_layernorm(h)
 
-    # -- the prefix, once per frame ---------------------------------------------------------------
-    @torch.inference_mode()
-    def encode_prefix(self, images: list[torch.Tensor], tokens: torch.Tensor, state: torch.Tensor) -> Prefix:
-        """images: [3, h, w] in [-1, 1] already resized; tokens [T]; state [max_state_dim] -> its cache."""
+    # -- the prefix, once per frame: the frames admitted together in one forward -----------------------
+    def _prefix_rows(self, images: list[list[torch.Tensor]], tokens: list[torch.Tensor],
+                     states: torch.Tensor) -> list[torch.Tensor]:
+        """Each frame's prefix embeddings [L_b, d]: its cameras' tokens, its prompt's, its state's."""
         vlm = self.vlm_with_expert.vlm.model
-        embs = []
-        for img in images:
-            h = vlm.connector(self._vision(img[None]))
-            embs.append(h[0] * torch.tensor(h.shape[-1] ** 0.5, dtype=h.dtype, device=h.device))
-        lang = vlm.text_model.get_input_embeddings()(tokens)
-        embs.append(lang * math.sqrt(lang.shape[-1]))
-        embs.append(self.state_proj(state)[None])
-        x = torch.cat(embs)[None]  # [1, L, d]
-        length = x.shape[1]
-        att = torch.zeros(1, length, dtype=torch.long, device=x.device)
-        att[0, -1] = 1  # images and language do not see the state; the state sees everything
-        mask = att_2d_masks(torch.ones(1, length, dtype=torch.bool, device=x.device), att)
-        pos = torch.arange(length, device=x.device)[None]
+        flat = by_shape([img for frame in images for img in frame], lambda px: vlm.connector(self._vision(px)))
+        state_tokens = self.state_proj(states)
+        rows, at = [], 0
+        for b, (frame, ids) in enumerate(zip(images, tokens)):
+            cams = [h * torch.tensor(h.shape[-1] ** 0.5, dtype=h.dtype, device=h.device)
+                    for h in flat[at:at + len(frame)]]
+            lang = vlm.text_model.get_input_embeddings()(ids)
+            rows.append(torch.cat([*cams, lang * math.sqrt(lang.shape[-1]), state_tokens[b][None]]))
+            at += len(frame)
+        return rows
+
+    @torch.inference_mode()
+    def encode_prefixes(self, images: list[list[torch.Tensor]], tokens: list[torch.Tensor],
+                        states: torch.Tensor) -> list[Prefix]:
+        """B frames' prefix caches from ONE pass: images[b] the frame's cameras [3, h, w] (resized, in
+        [-1, 1]), tokens[b] its prompt [T_b], states [B, max_state_dim].
+
+        Frame b's prefix is [cameras] ++ [prompt] ++ [state], L_b tokens; the rows are padded on the
+        right to L_max. The mask is frame b's own (images and prompt see each other, the state sees
+        them all, no real token sees a padded one) and positions run 0..L_b-1, so row b computes what
+        frame b alone computes; its caches are cut back to L_b afterwards.
+        """
+        rows = self._prefix_rows(images, tokens, states)
+        lengths = [r.shape[0] for r in rows]
+        b, lmax, dev = len(rows), max(lengths), rows[0].device
+        x = stack_right(rows, lmax)
+        att = torch.zeros(b, lmax, dtype=torch.long, device=dev)
+        att[torch.arange(b, device=dev), torch.tensor(lengths, device=dev) - 1] = 1  # each frame's state token
+        mask = att_2d_masks(pad_mask(lengths, lmax, dev), att)
+        pos = torch.arange(lmax, device=dev)[None].expand(b, lmax)
+        vlm = self.vlm_with_expert.vlm.model
         keys, values, cross = [], [], {}
         for i, layer in enumerate(vlm.text_model.layers):
             h = layer.input_layernorm(x)
-            shape = (1, length, -1, self.head_dim)
+            shape = (b, lmax, -1, self.head_dim)
             q = apply_rope(layer.self_attn.q_proj(h).view(shape), pos)
             k = apply_rope(layer.self_attn.k_proj(h).view(shape), pos)
             v = layer.self_attn.v_proj(h).view(shape)
-            keys.append(k[0])
-            values.append(v[0])
+            keys.append(k)
+            values.append(v)
             out = layer.self_attn.o_proj(attention(mask, q, k, v, self.heads, self.kv_heads)) + x
             x = layer.mlp(layer.post_attention_layernorm(out)) + out
             expert = self.expert_at[i]
             if expert is not None and not self._is_self_attn(i):
-                ck = expert.self_attn.k_proj(k.reshape(1, length, -1)).view(length, -1, self.head_dim)
-                cv = expert.self_attn.v_proj(v.reshape(1, length, -1)).view(length, -1, self.head_dim)
-                cross[i] = (ck, cv)
-        return Prefix(keys, values, cross, length)
+                cross[i] = tuple(proj(t.reshape(b, lmax, -1)).view(shape)
+                                 for proj, t in ((expert.self_attn.k_proj, k), (expert.self_attn.v_proj, v)))
+        return [Prefix([k[r, :n].clone() for k in keys], [v[r, :n].clone() for v in values],
+                       {i: (ck[r, :n].clone(), cv[r, :n].clone()) for i, (ck, cv) in cross.items()}, n)
+                for r, n in enumerate(lengths)]
 
     # -- one expert step for a stack of frames --------------------------------------------------------
     def _embed_suffix(self, x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
