@@ -1,11 +1,19 @@
 """Plugin arguments of `hf_causal_lm`.
 
-    plugin_args  {"model": "/models/Qwen2.5-0.5B-Instruct", "dtype": "bfloat16", "max_model_len": 4096}
+    plugin_args  {"model": "/models/Qwen2.5-0.5B-Instruct", "dtype": "auto", "max_model_len": 4096,
+                  "kv_cache_bytes": 268435456, "max_num_batched_tokens": 2048, "enable_prefix_caching": true}
 
 `model` is a local folder (never a hub name: nothing is downloaded). `dtype` defaults to the
-engine's `DeviceConfig.params_dtype`; `max_model_len` (the longest prompt + completion) to the
-checkpoint's `max_position_embeddings`, capped at DEFAULT_MAX_LEN, since every running sequence
-holds a KV-cache row of that length.
+engine's `DeviceConfig.params_dtype`; "auto" is the checkpoint's `torch_dtype`, except bfloat16 for
+a float32 checkpoint on CUDA and float32 on CPU. `max_model_len` (the longest prompt + completion)
+defaults to the checkpoint's `max_position_embeddings`, capped at DEFAULT_MAX_LEN.
+
+The KV cache is a pool of blocks of `block_size` tokens (`phyai_ray.llm.blocks`), sized at load:
+`kv_cache_bytes` when given; else on CUDA `gpu_memory_utilization` x the device's memory minus what
+the process holds after loading the weights; else (CPU) DEFAULT_CPU_KV_BYTES, or less when 64
+sequences of `max_model_len` need less (a tiny model does not reserve 256 MiB), and never less than
+two such sequences (so one long sequence always fits). `max_num_batched_tokens` bounds the new
+tokens of one iteration (a longer prompt is prefilled in chunks).
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from phyai_ray.models.hf_causal_lm.checkpoint import DEFAULT_MAX_LEN, Architecture
 
-__all__ = ["DEFAULT_MAX_LEN", "HFCausalLMConfig"]
+__all__ = ["DEFAULT_CPU_KV_BYTES", "DEFAULT_MAX_LEN", "HFCausalLMConfig"]
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class HFCausalLMConfig(BaseModel):
@@ -25,10 +36,19 @@ class HFCausalLMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="Local checkpoint folder: config.json, *.safetensors, tokenizer.")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="Weights and activations; default: the engine's DeviceConfig.params_dtype.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
+        None, description="Weights and activations; default: the engine's DeviceConfig.params_dtype; 'auto': the "
+                          "checkpoint's torch_dtype (bfloat16 for a float32 checkpoint on CUDA, float32 on CPU).")
     max_model_len: int | None = Field(None, ge=2, le=1 << 20,
                                       description="Longest prompt + completion; default min(max_position, 4096).")
+    kv_cache_bytes: int | None = Field(None, ge=1 << 12, description="Bytes of the KV block pool (every layer, "
+                                       "keys and values); default: see gpu_memory_utilization, and 256 MiB on CPU.")
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="On CUDA: the share of the "
+                                                 "device's memory weights + KV cache may hold; default 0.9.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    max_num_batched_tokens: int = Field(2048, ge=1, le=1 << 20, description="Most new tokens per iteration; "
+                                        "longer prompts (and rebuilds) are prefilled in chunks.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a prompt prefix computed before.")
 
     @classmethod
     def from_args(cls, plugin_args: dict[str, Any] | None) -> "HFCausalLMConfig":
@@ -43,3 +63,32 @@ class HFCausalLMConfig(BaseModel):
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the checkpoint's "
                              f"max_position_embeddings={arch.max_position}")
         return self.max_model_len or min(arch.max_position, DEFAULT_MAX_LEN)
+
+    def resolved_dtype(self, arch: Architecture, device_type: str) -> str | None:
+        """The dtype name to load in; None: the engine's params_dtype.
+
+            dtype="auto", checkpoint bfloat16: "bfloat16" on CUDA, "float32" on CPU;
+            checkpoint float32: "bfloat16" on CUDA, "float32" on CPU
+        """
+        if self.dtype != "auto":
+            return self.dtype
+        if device_type != "cuda":
+            return "float32"
+        return "bfloat16" if arch.dtype in ("float32", "float64") else arch.dtype
+
+    def kv_cache_budget(self, *, device: Any, per_token: int, max_len: int) -> int:
+        """Bytes of the KV block pool (see the module docstring); `per_token`: bytes one token takes."""
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            total = torch.cuda.get_device_properties(device).total_memory
+            held = torch.cuda.memory_reserved(device)
+            budget = int((self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) * total) - held
+            if budget <= 0:
+                raise ValueError(f"hf_causal_lm: gpu_memory_utilization x {total} bytes leaves nothing for the KV "
+                                 f"cache beside the {held} bytes the weights hold; raise gpu_memory_utilization or "
+                                 "give kv_cache_bytes")
+            return budget
+        return max(min(DEFAULT_CPU_KV_BYTES, 64 * max_len * per_token), 2 * max_len * per_token)

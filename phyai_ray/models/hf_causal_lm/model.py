@@ -1,4 +1,4 @@
-"""One rank of `hf_causal_lm`: a Llama-family decoder in plain torch over `reference_lm`'s slot KV cache.
+"""One rank of `hf_causal_lm`: a Llama-family decoder in plain torch over a paged KV cache.
 
     x = embed(tokens)                                   vocabulary rows over dense_tp, summed over the group
     per layer:  x += o_proj(attention(rope(q), rope(k), v) over the cache)     heads over attention_tp
@@ -9,7 +9,9 @@ RMSNorm, rotary embeddings (`checkpoint.Rope`), grouped-query attention, SwiGLU;
 biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head. Grouped-query attention reads the
 cache once per key/value head: the G = heads / kv_heads queries that share it are stacked, so the
 cache holds kv heads only. Every rank reads only its slices from the safetensors files (`shards`).
-An iteration is `SlotDecoder`'s: one forward of every running sequence's new tokens.
+The iteration protocol runs on the paged KV cache (`phyai_ray.llm.paged_decoder`: a block pool
+sized at load, waiting and preemption, chunked prefill, prefix caching, ragged attention);
+whole requests (`step` / `stream`) on `SlotDecoder`'s private slots. One forward serves both.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.llm.tokenizer import TextCodec
+from phyai_ray.llm.blocks import BlockPool, block_bytes, blocks_for
 from phyai_ray.llm.decoder import SlotDecoder
+from phyai_ray.llm.paged import PagedSequences
+from phyai_ray.llm.paged_decoder import PagedDecoder
+from phyai_ray.llm.ragged import RaggedBatch
 from phyai_ray.llm.slots import Batch, Slots
 from phyai_ray.llm.stops import StopScan
 from phyai_ray.rank.loading import dtype_name
@@ -50,7 +56,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
-class HFCausalLM(SlotDecoder):
+class HFCausalLM(PagedDecoder, SlotDecoder):
     """`hf_causal_lm` on one rank: the iteration protocol, `step` / `stream`, and weight updates by name."""
 
     def __init__(self, cfg: HFCausalLMConfig, ctx: Any) -> None:
@@ -58,18 +64,41 @@ class HFCausalLM(SlotDecoder):
         self.cfg, self.ctx, self.arch = cfg, ctx, ckpt.arch
         check_topology(self.arch, ctx.parallel)
         self.max_len = cfg.resolved_max_len(self.arch)
-        self.dtype = getattr(torch, cfg.dtype) if cfg.dtype else ctx.dtype
+        dtype = cfg.resolved_dtype(self.arch, getattr(ctx.device, "type", "cpu"))
+        self.dtype = getattr(torch, dtype) if dtype else ctx.dtype
         self.plan = ShardPlan.for_rank(self.arch, ctx)
         self.shapes = self.plan.full_shapes()
         self.w = {name: self._read(ckpt, name, shape) for name, shape in self.shapes.items()}
         if self.arch.tied:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
-        self.slots = self.new_slots(rows=1, max_seq=self.max_len)  # rows double as sequences arrive
         self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
+        self.paged = PagedSequences(self._block_pool(), max_seq=self.max_len, vocab=self.arch.vocab,
+                                    token_budget=cfg.max_num_batched_tokens,
+                                    stop_scan=lambda stops: StopScan(self._text_codec(), stops))
         logger.info("hf_causal_lm rank %d: %s, %d layers, heads %d/%d kv %d/%d on this rank, vocab rows %d, %s",
                     ctx.rank, self.arch.family, self.arch.layers, self.plan.local_heads, self.arch.heads,
                     self.plan.local_kv_heads, self.arch.kv_heads, self.plan.vocab_rows, self.dtype)
+
+    def _block_pool(self) -> BlockPool:
+        """The KV blocks of this rank's kv heads, as many as the budget holds (`HFCausalLMConfig.kv_cache_budget`)."""
+        a, cfg = self.arch, self.cfg
+        shape = dict(layers=a.layers, kv_heads=self.plan.local_kv_heads, head_dim=a.head_dim)
+        per_block = block_bytes(**shape, block_size=cfg.block_size, dtype=self.dtype)
+        budget = cfg.kv_cache_budget(device=self.ctx.device, per_token=-(-per_block // cfg.block_size),
+                                     max_len=self.max_len)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_for(self.max_len, cfg.block_size):
+            raise ValueError(f"hf_causal_lm: a KV cache of {budget} bytes holds {num_blocks} blocks of "
+                             f"{cfg.block_size} tokens ({per_block} bytes each), fewer than one sequence of "
+                             f"max_model_len={self.max_len} needs; raise kv_cache_bytes (or gpu_memory_utilization) "
+                             "or lower max_model_len")
+        logger.info("hf_causal_lm rank %d: KV cache of %d blocks x %d tokens (%.1f MiB), prefix caching %s, "
+                    "%d tokens per iteration", self.ctx.rank, num_blocks, cfg.block_size,
+                    num_blocks * per_block / 2 ** 20, "on" if cfg.enable_prefix_caching else "off",
+                    cfg.max_num_batched_tokens)
+        return BlockPool(num_blocks=num_blocks, block_size=cfg.block_size, **shape,
+                         to={"device": self.ctx.device, "dtype": self.dtype}, prefix_caching=cfg.enable_prefix_caching)
 
     def _read(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         ckpt.check({name: shape})  # the entry checked them all before any rank started; the folder may have changed
@@ -133,8 +162,8 @@ class HFCausalLM(SlotDecoder):
             self.codec = TextCodec.open(self.cfg.model)
         return self.codec
 
-    def logits(self, batch: Batch, slots: Slots) -> torch.Tensor:
-        """Logits [B, vocab] (float32) at each row's last new token."""
+    def logits(self, batch: Batch | RaggedBatch, cache: Slots | BlockPool) -> torch.Tensor:
+        """Logits [R, vocab] (float32) at `batch.last`: each row's (slots) or sampling chunk's (paged) last token."""
         a = self.arch
         x = self._embed(batch.tokens)
         angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -143,8 +172,10 @@ class HFCausalLM(SlotDecoder):
         for i in range(a.layers):
             p = f"model.layers.{i}."
             x = x + self._attention(rms_norm(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
-                                    slots.layer(i), batch)
+                                    cache.layer(i), batch)
             x = x + self._mlp(rms_norm(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
+        if batch.last.numel() == 0:  # only prompt chunks that sample nothing (every rank alike)
+            return x.new_zeros(0, a.vocab, dtype=torch.float32)
         h = rms_norm(x[batch.last], self.w["model.norm.weight"], a.eps)
         local = (h @ self.w["lm_head.weight"].T).float()
         return P.all_gather(local, "dense_tp", dim=-1)[:, : a.vocab]
@@ -162,7 +193,7 @@ class HFCausalLM(SlotDecoder):
         return F.linear(x, self.w[name + ".weight"], bias)
 
     def _attention(self, h: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+                   cache: tuple[torch.Tensor, torch.Tensor], batch: Batch | RaggedBatch) -> torch.Tensor:
         a, heads, kv = self.arch, self.plan.local_heads, self.plan.local_kv_heads
         q = self._linear(h, p + "self_attn.q_proj").view(-1, heads, a.head_dim)
         k = self._linear(h, p + "self_attn.k_proj").view(-1, kv, a.head_dim)
@@ -171,6 +202,19 @@ class HFCausalLM(SlotDecoder):
             q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
             k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if isinstance(batch, RaggedBatch):
+            batch.write(*cache, k, v)
+            attended = batch.attend(q, *cache).view(q.shape[0], -1)
+        else:
+            attended = self._slot_attention(q, k, v, cache, batch)
+        attended = P.all_reduce(F.linear(attended, self.w[p + "self_attn.o_proj.weight"]), "attention_tp")
+        bias = self.w.get(p + "self_attn.o_proj.bias")
+        return attended if bias is None else attended + bias
+
+    def _slot_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cache: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
+        """The whole-request path: attention over `Slots` rows padded to the longest new-token run."""
+        a, heads, kv = self.arch, self.plan.local_heads, self.plan.local_kv_heads
         keys, values = cache
         keys[batch.rows, :, batch.positions] = k
         values[batch.rows, :, batch.positions] = v
@@ -180,10 +224,7 @@ class HFCausalLM(SlotDecoder):
         scores = (queries @ keys.transpose(-1, -2)).float() * a.head_dim ** -0.5
         scores = scores.masked_fill(batch.hidden.repeat(1, 1, group, 1), MASKED)
         out = (scores.softmax(-1).to(values.dtype) @ values).view(batch.size, heads, batch.width, a.head_dim)
-        attended = F.linear(batch.unpadded(out), self.w[p + "self_attn.o_proj.weight"])
-        attended = P.all_reduce(attended, "attention_tp")
-        bias = self.w.get(p + "self_attn.o_proj.bias")
-        return attended if bias is None else attended + bias
+        return batch.unpadded(out)
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         hidden = F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj")

@@ -1,0 +1,252 @@
+"""Running sequences over a paged KV cache: waiting for blocks, preemption, chunked prefill, prefix reuse.
+
+    paged = PagedSequences(pool, max_seq=256, vocab=360, token_budget=2048)
+    paged.admit(7, payload)          # waits until blocks for its first chunk are free
+    chunks = paged.schedule()        # this iteration's work: [Chunk(seq, n tokens, samples?)]
+    ...one forward of the chunks' tokens (`ragged.RaggedBatch`), logits of the chunks that sample...
+    deltas = paged.finish(chunks, chosen, log_probs, tops)   # {seq_id: Delta}; ended ones free their blocks
+
+`schedule()` spends at most `token_budget` new tokens, in this order (no randomness, no timing, so
+every rank makes the same choices from the same plans):
+
+1. running sequences with ONE new token (decodes) go first: they never stall behind a long prompt;
+2. running sequences part way through a prompt (or a rebuild) take the next chunk that fits;
+3. waiting sequences, oldest admission first, start while the free blocks hold their first chunk
+   (a full cached prefix is taken from the prefix cache, not computed); the first that does not
+   fit stops the rest, so nothing overtakes it. None starts in an iteration that preempted one
+   (the blocks just freed would go straight back to a sequence that must soon give them up).
+
+A running sequence that needs a block when none is free preempts the NEWEST running sequence not
+yet scheduled in this iteration (its blocks freed; it goes back to waiting with its whole history to
+recompute; its generator goes on, so its tokens are unchanged). A decode with nobody left to preempt
+preempts itself. Budget 8, block size 4, a 10-token prompt alone: chunks of 8 then 2 (the second
+samples); with two decoding sequences beside it: 1 + 1 + 6, then 1 + 1 + 4.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+from phyai_ray.llm.blocks import BlockPool, blocks_for, chain_hash
+from phyai_ray.llm.slots import Running
+from phyai_ray.plugins.iteration import Delta
+
+
+@dataclass(eq=False)
+class PagedSeq(Running):
+    """A `Running` sequence with a block table: `pending` is fed from column `cached` on."""
+
+    order: int = 0  # admission order: smaller is older
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of blocks[:len(hashes)] (full, registered)
+    epoch: int = -1  # the pool epoch its cache was built in; another: its blocks are never registered
+
+    @property
+    def history(self) -> list[int]:
+        """Every token with a cache column (or about to have one): the prompt, then the generated ones."""
+        return self.prompt + self.tokens
+
+    def restart(self) -> None:
+        """Forget the cache: the whole history is fed again (a rebuild or a preemption)."""
+        self.cached, self.pending, self.hashes = 0, self.history, []
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`n` of `seq.pending`'s tokens, fed at columns seq.cached ..; `samples` when they end the pending run."""
+
+    seq: PagedSeq
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        return self.n == len(self.seq.pending)
+
+
+class PagedSequences:
+    """The waiting and running sequences of one loop over one `BlockPool` (see the module docstring)."""
+
+    def __init__(self, pool: BlockPool, *, max_seq: int, vocab: int, token_budget: int, stop_scan: Any = None) -> None:
+        if token_budget < 1:
+            raise ValueError(f"PagedSequences: token_budget must be >= 1, got {token_budget}")
+        if blocks_for(max_seq, pool.block_size) > pool.num_blocks:
+            raise ValueError(f"the KV cache holds {pool.num_blocks} blocks of {pool.block_size} tokens, fewer than "
+                             f"one sequence of max_model_len={max_seq} needs; raise the cache budget or lower "
+                             "max_model_len")
+        self.pool, self.max_seq, self.vocab, self.budget = pool, max_seq, vocab, token_budget
+        self.stop_scan = stop_scan
+        self.waiting: list[PagedSeq] = []  # by admission order
+        self.running: list[PagedSeq] = []  # by admission order: the last is the newest
+        self.by_id: dict[int, PagedSeq] = {}
+        self._admitted = 0
+        self.preemptions = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+    def admit(self, seq_id: int, payload: dict[str, Any]) -> PagedSeq:
+        if seq_id in self.by_id:
+            raise ValueError(f"admit({seq_id}): sequence {seq_id} is already running; drop it first")
+        seq = PagedSeq.from_payload(seq_id, payload, self.max_seq, self.vocab)
+        if payload.get("stop_strings"):
+            if self.stop_scan is None:
+                raise ValueError(f"admit({seq_id}): the payload gives stop_strings, but this model has no tokenizer "
+                                 "to find them with; send stop_token_ids")
+            seq.scan = self.stop_scan(payload["stop_strings"])
+        seq.order, self._admitted = self._admitted, self._admitted + 1
+        self.waiting.append(seq)
+        self.by_id[seq_id] = seq
+        return seq
+
+    def drop(self, seq_id: int) -> None:
+        """Forget a sequence and free its blocks; an unknown id is ignored."""
+        seq = self.by_id.pop(seq_id, None)
+        if seq is not None:
+            (self.running if seq in self.running else self.waiting).remove(seq)
+            self._release(seq)
+
+    def recompute(self, seq_id: int) -> None:
+        """Rebuild the sequence's cache from its whole history (after a weight update): it waits again."""
+        seq = self.by_id.get(seq_id)
+        if seq is not None and seq in self.running:
+            self._preempt(seq, count=False)
+        elif seq is not None:
+            seq.restart()
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def schedule(self) -> list[Chunk]:
+        """This iteration's chunks, decodes first (see the module docstring)."""
+        chunks: list[Chunk] = []
+        left, preempted = self.budget, self.preemptions
+        decodes = [s for s in self.running if len(s.pending) == 1]
+        prefills = [s for s in self.running if len(s.pending) > 1]
+        for seq in decodes + prefills:
+            if left == 0:
+                break
+            if seq not in self.running:  # preempted by an older one this round
+                continue
+            n = self._grow(seq, min(left, len(seq.pending)), chunks)
+            if n:
+                chunks.append(Chunk(seq, n))
+                self._name_full_blocks(seq, seq.cached + n)
+                left -= n
+        while self.waiting and left and self.preemptions == preempted:  # none started beside a preemption
+            n = self._start(self.waiting[0], left)
+            if not n:
+                break
+            seq = self.waiting.pop(0)
+            chunks.append(Chunk(seq, n))
+            self._name_full_blocks(seq, seq.cached + n)
+            self._run(seq)
+            left -= n
+        return chunks
+
+    def finish(self, chunks: list[Chunk], chosen: list[int], log_probs: list[float],
+               tops: list[dict[int, float] | None] | None = None) -> dict[int, Delta]:
+        """After the forward: the sampling chunks take chosen[i] (in order), the others advance; the
+        sequences that ended free their blocks."""
+        sampled = iter(zip(chosen, log_probs, tops or [None] * len(chosen)))
+        deltas: dict[int, Delta] = {}
+        for chunk in chunks:
+            seq = chunk.seq
+            if chunk.samples:
+                deltas[seq.seq_id] = seq.take(*next(sampled))
+            else:
+                seq.cached += chunk.n
+                seq.pending = seq.pending[chunk.n:]
+                deltas[seq.seq_id] = Delta()
+            if seq.stop_reason is not None:
+                self.running.remove(seq)
+                del self.by_id[seq.seq_id]
+                self._release(seq)
+        return deltas
+
+    # -- blocks ----------------------------------------------------------------------------------
+    def _grow(self, seq: PagedSeq, n: int, chunks: list[Chunk]) -> int:
+        """Blocks for n more tokens of a running sequence, preempting newer ones when none is free;
+        the tokens it got (fewer when a prefill's blocks ran out; 0: it preempted itself or waits)."""
+        need = blocks_for(seq.cached + n, self.pool.block_size) - len(seq.blocks)
+        scheduled = {c.seq.seq_id for c in chunks}
+        while need > self.pool.free_count:
+            victim = next((s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled), None)
+            if victim is None:
+                break
+            self._preempt(victim)
+        if need > self.pool.free_count:
+            if n == 1:
+                self._preempt(seq)
+                return 0
+            n = (len(seq.blocks) + self.pool.free_count) * self.pool.block_size - seq.cached
+            need = self.pool.free_count
+        seq.blocks += [self.pool.allocate() for _ in range(max(need, 0))]
+        return max(n, 0)
+
+    def _start(self, seq: PagedSeq, left: int) -> int:
+        """Give a waiting sequence its cached prefix and the blocks of its first chunk (at most `left`
+        tokens); 0 (and nothing taken) when the free blocks cannot hold a chunk of one token."""
+        found = self._cached_prefix(seq)
+        size = self.pool.block_size
+        n = min(left, len(seq.pending) - len(found) * size)
+        reclaimed = sum(1 for b in found if self.pool.refs[b] == 0)  # cached blocks on the free list
+        need = blocks_for(len(found) * size + n, size) - len(found)
+        room = self.pool.free_count - reclaimed
+        if need > room:
+            n = min(n, room * size)
+            need = blocks_for(n, size) if n > 0 else 0
+        if n <= 0:
+            return 0
+        for block in found:
+            self.pool.share(block)
+        self.pool.queries += len(seq.pending) - 1
+        self.pool.hits += len(found) * size
+        seq.blocks = found + [self.pool.allocate() for _ in range(need)]
+        seq.cached, seq.pending = len(found) * size, seq.pending[len(found) * size:]
+        seq.epoch = self.pool.epoch
+        return n
+
+    def _cached_prefix(self, seq: PagedSeq) -> list[int]:
+        """The longest run of cached full blocks of the sequence's history, always leaving its last token to compute."""
+        found: list[int] = []
+        seq.hashes, parent, size = [], None, self.pool.block_size
+        history = seq.pending  # a waiting sequence's pending is its whole history
+        for j in range((len(history) - 1) // size):
+            key = chain_hash(parent, history[j * size:(j + 1) * size])
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            found.append(block)
+            seq.hashes.append(key)
+            parent = key
+        return found
+
+    def _name_full_blocks(self, seq: PagedSeq, upto: int) -> None:
+        """Name the blocks that columns 0 .. upto - 1 fill (caching on, the cache built in this epoch).
+
+        Named when scheduled, before they are computed: a sequence starting later in the same
+        iteration may share them, as every layer writes the whole batch's keys before any attends."""
+        if not self.pool.prefix_caching or seq.epoch != self.pool.epoch:
+            return
+        size, history = self.pool.block_size, None
+        while len(seq.hashes) < upto // size:
+            history = history or seq.history
+            j = len(seq.hashes)
+            key = chain_hash(seq.hashes[-1] if seq.hashes else None, history[j * size:(j + 1) * size])
+            self.pool.register(seq.blocks[j], key)
+            seq.hashes.append(key)
+
+    def _run(self, seq: PagedSeq) -> None:
+        bisect.insort(self.running, seq, key=lambda s: s.order)
+
+    def _preempt(self, seq: PagedSeq, count: bool = True) -> None:
+        """Free a running sequence's blocks; it waits (by its admission order) to recompute its history."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.restart()
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+        self.preemptions += count
+
+    def _release(self, seq: PagedSeq) -> None:
+        self.pool.free(reversed(seq.blocks))
+        seq.blocks = []
