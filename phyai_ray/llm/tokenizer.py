@@ -3,7 +3,8 @@
     codec = TextCodec.open(folder)          # tokenizer.json, tokenizer_config.json, chat_template.jinja
     codec.encode("Hello")                   # ids, with the tokenizer's own BOS rule (its post-processor)
     codec.chat([{"role": "user", "content": "Hi"}])   # the template rendered, add_generation_prompt=True
-    text = TextStream(codec); text.push(ids)          # incremental text: never half a character
+    text = TextStream(codec); text.push(ids)          # incremental text: never half a character,
+                                                      # a few tokens decoded per push
 
 `chat` renders the template as transformers' `apply_chat_template` does (a sandboxed jinja2
 environment, trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that
@@ -23,6 +24,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from phyai_ray.llm.detok import Detokenizer
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -111,28 +114,19 @@ def check_messages(messages: Any) -> None:
                                  "parts; other part types are not supported")
 
 
-class TextStream:
+class TextStream(Detokenizer):
     """Text of a growing token list, released only where it is final: a trailing U+FFFD (half of a
     multi-byte character) is held back until the next token completes it.
 
         stream.push([72]) -> "H";  stream.push([0xE2]) -> "" (half a character);  stream.push([0x82]) -> "€"
 
-    Each push decodes the whole list, so the concatenated pushes equal `decode(all ids)` exactly
-    (detokenizers that strip a leading space or merge bytes see the same context as a whole decode).
+    The concatenated pushes equal `decode(all ids)`; each push decodes only a window of recent
+    tokens (`phyai_ray.llm.detok.Detokenizer`: vLLM's prefix and read offsets), not the whole list.
     """
 
     def __init__(self, codec: TextCodec) -> None:
-        self.codec, self.ids, self.sent = codec, [], ""
-
-    def push(self, ids: list[int], final: bool = False) -> str:
-        self.ids.extend(ids)
-        text = self.codec.decode(self.ids)
-        if not final:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        super().__init__(codec.decode)
+        self.codec = codec
 
 
 def _joined(message: dict[str, Any]) -> dict[str, Any]:

@@ -6,9 +6,10 @@
 
 A choice that meets a stop string ends there: its text excludes the stop string and its
 finish_reason is "stop" (OpenAI's rule). A streamed choice is decoded incrementally (`TextStream`:
-never half of a multi-byte character) and holds back the last len(stop) - 1 characters while they
-could still begin a stop string; once every choice of a streamed request has stopped, the
-generation is cancelled. Without a tokenizer, text is refused with a 400 that says to send ids.
+a few tokens per push, never half of a multi-byte character), holds back the last len(stop) - 1
+characters while they could still begin a stop string and scans only those and the new text;
+once every choice of a streamed request has stopped, the generation is cancelled. Without a
+tokenizer, text is refused with a 400 that says to send ids.
 """
 
 from __future__ import annotations
@@ -74,20 +75,29 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 
 class ChoiceText:
-    """One streamed choice's text: deltas safe to send now, and whether a stop string ended it."""
+    """One streamed choice's text: deltas safe to send now, and whether a stop string ended it.
+
+    The text comes from `TextStream` (a few tokens decoded per push). Only the characters not yet
+    sent are kept: the last len(longest stop) - 1 of the text, which could still begin a stop
+    string, plus the new delta; a stop string that appears must end in the delta, so this tail is
+    all that is scanned. A choice of n tokens costs O(n) however long it grows.
+    """
 
     def __init__(self, codec: Any, stops: list[str]) -> None:
         from phyai_ray.llm.tokenizer import TextStream
 
-        self.stream, self.stops = TextStream(codec), stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text, self.sent, self.stopped = "", 0, False
+        self.stream, self.stops = TextStream(codec), [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.unsent, self.stopped = "", False
 
     def push(self, ids: list[int], final: bool = False) -> str:
         if self.stopped:
             return ""
-        self.text += self.stream.push(ids, final)
-        cut, self.stopped = cut_at_stop(self.text, self.stops)
-        end = len(cut) if (self.stopped or final) else max(self.sent, len(cut) - self.hold)
-        delta, self.sent = cut[self.sent:end], end
-        return delta
+        tail = self.unsent + self.stream.push(ids, final)
+        found = [i for i in (tail.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped, self.unsent = True, ""
+            return tail[:min(found)]
+        end = len(tail) if final else max(0, len(tail) - self.hold)
+        self.unsent = tail[end:]
+        return tail[:end]
