@@ -99,7 +99,7 @@ def test_sequences_wait_for_blocks_and_the_newest_is_preempted_and_resumes_uncha
     paged.admit(1, payload([2] * 6, max_tokens=6))
     paged.admit(2, payload([3] * 6, max_tokens=6))
     assert step(paged) == [(0, 6), (1, 6)]  # 2 blocks each: the third waits
-    assert [s.seq_id for s in paged.waiting] == [2]
+    assert [s.seq_id for s in paged.waiting] == [2] and paged.waits == 1
     assert step(paged) == [(0, 1), (1, 1)]  # column 6: still 2 blocks each
     assert step(paged) == [(0, 1), (1, 1)]  # column 7
     assert paged.preemptions == 0

@@ -81,7 +81,8 @@ class PagedSequences:
         self.running: list[PagedSeq] = []  # by admission order: the last is the newest
         self.by_id: dict[int, PagedSeq] = {}
         self._admitted = 0
-        self.preemptions = 0
+        self.preemptions = 0  # running sequences preempted so far
+        self.waits = 0  # iterations in which the waiting head found too few free blocks
 
     def __bool__(self) -> bool:
         return bool(self.by_id)
@@ -134,7 +135,8 @@ class PagedSequences:
                 left -= n
         while self.waiting and left and self.preemptions == preempted:  # none started beside a preemption
             n = self._start(self.waiting[0], left)
-            if not n:
+            if not n:  # the free blocks cannot hold one token of it
+                self.waits += 1
                 break
             seq = self.waiting.pop(0)
             chunks.append(Chunk(seq, n))

@@ -76,7 +76,8 @@ class PagedDecoder:
         self.paged.pool.reset()
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """Prefix-cache tokens looked up and reused, blocks free and cached, preemptions so far."""
+        """Prefix-cache tokens looked up and reused, blocks free and cached, preemptions and waits so far."""
         return {**self.paged.pool.stats(), "preemptions": self.paged.preemptions,
+                "waits": self.paged.waits,
                 "waiting": len(self.paged.waiting), "running": len(self.paged.running)}
 

@@ -1,0 +1,154 @@
+"""`hf_causal_lm` on its paged KV cache against transformers: chunked, cached, under a tight budget, TP=2.
+
+Run: .venv/bin/pytest tests/test_hf_paged.py -q        (the TP=2 test under the Ray lock:
+     flock /tmp/phyai-ray-tests.lock .venv/bin/pytest tests/test_hf_paged.py -q)
+
+Greedy tokens equal transformers' `generate` and log-probs its log_softmax to 1e-4 (fp32), with
+prefix caching on and off, for prompts longer than one iteration's token budget (prefilled in
+chunks) batched with short ones; under a KV budget small enough that sequences wait for blocks
+and running ones are preempted (and recomputed); eight requests of one 64-token prompt reuse its
+cached blocks (counted by `prefix_cache_stats`) with the tokens of a run without caching; after a
+weight update no block computed under the old weights is reused. The same at TP=2 on Ray.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, Engine, EngineArgs,
+                       EngineConfig, ParallelConfig, WeightSender, WorkerSupervisorConfig)
+from phyai_ray.config.engine import DeviceConfig
+from phyai_ray.models.hf_causal_lm import Architecture, HFCausalLMConfig
+from tests.hf_checkpoints import load_reference, write_checkpoint
+from tests.test_hf_causal_lm import PROMPTS, assert_matches, perturbed, reference
+
+pytest.importorskip("transformers")
+TOKENS = 10
+LONG = [1] + [(37 * i) % 300 + 5 for i in range(40)]  # 41 tokens: five chunks of a budget of 8
+SHARED = [1] + [(11 * i) % 290 + 7 for i in range(63)]  # one 64-token prompt: 3 cached blocks of 16 to reuse
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("paged") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def model(llama):
+    return load_reference(llama)
+
+
+def engine(folder: Path, **plugin_args) -> Engine:
+    return Engine(EngineArgs(plugin="hf_causal_lm", plugin_args={"model": str(folder), **plugin_args},
+                             config=EngineConfig(device=DeviceConfig(target="cpu"))))
+
+
+def submit_all(eng: Engine, prompts: list[list[int]], tokens: int = TOKENS) -> list:
+    futures = [eng.submit({"prompts": [p], "max_tokens": tokens}) for p in prompts]
+    return [f.result(timeout=120)[0] for f in futures]
+
+
+def stats(eng: Engine) -> dict:
+    [reply] = eng.collective_rpc("prefix_cache_stats")
+    return reply
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_chunked_prefill_batched_equals_transformers_with_caching_on_and_off(llama, model, caching) -> None:
+    prompts = [LONG, *PROMPTS, LONG, PROMPTS[2]]
+    want = {tuple(p): reference(model, p, TOKENS) for p in prompts}
+    with engine(llama, max_num_batched_tokens=8, enable_prefix_caching=caching) as eng:
+        for out, prompt in zip(submit_all(eng, prompts), prompts):
+            assert_matches(out, want[tuple(prompt)])
+        [alone] = eng.step({"prompts": [LONG], "max_tokens": TOKENS})  # the whole-request path
+        assert_matches(alone, want[tuple(LONG)])
+        counted = stats(eng)
+    assert (counted["hits"] > 0) == caching  # the second LONG reuses the first one's blocks
+
+
+def test_a_tight_kv_budget_makes_sequences_wait_and_preempts_with_results_unchanged(llama, model) -> None:
+    # 16 blocks of 4 tokens: one sequence of max_model_len=64; each request needs up to 6 blocks
+    per_block = 2 * 2 * 2 * 4 * 16 * 4  # keys and values x layers x kv heads x block x head_dim x fp32
+    prompts = [PROMPTS[i % 3] for i in range(9)]
+    with engine(llama, block_size=4, kv_cache_bytes=16 * per_block, max_model_len=64) as eng:
+        outs = submit_all(eng, prompts, TOKENS)
+        counted = stats(eng)
+    for out, prompt in zip(outs, prompts):
+        assert_matches(out, reference(model, prompt, TOKENS))
+    assert counted["num_blocks"] == 16 and counted["free_blocks"] == 16
+    assert counted["waits"] > 0 and counted["preemptions"] > 0
+
+
+def test_eight_requests_of_one_prompt_reuse_its_blocks_with_the_tokens_of_no_caching(llama, model) -> None:
+    with engine(llama) as eng:
+        cached = submit_all(eng, [SHARED] * 8)
+        counted = stats(eng)
+    with engine(llama, enable_prefix_caching=False) as eng:
+        plain = submit_all(eng, [SHARED] * 8)
+        assert stats(eng)["hits"] == 0
+    assert counted["hits"] == 7 * 48  # 3 full blocks of 16 (the last token always computed), 7 times
+    want = reference(model, SHARED, TOKENS)
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        assert_matches(a, want)
+
+
+def test_no_block_computed_under_old_weights_is_reused_after_an_update(tmp_path) -> None:
+    folder = write_checkpoint(tmp_path / "llama", "llama")
+    model = load_reference(folder)
+    with engine(folder) as eng:
+        before = submit_all(eng, [SHARED])[0]
+        hits = stats(eng)["hits"]
+        perturbed(model, seed=3)
+        sender = WeightSender("gloo")
+        sender.init_transfer(eng)
+        sender.update(eng, model.named_parameters(), version=2)
+        after = submit_all(eng, [SHARED])[0]
+        assert stats(eng)["hits"] == hits  # the same prompt again: nothing found
+        again = submit_all(eng, [SHARED])[0]  # now its blocks under the new weights are found
+        assert stats(eng)["hits"] == hits + 48
+    assert after.token_ids != before.token_ids and after.weight_version == 2
+    assert_matches(after, reference(model, SHARED, TOKENS))
+    assert_matches(again, reference(model, SHARED, TOKENS))
+
+
+def test_dtype_auto_reads_the_checkpoint(llama) -> None:
+    arch = Architecture.read(llama)
+    cfg = HFCausalLMConfig(model=str(llama), dtype="auto")
+    assert arch.dtype == "float32"
+    assert cfg.resolved_dtype(arch, "cpu") == "float32" and cfg.resolved_dtype(arch, "cuda") == "bfloat16"
+    half = Architecture.read(llama).__class__(**{**arch.__dict__, "dtype": "float16"})
+    assert cfg.resolved_dtype(half, "cuda") == "float16" and cfg.resolved_dtype(half, "cpu") == "float32"
+    assert HFCausalLMConfig(model=str(llama), dtype="bfloat16").resolved_dtype(arch, "cpu") == "bfloat16"
+    assert HFCausalLMConfig(model=str(llama)).resolved_dtype(arch, "cpu") is None  # the engine's params_dtype
+    with engine(llama, dtype="auto") as eng:
+        [out] = eng.step({"prompts": [PROMPTS[0]], "max_tokens": 4})
+    assert out.token_ids
+
+
+def test_a_budget_below_one_sequence_is_refused_at_load(llama) -> None:
+    with pytest.raises(Exception, match=r"fewer than one sequence of max_model_len=256 needs; raise kv_cache_bytes"):
+        engine(llama, kv_cache_bytes=1 << 14)
+
+
+def test_tp2_chunked_and_cached_equals_transformers(ray_session, tmp_path) -> None:
+    from tests.hf_checkpoints import SHAPE
+
+    folder = write_checkpoint(tmp_path / "qwen2", "qwen2", tied=True, shape={**SHAPE, "num_key_value_heads": 4})
+    model = load_reference(folder)
+    parallel = ParallelConfig(dense=DenseParallelConfig(tp_size=2), attention=AttentionParallelConfig(tp_size=2))
+    args = {"model": str(folder), "max_num_batched_tokens": 8, "block_size": 8}
+    prompts = [LONG, PROMPTS[0], SHARED, SHARED, PROMPTS[2]]
+    with Engine(EngineArgs(plugin="hf_causal_lm", plugin_args=args,
+                           config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel)),
+                DeploymentConfig(mode="local", cpus_per_rank=0.5,
+                                 process_config=WorkerSupervisorConfig(execution_timeout_s=120))) as eng:
+        outs = submit_all(eng, prompts)
+        ranks = eng.collective_rpc("prefix_cache_stats", all_ranks=True)
+    for out, prompt in zip(outs, prompts):
+        assert_matches(out, reference(model, prompt, TOKENS))
+    assert ranks[0][0] == ranks[0][1] and ranks[0][0]["hits"] > 0  # both ranks made the same choices
+    torch.testing.assert_close(torch.tensor(outs[2].log_probs), torch.tensor(outs[3].log_probs), rtol=0, atol=1e-4)
