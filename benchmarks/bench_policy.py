@@ -8,8 +8,10 @@ narrowed to a chunk of tens of ms on a small CPU; LeRobot 0.4.4 writes it and lo
 venv (scripts/lerobot_reference/bench_reference.py; `make lerobot-reference`); phyai-ray serves that folder.
 
 1. Parity: robot 0's chunk from both, the same noise (max |difference|).
-2. Where a frame's time goes (the plugin's model called directly): the prefix pass at admission, one
-   expert step for 1, 8 and 16 frames.
+2. Where a frame's time goes (the plugin's model called directly): the prefix pass of one frame and of
+   8 frames as one pass, one expert step for 1, 8 and 16 frames. 2b: 8 robots arriving together,
+   before (batch_prefixes=false: a VLM pass per frame) and after (the plan's prefixes in one pass),
+   alternating: each robot's first-chunk latency, and the prefix passes the engine ran by size.
 3. N = 8 and 16 robots whose frames arrive together: phyai-ray (inline engine, iteration protocol: each
    frame submitted, one expert step per iteration for all) vs LeRobot's predict_action_chunk (with its
    pre- and postprocessor) one robot at a time and all N as one batch; the sides alternate `--rounds`
@@ -51,55 +53,11 @@ from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, Engine
 
 REFERENCE_PYTHON = Path(os.environ.get("LEROBOT_OPENPI_VENV", "/tmp/lerobot-openpi-venv")) / "bin" / "python"
 REFERENCE_SCRIPT = ROOT / "scripts" / "lerobot_reference" / "bench_reference.py"
+ROBOTS = Path(__file__).resolve().parent / "policy_robots.py"  # the openpi-client robots, run in the clients' venv
 PLUGIN = "phyai_ray.models.lerobot_policy:LeRobotPolicyEntry"
 CPU = EngineConfig(device=DeviceConfig(target="cpu"))
 WAIT_S = 300.0  # the longest any one wait of this script may take
 MARK = {True: "met", False: "NOT MET"}
-ROBOT_SCRIPT = r'''
-import json, sys, threading, time
-import numpy as np
-from openpi_client.websocket_client_policy import WebsocketClientPolicy
-url, path, robots, hz, seconds, deadline_ms, lone = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
-    float(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
-frames = dict(np.load(path))
-def obs(r, step):
-    return {"observation/image": frames[f"image_{r}"], "observation/wrist_image": frames[f"wrist_image_{r}"],
-            "observation/state": frames[f"state_{r}"], "prompt": str(frames[f"prompt_{r}"]), "step": step}
-def one(policy, o):  # (round trip ms, server_timing), or (None, the error frame's text)
-    began = time.perf_counter()
-    try:
-        reply = policy.infer(o)
-    except Exception as exc:
-        return None, str(exc)[:200]
-    return (time.perf_counter() - began) * 1e3, reply["server_timing"]
-out = {"lone": [], "robots": {}}
-policy = WebsocketClientPolicy(host=url)
-for step in range(lone + 3):  # one robot, frames back to back, the first 3 to warm up
-    rtt, timing = one(policy, obs(0, step))
-    if step >= 3 and rtt is not None:
-        out["lone"].append([rtt, timing["infer_ms"]])
-def robot(r, start):
-    rec = out["robots"][r] = {"rtt": [], "sizes": [], "errors": [], "sent": 0, "on_time": 0}
-    p = WebsocketClientPolicy(host=url)
-    start.wait(60)
-    time.sleep(r / (robots * hz))  # robots' phases spread over one period
-    next_at, until = time.monotonic(), time.monotonic() + seconds
-    while time.monotonic() < until:
-        time.sleep(max(0.0, next_at - time.monotonic()))
-        next_at = max(next_at + 1 / hz, time.monotonic())
-        rtt, timing = one(p, {**obs(r, rec["sent"]), "deadline_ms": deadline_ms})
-        rec["sent"] += 1
-        if rtt is None:
-            rec["errors"].append(timing)
-        else:
-            rec["rtt"].append(rtt), rec["sizes"].append(timing["batch_size"])
-            rec["on_time"] += rtt <= deadline_ms
-start = threading.Barrier(robots)
-threads = [threading.Thread(target=robot, args=(r, start)) for r in range(robots)]
-[t.start() for t in threads]
-[t.join(seconds + 120) for t in threads]
-print(json.dumps(out), flush=True)
-'''
 
 
 def machine() -> str:
@@ -109,6 +67,13 @@ def machine() -> str:
     return (f"machine: {platform.node()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB; python "
             f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads); load "
             f"average {os.getloadavg()[0]:.1f} at start (shared machine)")
+
+
+def took(fn: Any) -> float:
+    """Seconds fn() takes."""
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
 
 
 def pct(values: list[float], q: float) -> float:
@@ -196,28 +161,45 @@ def engine_batch(engine: Engine, robots: Robots, which: range) -> tuple[float, l
 
 
 def split(args: dict, robots: Robots) -> dict[str, float]:
-    """The plugin's model called directly (no engine): ms of a frame's prefix pass (admit: preprocessing and
-    the VLM over images and prompt) and of one expert step (iterate) for 1, 8 and 16 running frames."""
+    """The plugin's model called directly (no engine): ms of the prefix pass (preprocessing and the VLM over
+    images and prompt) of 1 frame and of 8 frames as one pass, and of one expert step for 1, 8 and 16 frames."""
     from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
 
     entry = LeRobotPolicyEntry(args)
     model = entry.create(args, SimpleNamespace(device="cpu"))
     payloads = [entry.validate_request(robots.frame(r)) for r in range(16)]
-    out: dict[str, float] = {}
-    admits: list[float] = []
+    out = {f"prefix_{b}_ms": statistics.median(took(lambda: model.encode(payloads[:b])) for _ in range(5)) * 1e3
+           for b in (1, 8)}
     for b in (1, 8, 16):
         steps = []
         for _ in range(3):
             for i in range(b):
-                began = time.perf_counter()
                 model.admit(i, payloads[i])
-                admits.append(time.perf_counter() - began)
-            for _ in range(10):
-                began = time.perf_counter()
-                model.iterate()
-                steps.append(time.perf_counter() - began)
+            model.iterate()  # the prefixes (one pass) and the first step
+            steps += [took(model.iterate) for _ in range(9)]
         out[f"step_{b}_ms"] = statistics.median(steps) * 1e3
-    out["prefix_ms"] = statistics.median(admits) * 1e3
+    return out
+
+
+def prefixes_part(after: Engine, before: Engine, robots: Robots, rounds: int, lines: list[str]) -> dict:
+    """8 robots' frames arriving together, the engine with batched prefix passes (`after`) and one with a pass
+    per frame (`before`, batch_prefixes=false), alternating: each robot's first chunk and the last one (ms)."""
+    got: dict[str, list[float]] = collections.defaultdict(list)
+    passes = lambda: after.collective_rpc("prefix_stats", replica=0)  # noqa: E731
+    seen = passes()
+    for _ in range(rounds * 2):
+        for name, engine in (("before", before), ("after", after)):
+            wall, each = engine_batch(engine, robots, range(8))
+            got[f"{name}_wall"].append(wall * 1e3)
+            got[f"{name}_each"] += [e * 1e3 for e in each]
+    sizes = {k: v - seen.get(k, 0) for k, v in passes().items() if v > seen.get(k, 0)}
+    out = {f"{k}_{q}": pct(got[k], q) for k in got for q in (50, 99)}
+    for name, what in (("before", "a prefix pass per frame"), ("after", "the plan's prefixes in one pass")):
+        lines.append(f"  {what:32s}: each robot's chunk p50 {out[name + '_each_50']:6.1f}ms p99 "
+                     f"{out[name + '_each_99']:6.1f}ms; all 8 back p50 {out[name + '_wall_50']:6.1f}ms")
+    lines.append(f"  after / before: each robot p50 {out['after_each_50'] / out['before_each_50']:.2f}x, all 8 back "
+                 f"{out['after_wall_50'] / out['before_wall_50']:.2f}x; prefix passes {{frames: passes}} {sizes}")
+    results.record("prefix_batching", **out, pass_sizes=json.dumps(sizes))
     return out
 
 
@@ -307,8 +289,7 @@ def openpi_part(args: dict, robots: Robots, out: Path, threads: int, seconds: fl
         ports = direct_ports(app_name="policy", timeout_s=20)
         url = f"ws://127.0.0.1:{ports[0]}/v1/openpi" if ports else f"ws://127.0.0.1:{port}/v1/openpi"
         robots.openpi_npz(out / "frames.npz", 8)
-        (out / "robots.py").write_text(ROBOT_SCRIPT)
-        text = run_script(out / "robots.py", url, str(out / "frames.npz"), "8", "20", str(seconds), "100", "40",
+        text = run_script(ROBOTS, url, str(out / "frames.npz"), "8", "20", str(seconds), "100", "40",
                           timeout_s=seconds + 300)
         got = json.loads(text.splitlines()[-1])
     finally:
@@ -376,10 +357,16 @@ def main() -> None:
                 have = engine.submit(robots.frame(0)).result(timeout=WAIT_S)["actions"]
                 lines.append(f"1. parity: robot 0's chunk, max |phyai-ray - LeRobot| = {(have - want).abs().max():.1e}")
                 parts = split(args, robots)
-                lines.append(f"2. split (the plugin's model called directly): prefix pass (preprocess + VLM) "
-                             f"{parts['prefix_ms']:.1f}ms per frame; one expert step: 1 frame {parts['step_1_ms']:.2f}ms,"
-                             f" 8 frames {parts['step_8_ms']:.2f}ms, 16 frames {parts['step_16_ms']:.2f}ms")
+                lines.append(f"2. split (the plugin's model called directly): prefix pass (preprocess + VLM) 1 frame "
+                             f"{parts['prefix_1_ms']:.1f}ms, 8 frames in one pass {parts['prefix_8_ms']:.1f}ms; one "
+                             f"expert step: 1 frame {parts['step_1_ms']:.2f}ms, 8 frames {parts['step_8_ms']:.2f}ms, "
+                             f"16 frames {parts['step_16_ms']:.2f}ms")
                 results.record("split", **parts)
+                with Engine(EngineArgs(plugin=PLUGIN, plugin_args={**args, "batch_prefixes": False}, config=CPU)) as old:
+                    engine_batch(old, robots, range(8))  # warm
+                    lines.append(f"2b. 8 robots arriving together, prefix passes per frame vs batched, {opts.rounds * 2} "
+                                 "alternating rounds")
+                    prefixes_part(engine, old, robots, opts.rounds, lines)
                 lines.append(f"3. N robots whose frames arrive together, {opts.rounds} alternating rounds")
                 num = report(side_by_side(engine, robots, ref, opts.rounds), lines)
         finally:
