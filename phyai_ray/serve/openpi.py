@@ -9,7 +9,7 @@ The protocol, as openpi's policy server speaks it: the client connects (`Authori
 <key>`; `Bearer <key>` works too), the server sends its metadata frame, then every binary frame
 from the client is one observation (msgpack, NumPy arrays as `{__ndarray__, data, dtype, shape}`)
 and gets one binary reply: the plugin's result dict plus `server_timing` (`queue_ms`, `infer_ms`,
-`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `request_id`,
+`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `forwarded`, `request_id`,
 and `received_at` / `sent_at` in Unix seconds: a client discards a chunk that is stale by them).
 An error is a text frame.
 
@@ -22,10 +22,13 @@ only after its deadline gets: the late chunk, or (fail closed) that error frame 
 
 One connection is one session on ONE replica group: Serve's proxy hands the connection to one
 group's Serve replica, and every frame of it runs on that group (batched with other robots'
-frames when batching is on); a frame is never forwarded to another group. When that group
-fails, the robot's next (or in-flight) frame gets an error frame and the connection closes
-(code 1011); connecting again reaches a healthy group (Serve's router skips a failed one). A frame the plugin
-rejects gets an error frame and the session goes on. An idle session closes after
+frames when batching is on). When that group fails, the robot's next (or in-flight) frame gets
+an error frame and the connection closes (code 1011); the robot connects again. Serve's routers
+learn that a group failed from its routing stats (up to `request_routing_stats_period_s`, 2 s,
+later), so a reconnect may still land on the failed group: a session that opens on a group that
+has already failed has every frame forwarded to a healthy group (`GroupRunner.run`'s failover,
+`server_timing.forwarded` true), so the robot's first frame after a reconnect gets a chunk at
+once. A frame the plugin rejects gets an error frame and the session goes on. An idle session closes after
 `IDLE_TIMEOUT_S` (code 1000), so no wait lasts forever.
 """
 
@@ -154,7 +157,8 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
         try:
             with runner.session():  # open as long as the connection: the group's count, as the router's
                 await websocket.send_bytes(pack(runner.entry.policy_metadata()))
-                await _serve_frames(websocket, runner, options, session, (default_deadline, default_late))
+                forward = not runner.engine.healthy  # landed on a failed group: a robot reconnecting too soon
+                await _serve_frames(websocket, runner, options, session, (default_deadline, default_late), forward)
         except WebSocketDisconnect:
             pass
         finally:
@@ -162,7 +166,7 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
 
 
 async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: ServeOptions, session: str,
-                        defaults: tuple[float | None, str | None]) -> None:
+                        defaults: tuple[float | None, str | None], forward: bool = False) -> None:
     frames = 0
     while True:
         try:
@@ -174,7 +178,7 @@ async def _serve_frames(websocket: WebSocket, runner: GroupRunner, options: Serv
             return
         frames += 1
         rid = f"{session}-{frames}"
-        reply, fatal = await _answer(message.get("bytes"), runner, options, rid, defaults)
+        reply, fatal = await _answer(message.get("bytes"), runner, options, rid, defaults, forward)
         if isinstance(reply, str):
             logger.warning("openpi frame %s: %s", rid, reply)
             await websocket.send_text(reply)
@@ -191,9 +195,10 @@ async def _off_loop(size: int, work: Any, *args: Any) -> Any:
 
 
 async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str,
-                  defaults: tuple[float | None, str | None] = (None, None)) -> tuple[Any, bool]:
+                  defaults: tuple[float | None, str | None] = (None, None), forward: bool = False) -> tuple[Any, bool]:
     """(reply frame, False), or (error text, whether the session must end). `defaults`: the connection's
-    (deadline_s, late), from its URL's query; a frame's own `deadline_ms` / `late` fields win."""
+    (deadline_s, late), from its URL's query; a frame's own `deadline_ms` / `late` fields win.
+    `forward`: the session opened on a failed group; its frames run on a healthy one."""
     start, received_at = time.perf_counter(), time.time()
     if frame is None:
         return "expected a binary msgpack observation frame, got a text frame", False
@@ -208,24 +213,25 @@ async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOption
     except Exception as exc:
         return f"request {rid}: bad observation: {describe(exc)}", False
     timing: dict[str, Any] = {}
-    try:  # validated once, here; the session stays on this group (no forwarding)
-        result = await runner.run(validate(runner.entry, request), forward=False, deadline_s=deadline_s, timing=timing,
-                                  late=late)
+    try:  # validated once, here; the session stays on this group unless it opened on a failed one
+        result = await runner.run(validate(runner.entry, request), forward=forward, deadline_s=deadline_s,
+                                  timing=timing, late=late)
     except Exception as exc:
         failure = classify(exc, overload_status=options.overload_status)
         if failure.kind == "rejected":  # the plugin refused this frame: the session goes on
             return f"request {rid}: bad observation: {failure.message}", False
-        fatal = isinstance(exc, EngineUnavailableError) or not runner.engine.healthy
+        fatal = isinstance(exc, EngineUnavailableError) or not (forward or runner.engine.healthy)
         again = "; connect again to reach a healthy group" if fatal else ""
         return (f"request {rid}: group {runner.group} could not act ({failure.kind}, {failure.status}): "
                 f"{failure.message}{again}", fatal)
     reply = dict(result) if isinstance(result, dict) else {"actions": result}
     # the version that computed this chunk (the runner's timing); the replica's current one only without it
+    forwarded = forward and not timing  # ran on another group: this group's state says nothing of it
     version = timing["weight_version"] if "weight_version" in timing else \
-        runner.engine.replica_status()[0].weight_version
+        None if forwarded else runner.engine.replica_status()[0].weight_version
     reply["server_timing"] = {**timing_fields(timing, deadline_s), "total_ms": (time.perf_counter() - start) * 1e3,
-                              "weight_version": version, "group": runner.group, "request_id": rid,
-                              **freshness(received_at)}
+                              "weight_version": version, "group": runner.group, "forwarded": forwarded,
+                              "request_id": rid, **freshness(received_at)}
     try:
         return await _off_loop(len(frame), pack, reply), False
     except TypeError as exc:
