@@ -7,6 +7,8 @@ the same numbers to float rounding.
 Stacking frames: every robot's prefix (images, language, state) has its own length L_i. A batch
 pads them on the right to L_max; `prefix_pad` [B, L_max] is True on real positions, and keys and
 values at padded positions are zero and masked out, so a frame's attention ignores them exactly.
+The prefix pass of the frames admitted together stacks their embeddings the same way (`stack_right`,
+`pad_mask`) and their cameras by image size (`by_shape`).
 """
 
 from __future__ import annotations

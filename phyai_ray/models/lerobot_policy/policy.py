@@ -4,7 +4,7 @@
                     frame's noise becomes x at time 1; its prefix waits for the coming iteration
                     (several admits come before one iterate: the frames of one plan)
     iterate()       the prefixes of the frames admitted since the last iteration run through the
-                    VLM in ONE batched pass (right-padded, masked; see `encode`), each frame keeping
+                    VLM in ONE batched pass (right-padded, masked; see `_encode`), each frame keeping
                     its KV cache (and SmolVLA's projected cross-attention K/V). Then every running
                     frame of every robot takes its next step in ONE expert forward:
                     prefixes stacked with right padding and pad masks, each frame at its own time
