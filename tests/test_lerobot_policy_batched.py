@@ -121,3 +121,18 @@ def test_the_switch_runs_each_prefix_alone_and_refuses_a_non_bool():
         torch.testing.assert_close(got[i], cases.t["alone"][i], **TOL)
     with pytest.raises(ValueError, match="batch_prefixes"):
         LeRobotPolicyEntry({**args_of(POLICIES[0]), "batch_prefixes": "no"})
+
+
+def test_cameras_of_different_sizes_go_through_the_tower_by_size_in_order():
+    from phyai_ray.models.lerobot_policy.layers import by_shape
+
+    images = [torch.full((3, 4, 4), 0.0), torch.full((3, 2, 6), 1.0), torch.full((3, 4, 4), 2.0)]
+    calls = []
+
+    def tower(pixels: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(pixels.shape))
+        return pixels.flatten(1).mean(1, keepdim=True)
+
+    rows = by_shape(images, tower)
+    assert sorted(calls) == [(1, 3, 2, 6), (2, 3, 4, 4)]  # one call per size, the two 4 x 4 images together
+    assert [float(r) for r in rows] == [0.0, 1.0, 2.0]  # each image's row back in its place
