@@ -1,6 +1,6 @@
 """Robot fleets on one group of `reference_flow_policy`: deadlines, per-step batching, overhead per frame.
 
-Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_fleet.py [--seconds 4] [--fleets 4,8,16,32] [--only a|b|c|d]`
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_fleet.py [--seconds 4] [--fleets 4,8,16,32] [--only a|b|c|d|e]`
 
 One Serve group (TP=1, its rank inline in the Serve replica) behind the openpi WebSocket; robots are
 asyncio sessions in this process speaking openpi's msgpack frames (each sends its next frame when the
@@ -16,6 +16,9 @@ memory bounds them), so frames queue when the fleet outgrows the group and the o
         bare `websockets` server running the same policy in one process (openpi's own server's shape)
     (d) admission latency of a frame that arrives while 8 others are being denoised: per-step batching
         (it joins at the next step) vs whole-frame batching (it waits for the batch), engine-side
+    (e) at 1.25x and 2x the fleet one group holds on time (from (a), or found): goodput of finish-by
+        admission vs the old start-by, stale chunks delivered with late="drop" and "finish", and the wait
+        of requests without a deadline beside the fleet (benchmarks/fleet_deadlines.py; two Ray starts)
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import fleet_deadlines  # noqa: E402  (benchmarks/fleet_deadlines.py: part e)
 import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig  # noqa: E402
 from phyai_ray.config.deployment import WorkerSupervisorConfig  # noqa: E402
@@ -44,6 +48,7 @@ from phyai_ray.serve.openpi import pack, unpack  # noqa: E402
 POLICY = {"seed": 0, "dim": 128, "hidden": 512, "blocks": 3, "horizon": 16, "num_steps": 10}
 BIG_POLICY = {"seed": 0, "dim": 512, "hidden": 2048, "blocks": 4, "horizon": 50, "action_dim": 14, "num_steps": 10}
 SLOTS = 8  # sequence slots of the group
+FOUND: dict[str, int] = {}  # what one part leaves for a later one: part a's largest fleet held on time
 BARE_SERVER = '''
 import asyncio, sys, time
 import websockets
@@ -166,6 +171,8 @@ def part_a(port: int, fleets: list[int], seconds: float) -> list[str]:
                          f"deadline_missed {sum(r.missed for r in robots)}")
     held = [n for n in fleets if goodput[("deadline", n)] >= 0.95 * n * 20.0]
     largest = max(held) if held else fleets[0]
+    if held:
+        FOUND["capacity"] = largest
     lines.append(f"  largest fleet on time with 'deadline': {largest} robots; goodput there "
                  f"{goodput[('deadline', largest)]:.1f} vs fifo {goodput[('fifo', largest)]:.1f} "
                  f"= {goodput[('deadline', largest)] / max(goodput[('fifo', largest)], 1e-9):.2f}x (target >= 1.3x); "
@@ -280,7 +287,14 @@ def main() -> None:
     parser.add_argument("--bulk", type=int, default=32)
     parser.add_argument("--frames", type=int, default=300)
     parser.add_argument("--port", type=int, default=8791)
-    parser.add_argument("--only", choices=("a", "b", "c", "d"))
+    parser.add_argument("--only", choices=("a", "b", "c", "d", "e"))
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="(e): the fleet one group holds on time; default: part a's, else found by trying")
+    parser.add_argument("--default-deadline-s", type=float, default=1.0,
+                        help="(e): BatchingConfig.default_deadline_s of the group (short, so a run sees waits)")
+    parser.add_argument("--probes", type=int, default=2, help="(e): clients without a deadline beside the fleet")
+    parser.add_argument("--multiples", default="1.25,2,4", help="(e): fleets as multiples of the capacity")
+    parser.add_argument("--rounds", type=int, default=3, help="(e): runs per admission rule and fleet, alternated")
     results.add_flag(parser)
     opts = parser.parse_args()
     import ray
@@ -290,7 +304,7 @@ def main() -> None:
     report: list[str] = []
     if opts.only in (None, "d"):
         report += ["(d) admission mid-batch (inline engine)"] + part_d(20)
-    if opts.only != "d":
+    if opts.only in (None, "a", "b", "c"):
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # (c) measures both paths; (a) and (b) use the proxy
         ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
         serve.start(http_options={"host": "127.0.0.1", "port": opts.port})
@@ -306,8 +320,13 @@ def main() -> None:
         finally:
             serve.shutdown()
             ray.shutdown()
+    if opts.only in (None, "e"):
+        report += fleet_deadlines.part_e(ROOT, opts.port, POLICY, SLOTS, opts.seconds,
+                                         opts.capacity or FOUND.get("capacity"),
+                                         [float(m) for m in opts.multiples.split(",")], opts.rounds,
+                                         opts.default_deadline_s, opts.probes, results.record)
     print("\n".join(report))
-    results.write(opts.json, "fleet", machine())
+    results.write(opts.json, "fleet_deadline" if opts.only == "e" else "fleet", machine())
 
 
 if __name__ == "__main__":
