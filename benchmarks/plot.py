@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
 
-One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, load.png, world.png),
-titled with the machine the file names. matplotlib only (the `docs` extra); no display needed.
+One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, fleet_deadline.png,
+load.png, world.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
+display needed.
 """
 
 from __future__ import annotations
@@ -81,6 +82,30 @@ def plot_fleet(tables: dict, fig: Any) -> None:
         ax.legend(fontsize=8)
 
 
+def plot_fleet_deadline(tables: dict, fig: Any) -> None:
+    """bench_fleet.py part e: goodput per admission rule at multiples of the fleet a group holds on time,
+    and the chunks delivered after their deadline (the server's verdict and the robots')."""
+    goodput, stale = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    rows = [r for r in tables["deadline_goodput"] if r["late"] == "finish"]
+    multiples = sorted({r["multiple"] for r in rows})
+    for k, (rule, rule_rows) in enumerate(_by(rows, "admission").items()):
+        by_m = {r["multiple"]: r for r in rule_rows}
+        goodput.bar([i + k * 0.4 for i in range(len(multiples))], [by_m[m]["goodput"] for m in multiples], 0.4,
+                    label=rule)
+    goodput.set_xticks([i + 0.2 for i in range(len(multiples))],
+                       [f"{m:g}x ({next(r['robots'] for r in rows if r['multiple'] == m)} robots)" for m in multiples])
+    goodput.set_ylabel("goodput (frames/s on time), late='finish'")
+    goodput.legend(fontsize=8)
+    at = [r for r in tables["deadline_goodput"] if r["multiple"] == 2.0] or tables["deadline_goodput"]
+    at = [r for r in at if r["multiple"] == at[0]["multiple"]]
+    labels = [f"{r['admission']}\nlate={r['late']}" for r in at]
+    for shift, key, label in ((-0.2, "stale_server", "by the server's clock"), (0.2, "stale_client", "as the robots saw them")):
+        stale.bar([i + shift for i in range(len(at))], [r[key] / r.get("runs", 1) for r in at], 0.4, label=label)
+    stale.set_xticks(range(len(at)), labels, fontsize=7)
+    stale.set_ylabel(f"chunks delivered after their deadline per run, {at[0]['multiple']:g}x")
+    stale.legend(fontsize=8)
+
+
 def plot_load(tables: dict, fig: Any) -> None:
     """p50 and p99 latency against offered load, phyai-ray beside bare Ray actors."""
     ax = fig.add_subplot(1, 1, 1)
@@ -118,7 +143,8 @@ def plot_world(tables: dict, fig: Any) -> None:
 
 
 PLOTS: dict[str, Callable[[dict, Any], None]] = {"batching": plot_batching, "generation": plot_generation,
-                                                 "fleet": plot_fleet, "load": plot_load, "world": plot_world}
+                                                 "fleet": plot_fleet, "fleet_deadline": plot_fleet_deadline,
+                                                 "load": plot_load, "world": plot_world}
 
 
 def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
@@ -127,7 +153,7 @@ def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     bench = doc.get("benchmark")
     if bench not in PLOTS:
         raise ValueError(f"{path}: benchmark {bench!r} has no plot; plotted: {sorted(PLOTS)}")
-    fig = plt.figure(figsize=(10 if bench in ("fleet", "world") else 7, 4.2))
+    fig = plt.figure(figsize=(10 if bench in ("fleet", "fleet_deadline", "world") else 7, 4.2))
     PLOTS[bench](doc["tables"], fig)
     fig.suptitle(f"{bench}: {doc.get('machine', 'machine not named')}", fontsize=8)
     fig.tight_layout()
