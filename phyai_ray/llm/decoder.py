@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from phyai_ray.llm.slots import Batch, Slots, alternatives, sample
+from phyai_ray.llm.sampler import draw
+from phyai_ray.llm.slots import Batch, Slots
 from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Delta
 
@@ -96,5 +97,5 @@ class SlotDecoder:
             return {}
         batch = slots.batch(self.ctx.device)
         logits = self.logits(batch, slots)
-        chosen, log_probs = sample(logits, slots.rows)
-        return slots.advance(chosen, log_probs, alternatives(logits, slots.rows))
+        chosen, log_probs, tops = draw(logits, slots.rows)  # on the logits' device; one copy to the host
+        return slots.advance(chosen, log_probs, tops)

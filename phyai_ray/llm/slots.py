@@ -15,8 +15,9 @@ of row 1 is
 
     query a: keys 0        query b: keys 0..1        query c: keys 0..2        (row 0's pads: keys 0..5)
 
-Sampling (`sample`) is per sequence: greedy rows by argmax, sampled rows from their own generator,
-so a seeded sequence draws the same tokens whatever runs beside it.
+Sampling (`phyai_ray.llm.sampler`, re-exported here) is per sequence and on the logits' device:
+greedy rows by argmax, sampled rows from a hash of their own seed, so a seeded sequence draws the
+same tokens whatever runs beside it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from phyai_ray.llm.sampler import alternatives, draw, sample  # noqa: F401 (importers of slots keep working)
 from phyai_ray.plugins.iteration import Delta
 
 PAYLOAD_KEYS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
@@ -217,53 +219,6 @@ class Slots:
             return new
 
         self.keys, self.values = [grown(c) for c in self.keys], [grown(c) for c in self.values]
-
-
-def sample(logits: torch.Tensor, seqs: list[Running]) -> tuple[list[int], list[float]]:
-    """The next token of every row of `logits` [B, vocab] and its log-prob under the raw logits.
-
-    Greedy rows (temperature 0) by argmax. A sampled row races exponential draws from its own
-    generator: argmax(w / E) with E ~ Exp(1) picks token i with probability w_i / sum(w) (what
-    torch.multinomial does for one sample), one small call per sampled row.
-    """
-    logits = logits.float().cpu()
-    chosen = logits.argmax(-1)
-    drawn = [i for i, s in enumerate(seqs) if s.temperature > 0.0]
-    if drawn:
-        weights = filtered_weights(logits[drawn], [seqs[i] for i in drawn])
-        race = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=seqs[i].generator) for i in drawn])
-        chosen[drawn] = (weights / race.clamp(min=1e-30)).argmax(-1)
-    log_probs = logits.log_softmax(-1).gather(1, chosen[:, None]).squeeze(1)
-    return chosen.tolist(), log_probs.tolist()
-
-
-def alternatives(logits: torch.Tensor, seqs: list[Running]) -> list[dict[int, float] | None] | None:
-    """Per row, its `top_logprobs` most likely tokens {id: log-prob} under the raw logits; None when no row asks."""
-    wanted = [s.top_logprobs for s in seqs]
-    if not any(wanted):
-        return None
-    k = min(max(wanted), logits.shape[-1])
-    values, ids = logits.float().cpu().log_softmax(-1).topk(k, dim=-1)
-    return [dict(zip(ids[i, :n].tolist(), values[i, :n].tolist())) if n else None for i, n in enumerate(wanted)]
-
-
-def filtered_weights(logits: torch.Tensor, seqs: list[Running]) -> torch.Tensor:
-    """Row i's sampling weights over the vocabulary (unnormalised), whatever rows stand beside it.
-
-    softmax(logits / temperature), kept for its top_k tokens (ties kept), then for the smallest
-    prefix of those (by descending probability) reaching top_p of their mass; the rest weigh 0.
-    Probabilities [.5, .3, .2]: top_k=2 keeps [.5, .3]; top_p=0.7 keeps [.5, .3] too (.5 < .7).
-    """
-    vocab = logits.shape[-1]
-    temperature, top_p = (_tensor("f", [getattr(s, k) for s in seqs])[:, None] for k in ("temperature", "top_p"))
-    if all(not s.top_k and s.top_p >= 1.0 for s in seqs):  # nothing to filter: no sort
-        return (logits / temperature).softmax(-1)
-    top_k = _tensor("q", [min(s.top_k, vocab) if s.top_k else vocab for s in seqs])[:, None]
-    ordered, index = (logits / temperature).sort(-1, descending=True)
-    p = ordered.softmax(-1) * (ordered >= ordered.gather(1, top_k - 1))
-    before = p.cumsum(-1) - p  # mass of the kept tokens ahead of each
-    p = p * ((before < top_p * p.sum(-1, keepdim=True)) | (top_p >= 1.0))
-    return torch.empty_like(p).scatter_(-1, index, p)
 
 
 def _tensor(typecode: str, values: list) -> torch.Tensor:
