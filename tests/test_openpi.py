@@ -90,8 +90,8 @@ def test_openpi_client_runs_200_steps_of_the_example_policy(server: dict[str, An
     assert actions.shape == (200, 10, 7) and np.abs(actions).max() < 0.999  # not saturated: the policy acts
     assert not np.array_equal(actions[0], actions[1])
     check_actions(robot, policy)
-    assert robot["timing_keys"] == ["batch_size", "deadline_met", "deadline_ms", "group", "infer_ms", "queue_ms",
-                                   "received_at", "request_id", "sent_at", "total_ms", "weight_version"]
+    assert robot["timing_keys"] == ["batch_size", "deadline_met", "deadline_ms", "forwarded", "group", "infer_ms",
+                                   "queue_ms", "received_at", "request_id", "sent_at", "total_ms", "weight_version"]
     assert len(set(robot["groups"])) == 1  # one connection, one session, one group
     assert len(set(robot["ids"])) == 200
 
