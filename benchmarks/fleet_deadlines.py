@@ -1,8 +1,8 @@
 """Part (e) of bench_fleet.py: do deadlines mean what robots need, on one group past its capacity?
 
     capacity     the largest fleet (robots at 20 Hz, deadlines 60-180 ms) one group holds on time
-                 (>= 95% of the frames due), from part (a) or found here (8, 12, 16, ... robots)
-    goodput      at 1.25x, 2x (and 4x) that fleet: frames answered within their deadline per second
+                 (>= 95% of the frames due), given (--capacity) or found here (8, 12, 16, ... robots)
+    goodput      at 1.25x, 2x (and 3x) that fleet: frames answered within their deadline per second
                  with finish-by admission (today: a frame starts only if its denoising steps x the
                  recent iteration time end before its deadline) and with start-by admission (the old
                  rule: it starts whenever a slot frees before its deadline, however late it will end)
@@ -20,7 +20,9 @@ the old rule). One Ray, one group: the two rules alternate run by run (`rounds` 
 flipped every round), so a drift of the shared machine's load falls on both alike. Robots are asyncio
 sessions in this process speaking openpi's msgpack frames, as in part (a); each sends its next frame
 when the last reply is back, at most 20 per second, so a frame refused at once frees its robot for a
-fresher one.
+fresher one. They reach the group on its own port (direct ingress) unless `via="proxy"`: past capacity
+every frame, refused or not, costs the proxy two WebSocket hops, and on a 2-core machine that cost,
+not the admission rule, decides how many frames the group can answer.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Iterator
 HZ = 20.0
 HELD = 0.95  # a fleet is held on time when this share of its due frames is answered in time
 GRACE_S = 5.0  # a reply may come this long after the run's end (then the session counts it unanswered)
-STEPS = (8, 12, 16, 20, 24, 32, 48, 64)  # fleet sizes tried when the capacity is found here
+STEPS = (8, 12, 16, 24, 32, 40, 48)  # fleet sizes tried when the capacity is found here
 SWITCH_ENV = "PHYAI_BENCH_START_BY_FILE"  # names the switch file to the workers
 RULES = ("finish-by", "start-by")
 
@@ -207,7 +209,12 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 def paired_ratios(finish_by: list[Sample], start_by: list[Sample]) -> list[float]:
     """Round by round, finish-by's goodput / start-by's (the two ran one after the other)."""
-    return [summarize([a])["goodput"] / max(summarize([b])["goodput"], 1e-9) for a, b in zip(finish_by, start_by)]
+    return [divide(summarize([a])["goodput"], summarize([b])["goodput"]) for a, b in zip(finish_by, start_by)]
+
+
+def divide(a: float, b: float) -> float:
+    """a / b; inf when only b is 0, nan when both are (no frame on time either way)."""
+    return a / b if b else (float("inf") if a else float("nan"))
 
 
 def row_line(label: str, r: dict[str, Any]) -> str:
@@ -220,8 +227,10 @@ def row_line(label: str, r: dict[str, Any]) -> str:
 
 # -- the group and Ray ------------------------------------------------------------------------------
 
-def deploy(port: int, policy: dict, slots: int, default_deadline_s: float | None) -> str:
-    """One group of reference_flow_policy (inline rank, per-step batching, `slots` sequence slots), as in (a)."""
+def deploy(port: int, policy: dict, slots: int, default_deadline_s: float | None, via: str,
+           previous: str | None = None) -> str:
+    """One group of reference_flow_policy (inline rank, per-step batching, `slots` sequence slots), as in
+    (a); the URL robots reach it at (`via` "direct": the group's own port, not `previous`'s; else the proxy)."""
     from ray import serve
 
     from phyai_ray import BatchingConfig, DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig
@@ -234,13 +243,32 @@ def deploy(port: int, policy: dict, slots: int, default_deadline_s: float | None
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, batching=batching,
                                         process_config=WorkerSupervisorConfig(execution_timeout_s=30))
     serve.run(create_app(args, deployment), name="fleet", route_prefix="/")
-    url = f"ws://127.0.0.1:{port}/v1/openpi"
+    url = group_url(port, via, previous)
     fleet(url, slots, 2.0, "finish", label="warm")  # the replica's iteration time is known before any measurement
     return url
 
 
+def group_url(port: int, via: str, previous: str | None, timeout_s: float = 60.0) -> str:
+    """Through Serve's proxy, or straight to the one group's direct-ingress port (a redeployed group's
+    new port: waits until the registry lists only it, at most `timeout_s`)."""
+    if via == "proxy":
+        return f"ws://127.0.0.1:{port}/v1/openpi"
+    from phyai_ray.serve.server import direct_ports
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ports = direct_ports("fleet", timeout_s=10)
+        url = f"ws://127.0.0.1:{ports[0]}/v1/openpi" if ports else None
+        if len(ports) == 1 and url != previous:
+            return url
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"direct ingress: the group's own port did not settle within {timeout_s:.0f} s (ports "
+                               f"{ports}, the previous group's {previous}); run part e with --via proxy")
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
-def ray_with_switch(root: Path, port: int) -> Iterator[None]:
+def ray_with_switch(root: Path, port: int, via: str) -> Iterator[None]:
     """A fresh Ray and Serve whose workers run start_by_switch first, and the switch file's name."""
     import ray
     from ray import serve
@@ -249,6 +277,8 @@ def ray_with_switch(root: Path, port: int) -> Iterator[None]:
     Path(os.environ[SWITCH_ENV]).unlink(missing_ok=True)
     env = {"env_vars": {"PYTHONPATH": f"{root}:{root / 'benchmarks'}", SWITCH_ENV: os.environ[SWITCH_ENV]},
            "worker_process_setup_hook": "fleet_deadlines.start_by_switch"}
+    if via == "direct":  # read where Ray starts; Serve then gives each group a port of its own
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     ray.init(num_cpus=8, include_dashboard=False, runtime_env=env)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -278,13 +308,15 @@ def find_capacity(url: str, seconds: float, slots: int) -> tuple[int, list[str]]
 # -- part (e) -------------------------------------------------------------------------------------------
 
 def part_e(root: Path, port: int, policy: dict, slots: int, seconds: float, capacity: int | None,
-           multiples: list[float], rounds: int, default_deadline_s: float, probes: int, record: Any) -> list[str]:
+           multiples: list[float], rounds: int, default_deadline_s: float, probes: int, via: str,
+           record: Any) -> list[str]:
     """Everything of (e) (see the module docstring); `record(table, **row)` keeps rows for --json."""
     lines = [f"(e) finish-by vs start-by admission, robots at {HZ:.0f} Hz (deadlines 60-180 ms), {slots} sequence "
-             f"slots, {seconds:g} s per run, {rounds} run(s) per rule and fleet; load before: {load()}"]
+             f"slots, {'direct ingress' if via == 'direct' else 'through the proxy'}, {seconds:g} s per run, "
+             f"{rounds} run(s) per rule and fleet; load before: {load()}"]
     samples: dict[Any, list[Sample]] = {}
-    with ray_with_switch(root, port):
-        url = deploy(port, policy, slots, default_deadline_s)
+    with ray_with_switch(root, port, via):
+        url = deploy(port, policy, slots, default_deadline_s, via)
         if capacity is None:
             capacity, tried = find_capacity(url, seconds, slots)
             lines.append(f"  capacity: {capacity} robots held on time (>= {HELD:.0%}; by fleet: {', '.join(tried)})")
@@ -303,7 +335,7 @@ def part_e(root: Path, port: int, policy: dict, slots: int, seconds: float, capa
                 samples[(rule, stale_at, "drop")] = [fleet(url, fleets[stale_at], seconds, "drop", label=f"{rule} drop")]
         top = max(fleets)
         samples[("probe", "finish-by")] = [fleet(url, fleets[top], seconds, "drop", probes, label="no deadline")]
-        url = deploy(port, policy, slots, None)  # the old order: no default deadline
+        url = deploy(port, policy, slots, None, via, previous=url)  # the old order: no default deadline
         with admission("start-by"):
             samples[("probe", "start-by")] = [fleet(url, fleets[top], seconds, "drop", probes, label="old order")]
     return lines + report(samples, multiples, stale_at, default_deadline_s, probes, record) + [f"  load after: {load()}"]
@@ -319,7 +351,7 @@ def report(samples: dict, multiples: list[float], stale_at: float, default_deadl
             record("deadline_goodput", admission=rule, multiple=m, late=late,
                    **{k: v for k, v in r.items() if not k.startswith("probe")})
             lines.append(row_line(f"{rule} {m:g}x {late}", r))
-    ratio = {(m, late): found[("finish-by", m, late)]["goodput"] / max(found[("start-by", m, late)]["goodput"], 1e-9)
+    ratio = {(m, late): divide(found[("finish-by", m, late)]["goodput"], found[("start-by", m, late)]["goodput"])
              for m, late in rows}
     lines.append("  goodput finish-by / start-by, all runs pooled: " +
                  ", ".join(f"{m:g}x late={late} {v:.2f}x" for (m, late), v in ratio.items()))
