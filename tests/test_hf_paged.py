@@ -152,3 +152,46 @@ def test_tp2_chunked_and_cached_equals_transformers(ray_session, tmp_path) -> No
         assert_matches(out, reference(model, prompt, TOKENS))
     assert ranks[0][0] == ranks[0][1] and ranks[0][0]["hits"] > 0  # both ranks made the same choices
     torch.testing.assert_close(torch.tensor(outs[2].log_probs), torch.tensor(outs[3].log_probs), rtol=0, atol=1e-4)
+
+
+def resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+def test_sleep_level2_frees_the_weights_and_the_cache_and_an_update_after_wake_serves_equal_tokens(tmp_path) -> None:
+    from tests.hf_checkpoints import SHAPE
+
+    shape = {**SHAPE, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8}
+    folder = write_checkpoint(tmp_path / "big", "llama", shape=shape)  # about 50 MB of fp32 weights
+    model = load_reference(folder)
+    kv_bytes = 32 << 20
+    with engine(folder, kv_cache_bytes=kv_bytes) as eng:
+        want = reference(model, PROMPTS[0], TOKENS)
+        assert_matches(submit_all(eng, [PROMPTS[0]])[0], want)
+        weights = sum(p.numel() * 4 for p in model.parameters())
+        before = resident_bytes()
+        eng.sleep(level=2)
+        freed = before - resident_bytes()
+        sender = WeightSender("gloo")  # the weights first (the update refills them), then wake_up
+        sender.init_transfer(eng)
+        sender.update(eng, model.named_parameters(), version=1)
+        eng.wake_up(["weights"])
+        eng.wake_up(["kv_cache"])
+        [out] = submit_all(eng, [PROMPTS[0]])
+    assert freed >= 0.85 * (weights + kv_bytes), f"freed {freed >> 20} MiB of {(weights + kv_bytes) >> 20} MiB"
+    assert_matches(out, want) and out.weight_version == 1
+
+
+def test_sleep_level1_frees_the_cache_and_running_sequences_resume_unchanged(llama, model) -> None:
+    with engine(llama, max_num_batched_tokens=8) as eng:
+        future = eng.submit({"prompts": [LONG], "max_tokens": 40, "ignore_eos": True})
+        eng.sleep(level=1)  # drains what runs first
+        assert stats(eng)["free_blocks"] == stats(eng)["num_blocks"]
+        eng.wake_up()
+        out = future.result(timeout=120)[0]
+        [again] = submit_all(eng, [LONG], 40)
+    assert out.token_ids == again.token_ids and len(out.token_ids) == 40

@@ -65,10 +65,10 @@ class BlockPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockPool: num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        shape = (num_blocks, kv_heads, block_size, head_dim)
-        # zeros, not empty: a masked key's weight is 0, but 0 * NaN in an unwritten value would still be NaN
-        self.keys = [torch.zeros(shape, **to) for _ in range(layers)]
-        self.values = [torch.zeros(shape, **to) for _ in range(layers)]
+        self.shape, self.to, self.layers = (num_blocks, kv_heads, block_size, head_dim), to, layers
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.restore()
         self.refs = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
@@ -121,6 +121,24 @@ class BlockPool:
         if self.prefix_caching and key not in self.by_hash and self.hash_of[block] is None:
             self.by_hash[key] = block
             self.hash_of[block] = key
+
+    @property
+    def released(self) -> bool:
+        return not self.keys
+
+    def release(self) -> None:
+        """Free the tensors (sleep); every block must be free. `restore()` allocates them again."""
+        if self.free_count != self.num_blocks:
+            raise RuntimeError(f"BlockPool.release: {self.num_blocks - self.free_count} block(s) still held")
+        self.keys, self.values = [], []
+        self.reset()
+
+    def restore(self) -> None:
+        """(Re)allocate every layer's tensors, zeros: a masked key's weight is 0, but 0 * NaN in an
+        unwritten value would still be NaN."""
+        if self.released:
+            self.keys = [torch.zeros(self.shape, **self.to) for _ in range(self.layers)]
+            self.values = [torch.zeros(self.shape, **self.to) for _ in range(self.layers)]
 
     def reset(self) -> None:
         """Forget every name (after a weight update): no block is found again; held blocks stay held."""

@@ -116,6 +116,11 @@ class PagedSequences:
         elif seq is not None:
             seq.restart()
 
+    def evict_all(self) -> None:
+        """Every running sequence back to waiting (its blocks freed, its history recomputed later): a sleep."""
+        for seq in list(self.running):
+            self._preempt(seq, count=False)
+
     # -- one iteration ---------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
         """This iteration's chunks, decodes first (see the module docstring)."""

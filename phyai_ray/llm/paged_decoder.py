@@ -55,6 +55,7 @@ class PagedDecoder:
     def iterate(self) -> dict[int, Delta]:
         """One forward of this iteration's chunks: {seq_id: Delta} for every sequence it holds."""
         paged = self.paged
+        paged.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
         chunks = paged.schedule()
         deltas = {s.seq_id: Delta() for s in paged.by_id.values()}
         if not chunks:
@@ -69,6 +70,16 @@ class PagedDecoder:
         tops = alternatives(logits, seqs) if seqs else None
         deltas.update(paged.finish(chunks, chosen, log_probs, tops))
         return deltas
+
+    def release_cache(self) -> None:
+        """Free the KV blocks' memory (sleep): running sequences wait again, to recompute their history."""
+        self.paged.evict_all()
+        self.paged.pool.release()
+
+    def restore_cache(self) -> None:
+        """Allocate the KV blocks again (wake_up "kv_cache"), every name forgotten."""
+        self.paged.pool.restore()
+        self.paged.pool.reset()
 
     def reset_cache(self) -> None:
         """After a weight update: no cached prefix is found again (running sequences keep their

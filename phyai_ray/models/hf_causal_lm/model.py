@@ -69,8 +69,7 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
         self.plan = ShardPlan.for_rank(self.arch, ctx)
         self.shapes = self.plan.full_shapes()
         self.w = {name: self._read(ckpt, name, shape) for name, shape in self.shapes.items()}
-        if self.arch.tied:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        self._tie()
         self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
         self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
         self.paged = PagedSequences(self._block_pool(), max_seq=self.max_len, vocab=self.arch.vocab,
@@ -137,10 +136,47 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
     @torch.inference_mode()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's slice of each FULL tensor into place, cast to the model's dtype (checked
-        against `weight_specs` and `weight_note` before); what `weight_note` skipped is skipped."""
+        against `weight_specs` and `weight_note` before); what `weight_note` skipped is skipped.
+        After sleep(level=2) each tensor is allocated again as its update arrives."""
         for name, full in weights:
-            if name in self.shapes:
-                self.w[name].copy_(self.plan.cut(name).take(full.to(self.ctx.device)))
+            if name not in self.shapes:
+                continue
+            part = self.plan.cut(name).take(full.to(self.ctx.device))
+            if self.w[name].numel() == 0 and part.numel():  # dropped by sleep(level=2)
+                self.w[name] = part.to(self.dtype).clone(memory_format=torch.contiguous_format)
+            else:
+                self.w[name].copy_(part)
+        self._tie()
+
+    # -- sleep / wake (phyai_ray.rank.control) -----------------------------------------------------
+    @torch.inference_mode()
+    def sleep(self, level: int) -> None:
+        """Level 1: the weights to the host (where they are already on CPU) and the KV blocks freed;
+        level 2: both dropped (the next weight update refills the weights). Running sequences wait
+        again and recompute their history once awake."""
+        self.release_cache()
+        if level >= 2:
+            self.w = {name: t.new_empty(0) for name, t in self.w.items()}
+        elif getattr(self.ctx.device, "type", "cpu") != "cpu":
+            self.w = {name: t.to("cpu") for name, t in self.w.items()}
+        self._tie()
+        if getattr(self.ctx.device, "type", "cpu") == "cuda":
+            torch.cuda.empty_cache()
+        _return_freed_memory()
+
+    @torch.inference_mode()
+    def wake_up(self, tags: list[str]) -> None:
+        """"weights": back on the device after level 1 (after level 2 the update refilled them);
+        "kv_cache": the KV blocks allocated again."""
+        if "weights" in tags:
+            self.w = {name: t.to(self.ctx.device) for name, t in self.w.items()}
+            self._tie()
+        if "kv_cache" in tags:
+            self.restore_cache()
+
+    def _tie(self) -> None:
+        if self.arch.tied:
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
 
     # -- SlotDecoder -------------------------------------------------------------------------------
     def parse(self, request: Any) -> Parsed:
@@ -231,3 +267,15 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
         out = P.all_reduce(F.linear(hidden, self.w[p + "mlp.down_proj.weight"]), "dense_tp")
         bias = self.w.get(p + "mlp.down_proj.bias")
         return out if bias is None else out + bias
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps freed mid-sized tensors in its heap,
+    so a CPU sleep would free nothing measurable otherwise); nothing where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
