@@ -13,6 +13,7 @@ weight update no block computed under the old weights is reused. The same at TP=
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -189,9 +190,15 @@ def test_sleep_level2_frees_the_weights_and_the_cache_and_an_update_after_wake_s
 def test_sleep_level1_frees_the_cache_and_running_sequences_resume_unchanged(llama, model) -> None:
     with engine(llama, max_num_batched_tokens=8) as eng:
         future = eng.submit({"prompts": [LONG], "max_tokens": 40, "ignore_eos": True})
-        eng.sleep(level=1)  # drains what runs first
-        assert stats(eng)["free_blocks"] == stats(eng)["num_blocks"]
+        deadline = time.monotonic() + 60
+        while not stats(eng)["running"]:  # its first chunk has run (collective_rpc waits its turn)
+            assert time.monotonic() < deadline and not future.done()
+        eng.pause(mode="keep")  # held mid-generation, its blocks in the cache
+        assert stats(eng)["free_blocks"] < stats(eng)["num_blocks"] and not future.done()
+        eng.sleep(level=1)
+        assert stats(eng)["free_blocks"] == stats(eng)["num_blocks"] and stats(eng)["waiting"] == 1
         eng.wake_up()
+        eng.resume()
         out = future.result(timeout=120)[0]
         [again] = submit_all(eng, [LONG], 40)
     assert out.token_ids == again.token_ids and len(out.token_ids) == 40
