@@ -126,6 +126,7 @@ class PagedSequences:
         """This iteration's chunks, decodes first (see the module docstring)."""
         chunks: list[Chunk] = []
         left, preempted = self.budget, self.preemptions
+        scheduled: set[int] = set()
         decodes = [s for s in self.running if len(s.pending) == 1]
         prefills = [s for s in self.running if len(s.pending) > 1]
         for seq in decodes + prefills:
@@ -133,9 +134,10 @@ class PagedSequences:
                 break
             if seq not in self.running:  # preempted by an older one this round
                 continue
-            n = self._grow(seq, min(left, len(seq.pending)), chunks)
+            n = self._grow(seq, min(left, len(seq.pending)), scheduled)
             if n:
                 chunks.append(Chunk(seq, n))
+                scheduled.add(seq.seq_id)
                 self._name_full_blocks(seq, seq.cached + n)
                 left -= n
         while self.waiting and left and self.preemptions == preempted:  # none started beside a preemption
@@ -171,11 +173,10 @@ class PagedSequences:
         return deltas
 
     # -- blocks ----------------------------------------------------------------------------------
-    def _grow(self, seq: PagedSeq, n: int, chunks: list[Chunk]) -> int:
+    def _grow(self, seq: PagedSeq, n: int, scheduled: set[int]) -> int:
         """Blocks for n more tokens of a running sequence, preempting newer ones when none is free;
         the tokens it got (fewer when a prefill's blocks ran out; 0: it preempted itself or waits)."""
         need = blocks_for(seq.cached + n, self.pool.block_size) - len(seq.blocks)
-        scheduled = {c.seq.seq_id for c in chunks}
         while need > self.pool.free_count:
             victim = next((s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled), None)
             if victim is None:

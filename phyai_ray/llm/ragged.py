@@ -111,12 +111,10 @@ def _decode_table(chunks: list[Chunk], block_size: int, device: Any) -> tuple[An
     if not chunks:
         return None, None
     width = max(len(c.seq.blocks) for c in chunks)
-    table = torch.zeros(len(chunks), width, dtype=torch.int64)
-    for i, c in enumerate(chunks):
-        table[i, :len(c.seq.blocks)] = torch.tensor(c.seq.blocks)
-    lengths = torch.tensor([c.seq.cached + 1 for c in chunks])
+    table = _tensor("q", [b for c in chunks for b in c.seq.blocks + [0] * (width - len(c.seq.blocks))])
+    lengths = _tensor("q", [c.seq.cached + 1 for c in chunks])
     visible = torch.arange(width * block_size)[None, :] < lengths[:, None]
-    return table.to(device), visible.view(len(chunks), 1, 1, -1).to(device)
+    return table.view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
 
 
 def _prefill(c: Chunk, start: int, block_size: int, device: Any) -> Prefill:
