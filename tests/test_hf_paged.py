@@ -163,11 +163,13 @@ def resident_bytes() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
-def test_sleep_level2_frees_the_weights_and_the_cache_and_an_update_after_wake_serves_equal_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # a separate head, a tied one
+def test_sleep_level2_frees_the_weights_and_the_cache_and_an_update_after_wake_serves_equal_tokens(tmp_path,
+                                                                                                   family) -> None:
     from tests.hf_checkpoints import SHAPE
 
     shape = {**SHAPE, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8}
-    folder = write_checkpoint(tmp_path / "big", "llama", shape=shape)  # about 50 MB of fp32 weights
+    folder = write_checkpoint(tmp_path / "big", family, shape=shape, tied=family == "qwen2")  # ~50 MB of fp32
     model = load_reference(folder)
     kv_bytes = 32 << 20
     with engine(folder, kv_cache_bytes=kv_bytes) as eng:
