@@ -22,7 +22,7 @@ import torch
 
 from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.ragged import RaggedBatch
-from phyai_ray.llm.slots import alternatives, sample
+from phyai_ray.llm.sampler import draw
 from phyai_ray.plugins.iteration import Delta
 
 
@@ -66,8 +66,7 @@ class PagedDecoder:
             paged.pool.reset()  # blocks named for this iteration hold no valid keys: never find them
             raise
         seqs = [c.seq for c in chunks if c.samples]
-        chosen, log_probs = sample(logits, seqs) if seqs else ([], [])
-        tops = alternatives(logits, seqs) if seqs else None
+        chosen, log_probs, tops = draw(logits, seqs) if seqs else ([], [], None)  # one copy to the host
         deltas.update(paged.finish(chunks, chosen, log_probs, tops))
         return deltas
 
