@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -200,8 +201,8 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         out["first_error"] = errors[0]
     if others:
         waits = [x for r in others for x in r.rtt]
-        out.update(probe_answered=len(waits), probe_wait_p50_ms=pct(waits, 50), probe_wait_p99_ms=pct(waits, 99),
-                   probe_wait_max_ms=max(waits, default=float("nan")),
+        out.update(probe_answered=len(waits), probe_wait_p50_ms=pct(waits, 50) if waits else None,
+                   probe_wait_p99_ms=pct(waits, 99) if waits else None, probe_wait_max_ms=max(waits, default=None),
                    probe_unanswered=sum(len(r.outlasted) for r in others),
                    probe_unanswered_waited_ms=max((x for r in others for x in r.outlasted), default=0.0))
     return out
@@ -338,7 +339,10 @@ def part_e(root: Path, port: int, policy: dict, slots: int, seconds: float, capa
         url = deploy(port, policy, slots, None, via, previous=url)  # the old order: no default deadline
         with admission("start-by"):
             samples[("probe", "start-by")] = [fleet(url, fleets[top], seconds, "drop", probes, label="old order")]
-    return lines + report(samples, multiples, stale_at, default_deadline_s, probes, record) + [f"  load after: {load()}"]
+    after = load()
+    record("deadline_run", capacity=capacity, via=via, slots=slots, seconds=seconds, rounds=rounds,
+           default_deadline_s=default_deadline_s, load_before=lines[0].split("load before: ")[1], load_after=after)
+    return lines + report(samples, multiples, stale_at, default_deadline_s, probes, record) + [f"  load after: {after}"]
 
 
 def report(samples: dict, multiples: list[float], stale_at: float, default_deadline_s: float, probes: int,
@@ -357,8 +361,9 @@ def report(samples: dict, multiples: list[float], stale_at: float, default_deadl
                  ", ".join(f"{m:g}x late={late} {v:.2f}x" for (m, late), v in ratio.items()))
     paired = {m: paired_ratios(samples[("finish-by", m, "finish")], samples[("start-by", m, "finish")]) for m in multiples}
     for m, values in paired.items():
-        record("deadline_ratio", multiple=m, pooled=ratio[(m, "finish")], paired_median=statistics.median(values),
-               paired=" ".join(f"{v:.3f}" for v in values))
+        median = statistics.median(values)
+        record("deadline_ratio", multiple=m, pooled=ratio[(m, "finish")] if math.isfinite(ratio[(m, "finish")]) else None,
+               paired_median=median if math.isfinite(median) else None, paired=" ".join(f"{v:.3f}" for v in values))
     at_2x = statistics.median(paired[2.0]) if 2.0 in paired else None
     lines.append("  the same, run next to each other (median of the rounds' ratios; each round's in brackets): " +
                  ", ".join(f"{m:g}x {statistics.median(v):.2f}x [{' '.join(f'{x:.2f}' for x in v)}]"
@@ -382,7 +387,8 @@ def report(samples: dict, multiples: list[float], stale_at: float, default_deadl
         if d is not None:
             met = r["probe_answered"] > 0 and max(r["probe_wait_max_ms"], r["probe_unanswered_waited_ms"]) <= d * 1e3
             verdict = f" (target <= {d * 1e3:.0f} ms: {'met' if met else 'NOT met'})"
+        waits = (f", wait p50 {r['probe_wait_p50_ms']:.0f} ms p99 {r['probe_wait_p99_ms']:.0f} ms max "
+                 f"{r['probe_wait_max_ms']:.0f} ms" if r["probe_answered"] else "")
         lines.append(f"  {probes} clients without a deadline beside {r['robots']} robots, {bound}: {r['probe_answered']} "
-                     f"answered while it ran, wait p50 {r['probe_wait_p50_ms']:.0f} ms p99 {r['probe_wait_p99_ms']:.0f} ms max "
-                     f"{r['probe_wait_max_ms']:.0f} ms{left}{verdict}; the robots' goodput {r['goodput']:.1f} frames/s")
+                     f"answered while it ran{waits}{left}{verdict}; the robots' goodput {r['goodput']:.1f} frames/s")
     return lines
