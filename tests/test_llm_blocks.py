@@ -175,3 +175,29 @@ def test_ragged_attention_equals_dense_causal_attention_per_sequence() -> None:
             start += c.n
         sampled = sum(c.samples for c in chunks)
         paged.finish(chunks, [5] * sampled, [0.0] * sampled)
+
+
+def test_prompts_that_outgrow_the_pool_together_both_finish_the_older_first() -> None:
+    paged = PagedSequences(pool(num_blocks=6, caching=False), max_seq=24, vocab=100, token_budget=8)
+    paged.admit(0, payload([1] * 18, max_tokens=4))  # up to 21 columns: 6 blocks, the whole pool
+    paged.admit(1, payload([2] * 18, max_tokens=4))
+    log = [step(paged) for _ in range(12)]
+    assert log[:6] == [[(0, 8)], [(0, 8)], [(0, 2), (1, 4)],  # 1 starts in the last free block...
+                       [(0, 1)], [(0, 1)], [(0, 1)]]  # ...waits there, and is preempted for 0's column 20
+    assert paged.preemptions == 1 and log[6:] == [[(1, 8)], [(1, 8)], [(1, 2)], [(1, 1)], [(1, 1)], [(1, 1)]]
+    assert not paged and paged.pool.free_count == 6
+
+
+def test_a_recomputed_sequence_waits_and_does_not_name_blocks_of_the_old_weights() -> None:
+    paged = PagedSequences(pool(num_blocks=16), max_seq=32, vocab=100, token_budget=64)
+    paged.admit(0, payload(list(range(1, 10)), max_tokens=8))
+    paged.admit(1, payload(list(range(1, 10)), max_tokens=8))
+    step(paged)
+    paged.pool.reset()  # a weight update: 1 is rebuilt, 0 keeps its cache (the engine's choice)
+    paged.recompute(1)
+    assert [s.seq_id for s in paged.waiting] == [1] and paged.by_id[1].pending == list(range(1, 10)) + [7]
+    step(paged)
+    step(paged)  # 0 fills its third block under the old weights: not named
+    assert paged.pool.hits == 8  # the first admission's sharing only; 1's rebuild found nothing
+    assert all(paged.pool.hash_of[b] is None for b in paged.by_id[0].blocks)
+    assert any(paged.pool.hash_of[b] is not None for b in paged.by_id[1].blocks)
