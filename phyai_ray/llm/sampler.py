@@ -8,9 +8,9 @@ Greedy rows (temperature 0) take the argmax. A sampled row keeps the tokens its 
 allow (`kept_mass`) and draws one of them by inverse CDF: with u in [0, 1) from the row's seed,
 the token where the running sum of the kept masses passes u * their total.
 
-The masses are integers: softmax(logits / temperature) * 2**40, truncated. Integer sums are exact,
-so which tokens a row keeps and draws does not depend on the order of additions: not on the batch
-beside it, the device, or the kernel. u is a hash of (the sequence's seed, the index of the token
+The masses are whole numbers, floor(softmax(logits / temperature) * 2**40), summed in float64
+(exact below 2**53), so which tokens a row keeps and draws does not depend on the order of the
+additions: not on the batch beside it, the device, or the kernel (atomics included). u is a hash of (the sequence's seed, the index of the token
 drawn), so a seeded sequence draws the same tokens whatever runs beside it, on every rank alike,
 and a recomputed sequence (after a weight update) goes on with the draws it would have made.
 
@@ -48,7 +48,8 @@ def draw(logits: torch.Tensor, seqs: list[Any]) -> tuple[list[int], list[float],
     if drawn:
         params = _params([seqs[i] for i in drawn], drawn, x.device)
         index = params[:, 4].long()
-        chosen = chosen.index_copy(0, index, _draw_rows(x.index_select(0, index), params))
+        knobs = {"largest_k": max(seqs[i].top_k for i in drawn), "nucleus": any(seqs[i].top_p < 1.0 for i in drawn)}
+        chosen = chosen.index_copy(0, index, _draw_rows(x.index_select(0, index), params, **knobs))
     parts = [chosen.double(), log_probs.gather(1, chosen[:, None]).squeeze(1).double()]
     wanted = [min(int(s.top_logprobs or 0), vocab) for s in seqs]
     k = max(wanted)
@@ -78,23 +79,26 @@ def alternatives(logits: torch.Tensor, seqs: list[Any]) -> list[dict[int, float]
     return draw(logits, [_Greedy(s) for s in seqs])[2]
 
 
-def kept_mass(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def kept_mass(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              largest_k: int | None = None, nucleus: bool | None = None) -> torch.Tensor:
     """[b, vocab] float32 whole numbers: each token's mass floor(softmax(x / temperature) * 2**40) where
     top_k and top_p keep it, else 0 (exact in float64 sums, whatever their order).
 
     top_k keeps the tokens at least as likely as the k-th (ties kept; 0: all). top_p then keeps a
     token when the mass of the kept tokens strictly more likely than it is below top_p of the kept
-    total (so a tie at the boundary stays whole); the most likely token always stays."""
+    total (so a tie at the boundary stays whole); the most likely token always stays. `largest_k`
+    (max of top_k) and `nucleus` (any top_p < 1), when the caller knows them, spare a wait for the device."""
     p = (x.float() / temperature.float()[:, None]).softmax(-1)  # float32: its bits order like its values
     mass = (p * FIXED).floor_()
-    k = min(int(top_k.max()), p.shape[-1])
+    k = min(int(top_k.max()) if largest_k is None else largest_k, p.shape[-1])
     if k:
         kth = p.topk(k, dim=-1).values.gather(1, (top_k.long() - 1).clamp(0, k - 1)[:, None])
         mass.masked_fill_(p < torch.where(top_k[:, None] > 0, kth, 0.0), 0.0)
-    if bool((top_p < 1.0).any()):
+    if bool((top_p < 1.0).any()) if nucleus is None else nucleus:
         mass64 = mass.double()
         total = mass64.sum(-1)
-        need = torch.where(top_p < 1.0, (top_p * total).ceil().clamp(min=1.0), total + 1.0)  # S < need: S < top_p * total
+        # a token stays when the kept mass above it S < need; for whole numbers S, S < ceil(t) means S < t
+        need = torch.where(top_p < 1.0, (top_p * total).ceil().clamp(min=1.0), total + 1.0)
         bits = p.view(torch.int32)
         mass.masked_fill_(bits < _nucleus_floor(bits, mass64, need)[:, None], 0.0)
     return mass
@@ -120,9 +124,9 @@ def _nucleus_floor(bits: torch.Tensor, mass: torch.Tensor, need: torch.Tensor) -
     return prefix
 
 
-def _draw_rows(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def _draw_rows(x: torch.Tensor, params: torch.Tensor, **knobs: Any) -> torch.Tensor:
     """[b] token ids drawn from rows `x` [b, vocab] by inverse CDF over their kept masses."""
-    mass = kept_mass(x, params[:, 0].float(), params[:, 2], params[:, 1])
+    mass = kept_mass(x, params[:, 0].float(), params[:, 2], params[:, 1], **knobs)
     running = mass.cumsum(-1, dtype=torch.float64)
     total = running[:, -1]
     target = torch.minimum((params[:, 3] * total).floor(), total - 1.0)
