@@ -83,6 +83,22 @@ def test_a_tight_kv_budget_makes_sequences_wait_and_preempts_with_results_unchan
     assert counted["waits"] > 0 and counted["preemptions"] > 0
 
 
+def test_seeded_samples_are_unchanged_by_waiting_preemption_chunks_and_caching(llama) -> None:
+    per_block = 2 * 2 * 2 * 4 * 16 * 4
+    requests = [{"prompts": [p] * 2, "max_tokens": TOKENS, "temperature": 1.0, "seed": 11 + i, "ignore_eos": True}
+                for i, p in enumerate([LONG, *PROMPTS, SHARED[:40]])]
+
+    def run(**plugin_args) -> tuple[list[list[int]], dict]:
+        with engine(llama, **plugin_args) as eng:
+            futures = [eng.submit(r) for r in requests]
+            return [o.token_ids for f in futures for o in f.result(timeout=120)], stats(eng)
+
+    roomy, _ = run(enable_prefix_caching=False)
+    tight, counted = run(block_size=4, kv_cache_bytes=16 * per_block, max_model_len=64, max_num_batched_tokens=8)
+    assert counted["preemptions"] > 0 and counted["hits"] > 0
+    assert tight == roomy and len({tuple(t) for t in roomy}) > len(requests)  # the copies of a prompt differ
+
+
 def test_eight_requests_of_one_prompt_reuse_its_blocks_with_the_tokens_of_no_caching(llama, model) -> None:
     with engine(llama) as eng:
         cached = submit_all(eng, [SHARED] * 8)
