@@ -130,7 +130,8 @@ def _draw_rows(x: torch.Tensor, params: torch.Tensor, **knobs: Any) -> torch.Ten
     running = mass.cumsum(-1, dtype=torch.float64)
     total = running[:, -1]
     target = torch.minimum((params[:, 3] * total).floor(), total - 1.0)
-    return torch.searchsorted(running, target[:, None], right=True).squeeze(1)
+    # NaN logits (a broken model) would point past the end; the clamp keeps the id a valid token
+    return torch.searchsorted(running, target[:, None], right=True).squeeze(1).clamp_(max=x.shape[-1] - 1)
 
 
 def _params(seqs: list[Any], rows: list[int], device: Any) -> torch.Tensor:
