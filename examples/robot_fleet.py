@@ -26,8 +26,9 @@ frame with an error saying "connect again" and closes the connection (or the con
 closes). The robot keeps executing its queue, opens a fresh `WebsocketClientPolicy` to the same
 URL (Serve's proxy hands it to a healthy group; a connection that still lands on the failed group
 is refused the same way and the robot tries again every RETRY_S) and sends the frame again, built
-from the queue as it is now: its unexecuted actions as `prev_actions` with `inference_delay`, so
-the new group's chunk starts with the frozen prefix and continues the old chunk. Attempts stop
+from the queue as it is now: its unexecuted actions as `prev_actions` with `inference_delay` (one
+action more than its latency says: a new session's first frame may be forwarded, or meet a busier
+group), so the new group's chunk starts with the frozen prefix and continues the old chunk. Attempts stop
 after `--reconnect-s` from the failure, with an error naming the URL, the attempts and the last
 error. A frame with no answer after `--frame-timeout-s` counts as a lost session too.
 
@@ -154,7 +155,8 @@ class Robot:
             executed_before = self.report["ticks"]
         frame = {"state": self.rng.standard_normal(self.state_dim).astype(np.float32), "step": step}
         if prev is not None:
-            delay = min(len(prev), math.ceil(self.latency * self.hz))
+            # after a reconnect one action more: a new session's first frame (maybe forwarded) takes longer
+            delay = min(len(prev), math.ceil(self.latency * self.hz) + (self.outage is not None))
             frame.update(prev_actions=prev, inference_delay=delay, deadline_ms=max(len(prev) / self.hz * 1e3, 1.0),
                          late=self.late)
         return frame, prev, executed_before

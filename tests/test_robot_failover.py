@@ -90,6 +90,33 @@ def test_a_session_whose_group_fails_under_it_is_told_to_connect_again_and_close
     assert fatal and "connect again" in reply and "unavailable" in reply and group.forwards == [False]
 
 
+def test_the_robot_tells_a_lost_session_from_a_refused_frame_and_measures_seams() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("robot_fleet_failover", REPO / "examples" / "robot_fleet.py")
+    fleet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fleet)
+    lost = "Error in inference server:\nrequest r-8: group g could not act (unavailable, 503): ...; connect again"
+    assert fleet.session_lost(RuntimeError(lost)) and fleet.session_lost(ConnectionResetError("closed"))
+    assert not fleet.session_lost(RuntimeError("Error in inference server:\nrequest r-9: deadline_missed"))
+    prev = np.arange(12, dtype=np.float32).reshape(6, 2)  # the old queue: 6 actions
+    actions = np.concatenate([prev, np.zeros((2, 2), np.float32)])  # the new chunk: horizon 8
+    actions[2:6] += np.array([[0.1], [0.2], [0.3], [0.4]], np.float32)  # the frozen prefix is 2 actions
+    assert fleet.seam(actions, prev, 1) == 0.0 and fleet.seam(actions, prev, 3) == pytest.approx(0.2)
+    assert fleet.seam(actions, prev, 6) is None and fleet.seam(actions, None, 0) is None  # the queue ran dry
+    assert fleet.past_prefix(actions, prev, 2) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_a_robot_that_finds_no_group_stops_at_its_reconnect_deadline_saying_why() -> None:
+    url = f"ws://127.0.0.1:{free_port()}/v1/openpi"  # nothing listens there
+    began = time.monotonic()
+    done = subprocess.run([client_python(), str(REPO / "examples" / "robot_fleet.py"), "--url", url, "--robots", "1",
+                           "--seconds", "1", "--reconnect-s", "0.5"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "found no group" in done.stderr, (done.stdout, done.stderr)
+    assert f"no session at {url}" in done.stdout and "attempt(s) within 0.5s" in done.stdout, done.stdout
+    assert time.monotonic() - began < 30
+
+
 @pytest.fixture(scope="module")
 def base() -> Any:
     import ray
