@@ -9,8 +9,9 @@ The protocol, as openpi's policy server speaks it: the client connects (`Authori
 <key>`; `Bearer <key>` works too), the server sends its metadata frame, then every binary frame
 from the client is one observation (msgpack, NumPy arrays as `{__ndarray__, data, dtype, shape}`)
 and gets one binary reply: the plugin's result dict plus `server_timing` (`queue_ms`, `infer_ms`,
-`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `forwarded`, `request_id`,
-and `received_at` / `sent_at` in Unix seconds: a client discards a chunk that is stale by them).
+`batch_size`, `deadline_ms`, `deadline_met`, `total_ms`, `weight_version`, `group`, `forwarded`,
+`request_id`, and `received_at` / `sent_at` in Unix seconds: a client discards a chunk that is
+stale by them).
 An error is a text frame.
 
 Deadlines: `deadline_ms` in the connection URL's query (`ws://host/v1/openpi?deadline_ms=100`) is
@@ -28,8 +29,8 @@ learn that a group failed from its routing stats (up to `request_routing_stats_p
 later), so a reconnect may still land on the failed group: a session that opens on a group that
 has already failed has every frame forwarded to a healthy group (`GroupRunner.run`'s failover,
 `server_timing.forwarded` true), so the robot's first frame after a reconnect gets a chunk at
-once. A frame the plugin rejects gets an error frame and the session goes on. An idle session closes after
-`IDLE_TIMEOUT_S` (code 1000), so no wait lasts forever.
+once. A frame the plugin rejects gets an error frame and the session goes on. An idle session
+closes after `IDLE_TIMEOUT_S` (code 1000), so no wait lasts forever.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ async def _off_loop(size: int, work: Any, *args: Any) -> Any:
 
 
 async def _answer(frame: bytes | None, runner: GroupRunner, options: ServeOptions, rid: str,
-                  defaults: tuple[float | None, str | None] = (None, None), forward: bool = False) -> tuple[Any, bool]:
+                  defaults: tuple[float | None, str | None] = (None, None),
+                  forward: bool = False) -> tuple[Any, bool]:
     """(reply frame, False), or (error text, whether the session must end). `defaults`: the connection's
     (deadline_s, late), from its URL's query; a frame's own `deadline_ms` / `late` fields win.
     `forward`: the session opened on a failed group; its frames run on a healthy one."""
