@@ -41,7 +41,7 @@ RESUME_BOUND_S = 2.0  # kill -> every robot's next chunk: up to one chunk period
 # the failure noticed, a reconnect, one chunk's latency (measured: 0.35-0.37 s on 2 shared cores)
 # A failover seam may exceed the fleet's largest ordinary seam as late by this factor: the frame sent
 # after a reconnect carries a shorter queue, so RTC guides fewer actions and its weights fall faster
-# (measured: 1.08-1.2x the ordinary largest in 6 runs).
+# (measured: up to 1.2x the ordinary largest in 5 runs).
 SEAM_SLACK = 1.5
 
 
