@@ -16,9 +16,10 @@ memory bounds them), so frames queue when the fleet outgrows the group and the o
         bare `websockets` server running the same policy in one process (openpi's own server's shape)
     (d) admission latency of a frame that arrives while 8 others are being denoised: per-step batching
         (it joins at the next step) vs whole-frame batching (it waits for the batch), engine-side
-    (e) at 1.25x and 2x the fleet one group holds on time (from (a), or found): goodput of finish-by
-        admission vs the old start-by, stale chunks delivered with late="drop" and "finish", and the wait
-        of requests without a deadline beside the fleet (benchmarks/fleet_deadlines.py; two Ray starts)
+    (e) at 1.25x, 2x and 3x the fleet one group holds on time (found, or --capacity): goodput of
+        finish-by admission vs the old start-by, stale chunks delivered with late="drop" and "finish", and
+        the wait of requests without a deadline beside the fleet (benchmarks/fleet_deadlines.py: its own
+        Ray, robots on the group's own port unless --via proxy)
 """
 
 from __future__ import annotations
