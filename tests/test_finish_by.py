@@ -210,3 +210,25 @@ def test_a_flow_frame_late_mid_way_is_dropped_at_the_next_iteration_with_late_dr
             late.result(timeout=30)
         assert late.finished - began - took < took * 0.9  # it left mid-way, not after all its steps
         assert after.result(timeout=30)["actions"].shape[0] > 0
+
+
+def test_late_drop_is_decided_as_the_result_is_delivered_after_gather(monkeypatch):
+    """A deadline that falls while the plugin's gather runs is missed: the late result is not sent."""
+    with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={"num_steps": 2})) as engine:
+        frame = {"state": [0.1] * 8}
+        engine.step(frame)  # warm
+        loop = engine._executors[0].queue
+        loop.service = ServiceTime()  # no estimate: admission lets the frame run
+        gather = loop._entry.gather
+
+        def slow_gather(request, outputs):
+            time.sleep(0.3)
+            return gather(request, outputs)
+
+        monkeypatch.setattr(loop._entry, "gather", slow_gather)
+        late = engine.submit(frame, deadline_s=0.15, late="drop")
+        with pytest.raises(DeadlineMissedError, match="late result was dropped"):
+            late.result(timeout=30)
+        assert late.timing()["deadline_met"] is False
+        fresh = engine.submit(frame, deadline_s=30.0, late="drop")
+        assert fresh.result(timeout=30)["actions"].shape[0] > 0

@@ -17,8 +17,7 @@ x the recent iteration time end before it; else it is answered at once (sequence
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
 next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
 `execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
-`dispatched`: some running). Control at iteration boundaries (pause, sleep, weight updates):
-iteration_control.py.
+`dispatched`: some running). Control at iteration boundaries: iteration_control.py.
 
 The loop is a part of its replica, with explicit collaborators: it never runs plugin code on the
 ranks itself. Each iteration goes through `run_iteration(plan)` (the replica's scheduler, whose
@@ -338,13 +337,17 @@ class IterationLoop(IterationControl):
         return [self._ended(req) for req in ended]
 
     def _ended(self, req: LoopRequest) -> tuple:
-        """What a request whose sequences all ended settles with: its gathered result, or with
-        late="drop" past its deadline the missed error instead (fail closed)."""
+        """A request whose sequences all ended: its gathered result, or the missed error (fail closed)."""
+        return (req, *self._fail_closed(req, GATHER, None))
+
+    def _fail_closed(self, req: LoopRequest, value: Any, error: BaseException | None) -> tuple:
+        """late="drop": a result gathered past its deadline is replaced by the missed error, decided as
+        it is delivered (a deadline that falls while `gather` runs is not met)."""
         now = time.monotonic()
-        if req.late == "drop" and req.deadline is not None and req.deadline <= now:
-            return req, None, deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
-                                              late_result=True)
-        return req, GATHER, None
+        if error is None and req.late == "drop" and req.deadline is not None and req.deadline <= now:
+            return None, deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
+                                         late_result=True)
+        return value, error
 
     def _fail_running(self, error: BaseException) -> list:
         """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
@@ -386,6 +389,7 @@ class IterationLoop(IterationControl):
                     value = self._entry.gather(req.payload, [s.output() for s in req.seqs])
                 except Exception as exc:  # the plugin's gather failed: this request fails with it
                     value, error = None, exc
+                value, error = self._fail_closed(req, value, error)
             if value is not None:  # before the result: a waiter reads it as soon as it wakes
                 req.future.weight_version = max((s.version for s in req.seqs if s.tokens or s.value is not None),
                                                 default=None, key=version_order)
