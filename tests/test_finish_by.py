@@ -232,3 +232,16 @@ def test_late_drop_is_decided_as_the_result_is_delivered_after_gather(monkeypatc
         assert late.timing()["deadline_met"] is False
         fresh = engine.submit(frame, deadline_s=30.0, late="drop")
         assert fresh.result(timeout=30)["actions"].shape[0] > 0
+
+
+def test_a_no_deadline_request_is_due_early_enough_for_its_steps_to_end_by_default_deadline_s():
+    deployment = DeploymentConfig(batching=BatchingConfig(default_deadline_s=2.0))
+    with Engine(EngineArgs(plugin="reference_flow_policy", plugin_args={"num_steps": 3}), deployment) as engine:
+        engine.step({"state": [0.1] * 8})  # warm
+        service = ServiceTime()
+        for _ in range(4):
+            service.record(0.1)
+        engine._executors[0].queue.service = service
+        future = engine.submit({"state": [0.1] * 8})
+        assert future.work.order == pytest.approx(future.work.submitted + 2.0 - 3 * 0.1)
+        future.result(timeout=30)

@@ -9,11 +9,12 @@
 
 A sequence joins at the next iteration and leaves the one it ends in, so a short request
 admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
-(`scheduling="deadline"`: a request's own deadline, else when it expires) or in arrival order
-("fifo"); a request none of whose sequences got a slot by its own deadline is answered with
-DeadlineMissedError and never runs. Finish-by: at submit and at the head, a request with its own
-deadline stays only if its planned iterations (`SequenceSpec.steps`; a stream: 1, its first chunk)
-x the recent iteration time end before it; else it is answered at once (sequences.py: the rules).
+(`scheduling="deadline"`: a request's own deadline, else arrival + `default_deadline_s` less its
+steps x the iteration time) or in arrival order ("fifo"); a request none of whose sequences got a
+slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at submit
+and at the head, a request with its own deadline stays only if its planned iterations
+(`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent iteration time end before it;
+else it is answered at once (sequences.py: the rules).
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
 next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
 `execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
@@ -95,9 +96,8 @@ class IterationLoop(IterationControl):
     def submit(self, request: Any, sink: ChunkSink | None = None, *, key: Any = None, size: int = 1,
                deadline: float | None = None, late: str = "finish") -> EngineFuture:
         """Queue the request's sequences; the future resolves to `Entry.gather(request, outputs)`.
-        `deadline`: its own (monotonic), by which one of its sequences must have a slot (a stream: its
-        first chunk), and which its estimate must meet (see the module docstring). `late="drop"`: by
-        which it must also have ended, else it is dropped at the next iteration (answered missed)."""
+        `deadline`: its own (monotonic), by which a sequence must have a slot (a stream: its first
+        chunk) and its estimate must end; `late="drop"`: by which it must end (else dropped, missed)."""
         sequences = list(self._entry.sequences(request))
         if not sequences:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
@@ -105,8 +105,9 @@ class IterationLoop(IterationControl):
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
-        if deadline is None and self.default_deadline_s is not None:  # due then, not failed then
-            req.order = min(req.order, req.submitted + self.default_deadline_s)
+        if deadline is None and self.default_deadline_s is not None:  # its steps end by then (not failed then)
+            ahead = (planned_steps(sequences, self._entry.display_name()) or 0) * self.service.estimate()
+            req.order = min(req.order, req.submitted + self.default_deadline_s - ahead)
         future.work = req
         if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
             req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
@@ -193,8 +194,7 @@ class IterationLoop(IterationControl):
     def _wake(self) -> None:
         """Lock held: make the loop's thread look again (start it if it ended)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"phyai-replica-{self.index}-iterations",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=f"phyai-iterations-{self.index}", daemon=True)
             self._thread.start()
         self._cond.notify_all()
 
