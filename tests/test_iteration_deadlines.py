@@ -113,7 +113,7 @@ def test_without_planned_steps_only_the_deadline_itself_is_checked():
 # -- late="drop" mid-way ----------------------------------------------------------------------------
 
 def test_late_drop_leaves_mid_way_at_the_next_iteration():
-    steps = 100
+    steps = 1000  # enough that its iterations outlast the deadline floor (50 ms) on a fast, quiet machine
     with flow_engine(steps, max_num_seqs=1) as engine:
         loop = loop_of(engine)
         engine.step(FRAME)  # warm, and the time of one iteration
