@@ -19,6 +19,17 @@ lm_head: about 39M parameters, 157 MB in fp32) is written by transformers into a
    against TP=1's weights plus a rank's fixed overhead (the peak RSS of a rank serving a 5k-parameter
    model): target TP=2 <= 0.6x TP=1's weights + that overhead. The peak after the N requests is
    printed too: it adds the KV cache (one row of max_model_len per running sequence).
+5. GRPO-shaped rollouts (`--only grpo`): 16 prompts of 256-512 tokens x 8 samples of 64 tokens at
+   temperature 1 (one request of 8 copies per prompt, all submitted at once), through an inline engine
+   with automatic prefix caching on and one with it off, against transformers'
+   `generate(num_return_sequences=8)` on the same 16 prompts (one left-padded batch). Greedy and seeded
+   runs check that caching changes no token. Target: caching on >= 2x caching off and >= 1.5x
+   transformers.
+6. A long prompt joining decoders (`--only mixed`, a TP=1 Ray group, its rank's VmHWM): 32 sequences
+   decode; once they run, one 2,000-token prompt joins. Against the same run without it: the rank's
+   peak RSS grows by no more than the prompt's own KV plus one iteration's activations (the plugin's
+   `max_num_batched_tokens`: CHUNK tokens, so its prefill takes several iterations), and the
+   decoders' inter-token p99 while it prefills stays <= 3x their p50.
 Prints the machine first, then every measurement, then each ratio with its target.
 """
 
@@ -38,12 +49,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_generation import machine, pct, verdict  # noqa: E402
-from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig,  # noqa: E402
-                       Engine, EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
+from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig,  # noqa: E402
+                       DeviceConfig, Engine, EngineArgs, EngineConfig, ParallelConfig, WorkerSupervisorConfig)
 
 REPEATS = 3
 SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=16384, max_position_embeddings=512, tie_word_embeddings=False)
+             num_key_value_heads=2, vocab_size=16384, max_position_embeddings=2304, tie_word_embeddings=False)
+GRPO_PROMPTS, GRPO_SAMPLES, GRPO_TOKENS = 16, 8, 64
+GRPO_CACHE = 640 << 20  # room for all 128 sequences unshared, so caching off never waits for blocks
+LONG_PROMPT, DECODERS, DECODE_TOKENS, CHUNK = 2000, 32, 160, 128
 
 
 def write_checkpoint(folder: Path) -> int:
@@ -120,23 +134,169 @@ def ray_engine(plugin: str, plugin_args: dict, tp: int) -> Engine:
                                    process_config=WorkerSupervisorConfig(execution_timeout_s=600)))
 
 
-def main(argv: list[str] | None = None) -> None:
+def grpo_prompts() -> list[list[int]]:
+    """16 random prompts of 256..496 tokens (no EOS concerns: generation ignores it)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, SHAPE["vocab_size"], (256 + 16 * i,), generator=g).tolist()
+            for i in range(GRPO_PROMPTS)]
+
+
+def rollouts(engine: Engine, batch: list[list[int]], tokens: int, **sampling: Any) -> tuple[float, list]:
+    """Each prompt as one request of GRPO_SAMPLES copies, all at once: (seconds, [[tokens] * samples])."""
+    start = time.perf_counter()
+    futures = [engine.submit({"prompts": [p] * GRPO_SAMPLES, "max_tokens": tokens, "ignore_eos": True, **sampling})
+               for p in batch]
+    outs = [[o.token_ids for o in f.result(timeout=3600)] for f in futures]
+    return time.perf_counter() - start, outs
+
+
+def transformers_grpo(model: Any, batch: list[list[int]], tokens: int) -> float:
+    """transformers' own way: ONE left-padded batch, generate(num_return_sequences=GRPO_SAMPLES)."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
+                       temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=GRPO_SAMPLES, pad_token_id=0,
+                       eos_token_id=None)
+    return time.perf_counter() - start
+
+
+def part_grpo(folder: Path, reference: Any) -> list[str]:
+    batch = grpo_prompts()
+    rollout_tokens = GRPO_PROMPTS * GRPO_SAMPLES * GRPO_TOKENS
+    greedy, seeded, seconds, unseeded = {}, {}, {}, []
+    for on in (True, False):  # one engine at a time: an idle engine's threads never share the cores
+        with Engine(EngineArgs(plugin="hf_causal_lm", config=EngineConfig(device=DeviceConfig(target="cpu")),
+                               plugin_args={"model": str(folder), "max_model_len": 640, "kv_cache_bytes": GRPO_CACHE,
+                                            "enable_prefix_caching": on})) as engine:
+            rollouts(engine, batch[:2], 4)  # warm-up, then the equality checks (short runs)
+            greedy[on] = rollouts(engine, batch[:4], 16)[1]
+            seeded[on] = rollouts(engine, batch[:4], 16, temperature=1.0, seed=7)[1]
+            engine.collective_rpc("reset_cache")  # the timed run starts with no prompt cached
+            before = engine.collective_rpc("prefix_cache_stats")[0]
+            seconds[on] = rollouts(engine, batch, GRPO_TOKENS, temperature=1.0)[0]
+            stats = engine.collective_rpc("prefix_cache_stats")[0]
+            print(f"  prefix caching {'on ' if on else 'off'}: {seconds[on]:.1f} s, prompt tokens reused "
+                  f"{stats['hits'] - before['hits']} of {stats['queries'] - before['queries']} looked up", flush=True)
+            if on:
+                unseeded = rollouts(engine, batch[:2], 16, temperature=1.0)[1]
+    theirs = transformers_grpo(reference, batch, GRPO_TOKENS)
+    rate = {on: rollout_tokens / s for on, s in seconds.items()}
+    distinct = min(len({tuple(t) for t in samples}) for samples in unseeded)
+    print(f"GRPO-shaped ({GRPO_PROMPTS} prompts of 256-496 tokens x {GRPO_SAMPLES} samples x {GRPO_TOKENS} tokens, "
+          f"temperature 1): prefix caching on {rate[True]:6.0f} tok/s ({seconds[True]:.1f} s)  off {rate[False]:6.0f} "
+          f"tok/s ({seconds[False]:.1f} s)  transformers num_return_sequences {rollout_tokens / theirs:6.0f} tok/s "
+          f"({theirs:.1f} s) | greedy equal on/off: {greedy[True] == greedy[False]}  seeded equal on/off: "
+          f"{seeded[True] == seeded[False]}  distinct unseeded samples per prompt: >= {distinct}/{GRPO_SAMPLES}",
+          flush=True)
+    return [verdict("GRPO: prefix caching on / off", rate[True] / rate[False], 2.0, True),
+            verdict("GRPO: prefix caching on / transformers num_return_sequences", rate[True] * theirs / rollout_tokens,
+                    1.5, True)]
+
+
+def decoders_beside(engine: Engine, long_prompt: list[int] | None) -> tuple[list[float], list[float], float]:
+    """32 streamed decoders; once each has 8 tokens the long prompt (if any) joins. Returns the decoders'
+    inter-token gaps that overlap the long prompt's prefill, the other gaps, and its time to its token."""
+    arrivals: list[list[float]] = [[] for _ in range(DECODERS)]
+    started = threading.Barrier(DECODERS + 1, timeout=600)
+    window = [float("inf"), float("-inf")]
+
+    def read(i: int, prompt: list[int]) -> None:
+        for chunk in engine.stream(request(prompt, DECODE_TOKENS)):
+            if chunk["token_ids"][0] is not None:
+                arrivals[i].append(time.perf_counter())
+                if len(arrivals[i]) == 8:
+                    started.wait()
+
+    threads = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(prompts(DECODERS))]
+    for t in threads:
+        t.start()
+    started.wait()
+    if long_prompt is not None:
+        window[0] = time.perf_counter()
+        engine.submit(request(long_prompt, 1)).result(timeout=1200)
+        window[1] = time.perf_counter()
+    for t in threads:
+        t.join(1200)
+    inside, outside = [], []
+    for times in arrivals:
+        for a, b in zip(times, times[1:]):
+            (inside if b > window[0] and a < window[1] else outside).append(b - a)
+    return inside, outside, window[1] - window[0]
+
+
+def part_mixed(folder: Path) -> list[str]:
     import ray
+
+    args = {"model": str(folder), "max_model_len": LONG_PROMPT + 64, "max_num_batched_tokens": CHUNK}
+    long_prompt = [(13 * j + 5) % SHAPE["vocab_size"] for j in range(LONG_PROMPT)]
+    runs = {}
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    try:
+        for joined in (False, True):
+            with ray_engine("hf_causal_lm", args, 1) as engine:
+                pid = engine.replica_status()[0].pids[0]
+                engine_many(engine, prompts(4), 4)
+                inside, outside, prefill_s = decoders_beside(engine, long_prompt if joined else None)
+                runs[joined] = (peak_rss_mb(pid), inside, outside, prefill_s)
+    finally:
+        ray.shutdown()
+    a = SHAPE
+    head_dim = a["hidden_size"] // a["num_attention_heads"]
+    kv_mb = LONG_PROMPT * a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * head_dim * 4 / 2 ** 20
+    budget = CHUNK
+    qkv = (a["num_attention_heads"] + 2 * a["num_key_value_heads"]) * head_dim
+    width = 3 * a["hidden_size"] + 2 * a["intermediate_size"] + qkv  # per token: norms, q/k/v, MLP
+    act_mb = budget * width * 4 / 2 ** 20
+    grown = runs[True][0] - runs[False][0]
+    _, inside, outside, prefill_s = runs[True]
+    p50 = pct(outside + inside, .5)
+    print(f"{LONG_PROMPT}-token prompt joining {DECODERS} decoders: peak RSS {runs[False][0]:.0f} MB without it, "
+          f"{runs[True][0]:.0f} MB with it (+{grown:.0f} MB; its KV {kv_mb:.0f} MB + one iteration's activations at "
+          f"{budget} tokens {act_mb:.0f} MB); its prefill {prefill_s * 1e3:.0f} ms; decoders' inter-token p50 "
+          f"{p50 * 1e3:.1f} ms, p99 during its prefill {pct(inside, .99) * 1e3:.1f} ms ({len(inside)} gaps), "
+          f"p50 / p99 without it {pct(runs[False][2], .5) * 1e3:.1f} / {pct(runs[False][2], .99) * 1e3:.1f} ms",
+          flush=True)
+    return [verdict("long prompt: peak RSS growth / (its KV + one iteration of activations)", grown / (kv_mb + act_mb),
+                    1.0, False),
+            verdict("long prompt: decoders' inter-token p99 during its prefill / p50", pct(inside, .99) / p50, 3.0,
+                    False)]
+
+
+def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="64,256")
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--only", choices=("throughput", "grpo", "mixed"), help="run one part only")
     opts = parser.parse_args(argv)
-    sizes = [int(n) for n in opts.requests.split(",")]
     print(machine(), flush=True)
     folder = Path(tempfile.mkdtemp(prefix="bench-hf-")) / "qwen2-bench"
     params = write_checkpoint(folder)
-    weights_mb = params * 4 / 2 ** 20
-    print(f"checkpoint: Qwen2-shaped, {params / 1e6:.1f}M parameters, {weights_mb:.0f} MB fp32, in {folder}",
+    print(f"checkpoint: Qwen2-shaped, {params / 1e6:.1f}M parameters, {params * 4 / 2 ** 20:.0f} MB fp32, in {folder}",
           flush=True)
-    args = {"model": str(folder), "max_model_len": 512}
     reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    lines = []
+    if opts.only in (None, "throughput"):
+        lines += part_throughput(folder, reference, params, [int(n) for n in opts.requests.split(",")], tokens)
+    if opts.only in (None, "grpo"):
+        lines += part_grpo(folder, reference)
+    if opts.only in (None, "mixed"):
+        lines += part_mixed(folder)
+    print("ratios:")
+    for line in lines:
+        print(line)
+
+
+def part_throughput(folder: Path, reference: Any, params: int, sizes: list[int], tokens: int) -> list[str]:
+    import ray
+
+    weights_mb = params * 4 / 2 ** 20
+    args = {"model": str(folder), "max_model_len": 512}
     ratios = []
     with Engine(EngineArgs(plugin="hf_causal_lm", plugin_args=args,
                            config=EngineConfig(device=DeviceConfig(target="cpu")))) as engine:
@@ -146,14 +306,14 @@ def main(argv: list[str] | None = None) -> None:
             engine_many(engine, batch, 2)  # the KV cache grows to N rows once, outside the timed runs
             ours_runs, theirs_runs = [], []
             for _ in range(REPEATS):
-                seconds, our_tokens = engine_many(engine, batch, opts.tokens)
+                seconds, our_tokens = engine_many(engine, batch, tokens)
                 ours_runs.append(seconds)
-                seconds, their_tokens = transformers_batch(reference, batch, opts.tokens)
+                seconds, their_tokens = transformers_batch(reference, batch, tokens)
                 theirs_runs.append(seconds)
             ours, theirs = sorted(ours_runs)[REPEATS // 2], sorted(theirs_runs)[REPEATS // 2]
             same = sum(a == b for a, b in zip(our_tokens, their_tokens))
-            rate, ref_rate = n * opts.tokens / ours, n * opts.tokens / theirs
-            ttft, gaps = streamed(engine, batch, opts.tokens)
+            rate, ref_rate = n * tokens / ours, n * tokens / theirs
+            ttft, gaps = streamed(engine, batch, tokens)
             print(f"N={n:4d}: hf_causal_lm {rate:7.0f} tok/s  transformers one padded batch {ref_rate:7.0f} tok/s  "
                   f"ratio {rate / ref_rate:.2f}x  equal tokens {same}/{n} | streamed TTFT p50 "
                   f"{pct(ttft, .5) * 1e3:.0f} ms p99 {pct(ttft, .99) * 1e3:.0f} ms  ITL p50 "
@@ -171,10 +331,10 @@ def main(argv: list[str] | None = None) -> None:
                 pids = engine.replica_status()[0].pids
                 loaded = [peak_rss_mb(p) for p in pids]
                 engine_many(engine, prompts(sizes[0]), 2)
-                runs = sorted(engine_many(engine, prompts(sizes[0]), opts.tokens)[0] for _ in range(REPEATS))
+                runs = sorted(engine_many(engine, prompts(sizes[0]), tokens)[0] for _ in range(REPEATS))
                 seconds = runs[REPEATS // 2]
                 served = [peak_rss_mb(p) for p in pids]
-            results[tp] = (sizes[0] * opts.tokens / seconds, load_s, loaded)
+            results[tp] = (sizes[0] * tokens / seconds, load_s, loaded)
             print(f"Ray group TP={tp}: {results[tp][0]:6.0f} tok/s at N={sizes[0]}  start (load) {load_s:5.1f} s  "
                   f"peak RSS per rank once loaded {', '.join(f'{r:.0f}' for r in loaded)} MB, after the requests "
                   f"{', '.join(f'{r:.0f}' for r in served)} MB", flush=True)
@@ -182,16 +342,18 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     print(f"a rank's fixed overhead (peak RSS serving a 5k-parameter model): {overhead:.0f} MB; TP=1 weights "
           f"{weights_mb:.0f} MB")
-    print("ratios:")
+    lines = []
     for n, ratio in ratios:
         if n == 64:
-            print(verdict(f"{n} one-prompt requests / transformers one padded batch", ratio, 1.5, True))
+            lines.append(verdict(f"{n} one-prompt requests / transformers one padded batch", ratio, 1.5, True))
         else:
-            print(f"  {n} one-prompt requests / transformers one padded batch{'':<9} {ratio:7.2f}x  (no target)")
-    print(f"  TP=2 tok/s / TP=1 tok/s (2 cores shared){'':<22} {results[2][0] / results[1][0]:7.2f}x  (no target)")
+            lines.append(f"  {n} one-prompt requests / transformers one padded batch{'':<9} {ratio:7.2f}x  (no target)")
+    tp_ratio = results[2][0] / results[1][0]
+    lines.append(f"  TP=2 tok/s / TP=1 tok/s (2 cores shared){'':<22} {tp_ratio:7.2f}x  (no target)")
     budget = 0.6 * weights_mb + overhead
-    print(verdict("TP=2 peak RSS per rank / (0.6 x TP=1 weights + overhead)", max(results[2][2]) / budget, 1.0,
-                  False))
+    lines.append(verdict("TP=2 peak RSS per rank / (0.6 x TP=1 weights + overhead)", max(results[2][2]) / budget,
+                         1.0, False))
+    return lines
 
 
 if __name__ == "__main__":
