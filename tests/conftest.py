@@ -62,6 +62,19 @@ def _gpu_count() -> int:
         return 0
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny models (`pytest.mark.usefixtures("one_torch_thread")`): a
+    forward is microseconds of math, and OpenMP threads would only spin against each other and
+    against the machine's other work."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def init_local_ray() -> None:
     """Start the test session's local Ray instance (8 logical CPUs, no dashboard)."""
     import ray

@@ -27,13 +27,7 @@ IMAGE = RNG.integers(0, 256, (32, 32, 3), dtype=np.uint8)
 VIDEO = RNG.integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Milliseconds per forward on a shared 2-core machine: OpenMP threads only contend here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,7 @@ def wan_folders(tmp_path_factory):
             "ti2v": build_wan(root / "ti2v", ti2v=True)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A forward of these tiny models is microseconds of math: OpenMP threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 _PIPES: dict = {}

@@ -48,13 +48,7 @@ def folder(tmp_path_factory):
     return build_wan_i2v(tmp_path_factory.mktemp("wan_i2v") / "i2v")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A forward of these tiny models is microseconds of math: OpenMP threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 _PIPES: dict = {}

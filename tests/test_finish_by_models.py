@@ -12,19 +12,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from phyai_ray import DeadlineMissedError, Engine, EngineArgs
 from tests.test_lerobot_policy import POLICIES, Cases, args_of
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: OpenMP threads would only spin against each other (and against other tests)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 def check_finish_by(engine: Engine, request: dict, steps: int) -> dict:

@@ -25,13 +25,7 @@ WEIGHTS = full_weights(ReferenceLMConfig(seed=0))
 SAMPLED = {"temperature": 0.9, "top_k": 20, "top_p": 0.9}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is as fast, and does not stall while the machine's other core is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 @pytest.fixture
