@@ -77,3 +77,24 @@ def test_stop_strings_need_the_tokenizer_and_are_bounded(llama) -> None:
     with engine(llama) as eng:
         with pytest.raises(ValueError, match="stop"):
             eng.submit({"prompts": [[1, 2]], "stop": ["x" * 300]})
+
+
+class ByteCodec:
+    """A byte-level codec (token id = one byte, decoded as UTF-8 with replacement) that counts the
+    ids it decodes: how much work the scan does."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids) -> str:
+        self.decoded += len(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_bytes_that_never_complete_a_character_keep_the_scan_linear():
+    codec, n = ByteCodec(), 2000
+    scan = StopScan(codec, ["END"])
+    ids = [0xE2] * n + list(b"ok END")  # every 0xE2 begins a character no byte completes
+    stopped_at = next(i for i, t in enumerate(ids) if scan.push(t))
+    assert stopped_at == len(ids) - 1 and scan.text == bytes(ids[:-3]).decode("utf-8", errors="replace")
+    assert codec.decoded <= 12 * len(ids), f"{codec.decoded} ids decoded for {len(ids)} tokens"
