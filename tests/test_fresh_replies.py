@@ -146,6 +146,36 @@ def test_a_forwarded_request_carries_what_is_left_of_its_deadline_and_waits_no_l
         set_failed("g7", False)
 
 
+def test_a_forwarded_stream_carries_what_is_left_of_its_first_chunks_deadline():
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.serve.group_registry import set_failed
+    from phyai_ray.serve.holder import EngineHolder
+    from phyai_ray.serve.runner import GroupRunner
+
+    sent = []
+
+    async def forward_stream(request, hops, failed, **deadline):
+        sent.append(deadline)
+        yield [("chunk", {"from": "peer"})]
+        yield [("end", None)]
+
+    args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config={"device": {"target": "cpu"}})
+    failed_engine = Engine(args)
+    failed_engine.close()  # refuses every stream at open, as a failed group does
+    runner = GroupRunner(EngineHolder(lambda: failed_engine), group="g8", forward_stream=forward_stream)
+
+    async def read(**kw):
+        return [item async for items in runner.stream({"prompts": [[1, 2]], "max_tokens": 2}, **kw) for item in items]
+
+    try:
+        assert asyncio.run(read(deadline_s=2.0))[0] == ("chunk", {"from": "peer"})
+        assert 1.9 < sent[-1]["deadline_s"] <= 2.0
+        asyncio.run(read())
+        assert sent[-1] == {}  # none given, none invented
+    finally:
+        set_failed("g8", False)
+
+
 def test_grpc_takes_the_calls_own_deadline_when_no_parameter_gives_one():
     from phyai_ray.serve.oip_grpc import call_deadline
 

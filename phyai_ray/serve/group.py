@@ -106,18 +106,18 @@ class ReplicaGroup(OipGrpcMethods):
         """
         return await self.runner.run(request, hops=hops, failed=failed, deadline_s=deadline_s, late=late)
 
-    async def stream(self, request: Any, hops: int = 0, failed: tuple = ()) -> Any:
+    async def stream(self, request: Any, hops: int = 0, failed: tuple = (), deadline_s: float | None = None) -> Any:
         """The streaming handle method: `handle.options(stream=True).stream.remote(request)` yields lists of
         ("chunk" | "end" | "error", value) items (see `phyai_ray.async_streams`), validated and forwarded
-        like `step`."""
-        async for items in self.runner.stream(request, hops=hops, failed=failed):
+        like `step`; `deadline_s` (seconds from this call) is its first chunk's deadline."""
+        async for items in self.runner.stream(request, hops=hops, failed=failed, deadline_s=deadline_s):
             yield items
 
     def _forward(self, request: Any, hops: int, failed: tuple, **deadline: Any) -> Any:
         return self._peers.step.remote(request, hops=hops, failed=failed, **deadline)
 
-    def _forward_stream(self, request: Any, hops: int, failed: tuple) -> Any:
-        return self._peers.options(stream=True).stream.remote(request, hops=hops, failed=failed)
+    def _forward_stream(self, request: Any, hops: int, failed: tuple, **deadline: Any) -> Any:
+        return self._peers.options(stream=True).stream.remote(request, hops=hops, failed=failed, **deadline)
 
     def check_health(self) -> None:
         """Raise (unhealthy, so Serve replaces this replica) while the group has failed."""

@@ -46,7 +46,7 @@ from phyai_ray.serve.group_registry import GroupReport, describe, note_failed, s
 from phyai_ray.validation import Validated, validate
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)
-StreamForward = Callable[[Any, int, tuple], AsyncIterator[list]]  # the same, for a stream's item lists
+StreamForward = Callable[..., AsyncIterator[list]]  # the same (and deadline_s=), for a stream's item lists
 MAX_HOPS = 3
 FORWARD_WAIT_S = 30.0  # a forwarded request waits this long for a healthy group (Serve replacing them all)
 VIEW_POLL_S = 0.05  # while no group is healthy, how often a forwarded request looks at the view again
@@ -138,7 +138,8 @@ class GroupRunner:
                 except EngineUnavailableError:  # refused at open: nothing ran
                     if not forward or hops >= MAX_HOPS or self.forward_stream is None or self.engine.healthy:
                         raise
-                    async for got in self._forwarded_stream(request, hops + 1, (*failed, self.group)):
+                    left = None if deadline_s is None else max(deadline_s - (time.monotonic() - received), 1e-6)
+                    async for got in self._forwarded_stream(request, hops + 1, (*failed, self.group), left):
                         yield got
                     return
                 except StopAsyncIteration:
@@ -153,12 +154,16 @@ class GroupRunner:
             finally:
                 await items.aclose()
 
-    async def _forwarded_stream(self, request: Any, hops: int, failed: tuple) -> AsyncIterator[list]:
+    async def _forwarded_stream(self, request: Any, hops: int, failed: tuple,
+                                deadline_s: float | None = None) -> AsyncIterator[list]:
+        """Another group's stream; what is left of its first chunk's deadline travels with it and bounds
+        the wait for a group to take it."""
         set_failed(self.group, True)  # before routing: this process's router must not pick this group
-        limit = min(self.wait_s, FORWARD_WAIT_S)  # until a healthy group answers; then its own bounds
+        limit = min(self.wait_s, FORWARD_WAIT_S, deadline_s if deadline_s is not None else float("inf"))
         began = time.monotonic()
         await self._until_a_group_can_take("stream", failed, limit)
-        remote = self.forward_stream(request, hops, failed)
+        extra = {} if deadline_s is None else {"deadline_s": _left(began, deadline_s)}
+        remote = self.forward_stream(request, hops, failed, **extra)
         try:
             with self._as_forwarded("stream", limit):
                 got = await _next_items(remote, _left(began, limit), "from the group it was forwarded to")
