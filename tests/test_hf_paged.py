@@ -81,6 +81,7 @@ def test_a_tight_kv_budget_makes_sequences_wait_and_preempts_with_results_unchan
         assert_matches(out, reference(model, prompt, TOKENS))
     assert counted["num_blocks"] == 16 and counted["free_blocks"] == 16
     assert counted["waits"] > 0 and counted["preemptions"] > 0
+    assert sum(out.num_preempted for out in outs) == counted["preemptions"]  # each on its own sequence's output
 
 
 def test_seeded_samples_are_unchanged_by_waiting_preemption_chunks_and_caching(llama) -> None:

@@ -72,7 +72,7 @@ class LoopSequence:
     """One sequence: what its rank admits, what it costs, and its output so far (tokens or a value)."""
 
     __slots__ = ("ident", "request", "index", "payload", "cost", "group", "tokens", "log_probs", "versions",
-                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version")
+                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version", "preempted")
 
     def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int,
                  group: Any = None) -> None:
@@ -88,6 +88,7 @@ class LoopSequence:
         self.cache_version: Any = None
         self.stale = False  # its state must be rebuilt from its history at its next iteration (recompute)
         self.state = "waiting"  # -> "running" (it has a slot) -> "done" (ended, or its request left)
+        self.preempted = 0  # times the ranks preempted it (freed its cache to recompute it later)
 
     @property
     def order(self) -> float:
@@ -107,6 +108,7 @@ class LoopSequence:
             self.version = version
         if delta.value is not None:
             self.value, self.version = delta.value, version
+        self.preempted += delta.preempted
 
     def output(self) -> Any:
         """What `Entry.gather` receives for this sequence: its `Delta.value` if it gave one, else a TokenOutput."""
@@ -114,7 +116,7 @@ class LoopSequence:
             return self.value
         return TokenOutput(self.tokens, self.log_probs, stop_reason=self.stop_reason or "aborted",
                            weight_version=self.versions[-1] if self.versions else None,
-                           weight_versions=self.versions, top_logprobs=self.tops)
+                           weight_versions=self.versions, top_logprobs=self.tops, num_preempted=self.preempted)
 
 
 class Candidates(Sequence):

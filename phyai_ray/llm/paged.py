@@ -42,11 +42,17 @@ class PagedSeq(Running):
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of blocks[:len(hashes)] (full, registered)
     epoch: int = -1  # the pool epoch its cache was built in; another: its blocks are never registered
+    preempted: int = 0  # preemptions not yet reported in a Delta
 
     @property
     def history(self) -> list[int]:
         """Every token with a cache column (or about to have one): the prompt, then the generated ones."""
         return self.prompt + self.tokens
+
+    def reported(self) -> int:
+        """Its preemptions since the last call: what its next Delta reports."""
+        count, self.preempted = self.preempted, 0
+        return count
 
     def restart(self) -> None:
         """Forget the cache: the whole history is fed again (a rebuild or a preemption)."""
@@ -254,6 +260,7 @@ class PagedSequences:
         seq.restart()
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
         self.preemptions += count
+        seq.preempted += count
 
     def _release(self, seq: PagedSeq) -> None:
         self.pool.free(reversed(seq.blocks))

@@ -57,7 +57,7 @@ class PagedDecoder:
         paged = self.paged
         paged.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
         chunks = paged.schedule()
-        deltas = {s.seq_id: Delta() for s in paged.by_id.values()}
+        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in paged.by_id.values()}  # none preempted in chunks
         if not chunks:
             return deltas
         try:

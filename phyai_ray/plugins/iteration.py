@@ -84,6 +84,7 @@ class Delta:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     value: Any = None
     progress: Any = None
+    preempted: int = 0  # times it was preempted since its last delta (TokenOutput.num_preempted sums them)
 
 
 @dataclass(frozen=True)
