@@ -76,6 +76,8 @@ class Delta:
     or updated by later ones; `Entry.gather` receives it for the sequence instead of a `TokenOutput`.
     `progress` (any value, e.g. {"step": i, "of": n}): what a streamed value request reports after this
     iteration; its stream gets one item per report, then the gathered result as its last item.
+    `preempted`: how often the ranks preempted the sequence since its last delta (its cache freed, to
+    be recomputed); the loop sums them into `TokenOutput.num_preempted`.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -84,7 +86,7 @@ class Delta:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     value: Any = None
     progress: Any = None
-    preempted: int = 0  # times it was preempted since its last delta (TokenOutput.num_preempted sums them)
+    preempted: int = 0
 
 
 @dataclass(frozen=True)
