@@ -94,14 +94,8 @@ class PagedSequences:
         return bool(self.by_id)
 
     def admit(self, seq_id: int, payload: dict[str, Any]) -> PagedSeq:
-        if seq_id in self.by_id:
-            raise ValueError(f"admit({seq_id}): sequence {seq_id} is already running; drop it first")
-        seq = PagedSeq.from_payload(seq_id, payload, self.max_seq, self.vocab)
-        if payload.get("stop_strings"):
-            if self.stop_scan is None:
-                raise ValueError(f"admit({seq_id}): the payload gives stop_strings, but this model has no tokenizer "
-                                 "to find them with; send stop_token_ids")
-            seq.scan = self.stop_scan(payload["stop_strings"])
+        seq = PagedSeq.admitted(seq_id, payload, max_seq=self.max_seq, vocab=self.vocab, running=self.by_id,
+                                stop_scan=self.stop_scan)
         seq.order, self._admitted = self._admitted, self._admitted + 1
         self.waiting.append(seq)
         self.by_id[seq_id] = seq

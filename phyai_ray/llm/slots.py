@@ -66,6 +66,21 @@ class Running:
                    float(payload["top_p"]), frozenset(payload["stop_token_ids"]), generator, pending=list(prompt),
                    top_logprobs=int(payload.get("top_logprobs") or 0))
 
+    @classmethod
+    def admitted(cls, seq_id: int, payload: dict[str, Any], *, max_seq: int, vocab: int, running: Any,
+                 stop_scan: Any = None) -> "Running":
+        """A new sequence from its payload (checked), with its stop-string scan when the payload gives
+        stop strings; `running` (the ids that run) must not hold `seq_id`."""
+        if seq_id in running:
+            raise ValueError(f"admit({seq_id}): sequence {seq_id} is already running; drop it first")
+        seq = cls.from_payload(seq_id, payload, max_seq, vocab)
+        if payload.get("stop_strings"):
+            if stop_scan is None:
+                raise ValueError(f"admit({seq_id}): the payload gives stop_strings, but this model has no tokenizer "
+                                 "to find them with; send stop_token_ids")
+            seq.scan = stop_scan(payload["stop_strings"])
+        return seq
+
     def take(self, token: int, log_prob: float, top: dict[int, float] | None = None) -> Delta:
         """Record the token sampled for this sequence; it is fed at the next iteration unless this one ends."""
         self.cached += len(self.pending)
@@ -150,14 +165,8 @@ class Slots:
         return self.keys[i], self.values[i]
 
     def admit(self, seq_id: int, payload: dict[str, Any]) -> Running:
-        if seq_id in self.by_id:
-            raise ValueError(f"reference_lm admit({seq_id}): sequence {seq_id} is already running; drop it first")
-        seq = Running.from_payload(seq_id, payload, self.max_seq, self.vocab)
-        if payload.get("stop_strings"):
-            if self.stop_scan is None:
-                raise ValueError(f"admit({seq_id}): the payload gives stop_strings, but this model has no tokenizer "
-                                 "to find them with; send stop_token_ids")
-            seq.scan = self.stop_scan(payload["stop_strings"])
+        seq = Running.admitted(seq_id, payload, max_seq=self.max_seq, vocab=self.vocab, running=self.by_id,
+                               stop_scan=self.stop_scan)
         if len(self.rows) == self.capacity:
             self._grow(2 * self.capacity)
         seq.row = len(self.rows)
