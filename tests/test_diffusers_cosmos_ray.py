@@ -21,9 +21,10 @@ from phyai_ray import (DeploymentConfig, DeviceConfig, Engine, EngineArgs, Engin
                        ParallelConfig, WorkerSupervisorConfig)
 from tests import diffusers_cosmos as dc
 from tests.conftest import closed_without_leaks, init_local_ray
-from tests.test_diffusers_cosmos import (PLUGIN, assert_close, engine, folder, one_thread, pipe,  # noqa: F401
+from tests.test_diffusers_cosmos import (PLUGIN, assert_close, engine, folder, pipe,  # noqa: F401
                                          reference, request, wire)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 
 @pytest.fixture(scope="module")

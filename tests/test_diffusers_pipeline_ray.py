@@ -20,7 +20,9 @@ from phyai_ray import (AttentionParallelConfig, DeploymentConfig, DeviceConfig, 
                        OuterParallelConfig, ParallelConfig, WeightSender, WeightUpdateRefusedError,
                        WorkerSupervisorConfig)
 from tests.conftest import closed_without_leaks, init_local_ray
-from tests.test_diffusers_pipeline import BASE, PLUGIN, one_thread, reference, wan_folders  # noqa: F401
+from tests.test_diffusers_pipeline import BASE, PLUGIN, reference, wan_folders  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 Q = "transformer.blocks.0.attn1.to_q.weight"
 
