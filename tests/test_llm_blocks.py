@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from phyai_ray.llm.blocks import BlockPool, BlocksExhaustedError, chain_hash
-from phyai_ray.llm.paged import PagedSequences
+from phyai_ray.llm.paged import Chunk, PagedSequences
 from phyai_ray.llm.ragged import RaggedBatch
 
 
@@ -175,6 +175,36 @@ def test_ragged_attention_equals_dense_causal_attention_per_sequence() -> None:
             start += c.n
         sampled = sum(c.samples for c in chunks)
         paged.finish(chunks, [5] * sampled, [0.0] * sampled)
+
+
+def test_decode_rows_sharing_prefix_blocks_read_them_once_and_equal_dense_attention() -> None:
+    """Cascade: rows whose leading blocks are the same blocks attend to them as one group, and the merged
+    softmax equals each row's dense attention over all its columns (float64)."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    kv, group, d, size = 2, 3, 8, 4
+    p = BlockPool(num_blocks=16, block_size=size, layers=1, kv_heads=kv, head_dim=d, to={"dtype": torch.float64})
+    keys, values = p.layer(0)
+    keys.copy_(torch.randn_like(keys))
+    values.copy_(torch.randn_like(values))
+    rows = {"a": ([3, 5, 7], 10), "b": ([3, 5, 8], 11), "c": ([3, 5, 9, 12], 14),  # 2 blocks shared by a, b, c
+            "d": ([3, 6], 6),  # block 3 only: the group a, b, c, d shares one block
+            "e": ([10, 11], 5), "f": ([13, 14], 8), "g": ([13, 14], 8)}  # e alone; f, g share only block 13:
+    # block 14 is where their new token goes (column 7), not yet written for both
+    chunks = [Chunk(SimpleNamespace(pending=[1], cached=length - 1, blocks=blocks, seq_id=i), 1)
+              for i, (blocks, length) in enumerate(rows.values())]
+    batch = RaggedBatch.build(chunks, size, "cpu")
+    assert sorted((s.rows.tolist(), s.blocks.tolist()) for s in batch.shared) == [([0, 1, 2, 3], [3]), ([5, 6], [13])]
+    q = torch.randn(len(chunks), kv * group, d, dtype=torch.float64)
+    out = batch.attend(q, keys, values)
+    for i, (blocks, length) in enumerate(rows.values()):
+        k = keys[blocks].reshape(-1, kv, d)[:length].repeat_interleave(group, 1).transpose(0, 1)
+        v = values[blocks].reshape(-1, kv, d)[:length].repeat_interleave(group, 1).transpose(0, 1)
+        want = torch.softmax(q[i][:, None] @ k.transpose(1, 2) * d ** -0.5, -1) @ v
+        torch.testing.assert_close(out[i], want[:, 0])
+    plain = RaggedBatch.build(chunks[4:5], size, "cpu")  # a row that shares nothing: no cascade
+    assert plain.shared == ()
 
 
 def test_prompts_that_outgrow_the_pool_together_both_finish_the_older_first() -> None:

@@ -1,7 +1,7 @@
 """A paged KV cache: fixed-size blocks, reference counts, and automatic prefix caching.
 
     pool = BlockPool(num_blocks=64, block_size=16, layers=2, kv_heads=2, head_dim=16, to={"dtype": torch.float32})
-    keys, values = pool.layer(0)            # each [num_blocks, kv_heads, block_size, head_dim]
+    keys, values = pool.layer(0)            # each [num_blocks, block_size, kv_heads, head_dim]
     b = pool.allocate()                      # a free block, reference count 1
     pool.register(b, chain_hash(None, ids))  # a FULL block's tokens, findable by later sequences
     pool.share(pool.lookup(h))               # a later sequence with the same prefix: count 2, no compute
@@ -65,7 +65,7 @@ class BlockPool:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockPool: num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self.shape, self.to, self.layers = (num_blocks, kv_heads, block_size, head_dim), to, layers
+        self.shape, self.to, self.layers = (num_blocks, block_size, kv_heads, head_dim), to, layers
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.restore()
@@ -82,7 +82,8 @@ class BlockPool:
         return len(self.free_list)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's (keys, values), each [num_blocks, kv_heads, block_size, head_dim]."""
+        """Layer i's (keys, values), each [num_blocks, block_size, kv_heads, head_dim]: a block's rows are
+        token positions, so a gather of blocks is already in column order (`ragged._gather`)."""
         return self.keys[i], self.values[i]
 
     def allocate(self) -> int:

@@ -8,7 +8,13 @@
 
 Decode rows (a chunk of one token) come first and attend together: each gathers its keys
 through its block table, [D, kv, W * block_size, d] with W the longest table, and a length mask
-hides the columns past its own length (memory D x T, no query dimension). Every longer chunk
+hides the columns past its own length (memory D x T, no query dimension).
+
+Cascade (decode rows that share cached prefix blocks, e.g. the n samples of one GRPO prompt):
+the shared blocks are gathered ONCE for the group and every row's queries attend to them
+together; each row's own table starts after them. The two partial softmaxes are merged by
+their log-sum-exp (out = w_p * o_prefix + w_s * o_suffix), so a group of n rows reads its
+prompt's keys once instead of n times. Rows that share nothing take the plain path. Every longer chunk
 (a prompt, part of one, or a rebuild) attends alone: its n queries see its cached columns and
 the causal part of its own, an [n, cached + n] mask. Nothing is B x S x T.
 
@@ -41,6 +47,14 @@ class Prefill:
 
 
 @dataclass(frozen=True)
+class Shared:
+    """Decode rows (indices into the batch) whose first len(blocks) blocks are these same blocks."""
+
+    rows: torch.Tensor  # [m]
+    blocks: torch.Tensor  # [P]
+
+
+@dataclass(frozen=True)
 class RaggedBatch:
     """The N new tokens of one iteration, decode rows first (see the module docstring)."""
 
@@ -50,9 +64,10 @@ class RaggedBatch:
     write_rows: torch.Tensor  # [N]: row inside the block
     last: torch.Tensor  # [R]: index of the last token of each chunk that samples, in the order of the chunks
     decodes: int  # D: tokens 0 .. D-1 are decode rows
-    table: torch.Tensor | None  # [D, W] block ids (0 past a table's end: masked)
+    table: torch.Tensor | None  # [D, W] block ids after a row's shared prefix (0 past a table's end: masked)
     visible: torch.Tensor | None  # [D, 1, 1, W * block_size] bool
     prefills: tuple[Prefill, ...]
+    shared: tuple[Shared, ...] = ()  # decode rows whose leading blocks are the same blocks (cascade)
 
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: Any) -> "RaggedBatch":
@@ -68,28 +83,32 @@ class RaggedBatch:
         parts = [tokens, positions, blocks, [p % block_size for p in positions], last]
         packed = _tensor("q", [v for part in parts for v in part]).to(device).split([len(p) for p in parts])
         decodes = sum(1 for c in chunks if c.n == 1)
-        table, visible = _decode_table(ordered[:decodes], block_size, device)
+        skip, shared = _shared_prefixes(ordered[:decodes], block_size, device)
+        table, visible = _decode_table(ordered[:decodes], skip, block_size, device)
         prefills, start = [], decodes
         for c in ordered[decodes:]:
             prefills.append(_prefill(c, start, block_size, device))
             start += c.n
-        return cls(*packed, decodes, table, visible, tuple(prefills))
+        return cls(*packed, decodes, table, visible, tuple(prefills), shared)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k / v [N, kv, d] in their blocks' rows."""
-        keys[self.write_blocks, :, self.write_rows] = k
-        values[self.write_blocks, :, self.write_rows] = v
+        keys[self.write_blocks, self.write_rows] = k
+        values[self.write_blocks, self.write_rows] = v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of the new queries q [N, heads, d] over their sequences' cached keys: [N, heads, d]."""
         n, heads, d = q.shape
-        kv = keys.shape[1]
+        kv = keys.shape[2]
         group = heads // kv
         out = q.new_empty(n, heads, d)
         if self.decodes:
             dq = q[:self.decodes].view(self.decodes, kv, group, d)
-            o = F.scaled_dot_product_attention(dq, _gather(keys, self.table), _gather(values, self.table),
-                                               attn_mask=self.visible)
+            k, v = _gather(keys, self.table), _gather(values, self.table)
+            if self.shared:
+                o = self._cascade(dq, k, v, keys, values)
+            else:
+                o = F.scaled_dot_product_attention(dq, k, v, attn_mask=self.visible)
             out[:self.decodes] = o.reshape(self.decodes, heads, d)
         for p in self.prefills:
             pq = q[p.start:p.start + p.n].view(p.n, kv, group, d).permute(1, 2, 0, 3).reshape(1, kv, group * p.n, d)
@@ -100,19 +119,77 @@ class RaggedBatch:
         return out
 
 
+    def _cascade(self, dq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """Decode attention [D, kv, G, d] with each group's shared prefix read once (module docstring)."""
+        o, lse = _attention_lse(dq, k, v, self.visible)  # every row over its own (suffix) columns
+        _, kv, group, d = dq.shape
+        for s in self.shared:
+            m = s.rows.numel()
+            gq = dq[s.rows].permute(1, 0, 2, 3).reshape(1, kv, m * group, d)  # the group's queries, per kv head
+            po, plse = _attention_lse(gq, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]), None)
+            po = po.view(kv, m, group, d).transpose(0, 1)
+            plse = plse.view(kv, m, group, 1).transpose(0, 1)
+            slse = lse[s.rows]
+            total = torch.logaddexp(slse, plse)
+            o[s.rows] = o[s.rows] * torch.exp(slse - total) + po * torch.exp(plse - total)
+        return o
+
+
+def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(d)) v over the visible columns, and each query's log-sum-exp [..., 1]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v), lse
+
+
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache [blocks, kv, bs, d] through tables [R, W] -> [R, kv, W * bs, d]: each row's columns in order."""
+    """cache [blocks, bs, kv, d] through tables [R, W] -> [R, kv, W * bs, d]: each row's columns in order.
+
+    One copy (the gather of whole blocks, each contiguous); the head axis is moved by a view, which
+    attention reads strided (a second, permuting copy cost as much as the gather itself)."""
     rows, width = table.shape
-    _, kv, bs, d = cache.shape
-    return cache[table].permute(0, 2, 1, 3, 4).reshape(rows, kv, width * bs, d)
+    _, bs, kv, d = cache.shape
+    return cache[table].view(rows, width * bs, kv, d).transpose(1, 2)
 
 
-def _decode_table(chunks: list[Chunk], block_size: int, device: Any) -> tuple[Any, Any]:
+def _shared_prefixes(chunks: list[Chunk], block_size: int, device: Any) -> tuple[list[int], tuple[Shared, ...]]:
+    """Groups of decode rows that hold the same leading blocks (the same first block: prefix caching
+    shares a block only with its whole prefix), and per row how many leading blocks its group reads
+    for it. A group's prefix ends where its rows' tables first differ, and never past a block some
+    row has not finished writing (every shared block is full and already written)."""
+    skip, by_first = [0] * len(chunks), {}
+    for i, c in enumerate(chunks):
+        if c.seq.blocks:
+            by_first.setdefault(c.seq.blocks[0], []).append(i)
+    shared = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        tables = [chunks[i].seq.blocks for i in rows]
+        limit = min(chunks[i].seq.cached for i in rows) // block_size
+        n = 0
+        while n < limit and all(t[n] == tables[0][n] for t in tables):
+            n += 1
+        if n:
+            for i in rows:
+                skip[i] = n
+            shared.append(Shared(torch.tensor(rows, device=device), torch.tensor(tables[0][:n], device=device)))
+    return skip, tuple(shared)
+
+
+def _decode_table(chunks: list[Chunk], skip: list[int], block_size: int, device: Any) -> tuple[Any, Any]:
+    """Each decode row's blocks after its first `skip` ones, padded to the longest, and which of
+    their columns it sees (its own length less the skipped columns)."""
     if not chunks:
         return None, None
-    width = max(len(c.seq.blocks) for c in chunks)
-    table = _tensor("q", [b for c in chunks for b in c.seq.blocks + [0] * (width - len(c.seq.blocks))])
-    lengths = _tensor("q", [c.seq.cached + 1 for c in chunks])
+    own = [c.seq.blocks[n:] for c, n in zip(chunks, skip)]
+    width = max(len(t) for t in own)
+    table = _tensor("q", [b for t in own for b in t + [0] * (width - len(t))])
+    lengths = _tensor("q", [c.seq.cached + 1 - n * block_size for c, n in zip(chunks, skip)])
     visible = torch.arange(width * block_size)[None, :] < lengths[:, None]
     return table.view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
 
