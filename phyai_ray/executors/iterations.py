@@ -10,7 +10,7 @@
 A sequence joins at the next iteration and leaves the one it ends in, so a short request
 admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
 (`scheduling="deadline"`: a request's own deadline, else arrival + `default_deadline_s` less its
-steps x the iteration time) or in arrival order ("fifo"); a request none of whose sequences got a
+steps + 1 x the iteration time: the iteration running when it comes first) or in arrival order ("fifo"); a request none of whose sequences got a
 slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at submit
 and at the head, a request with its own deadline stays only if its planned iterations
 (`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent iteration time end before it;
@@ -106,7 +106,8 @@ class IterationLoop(IterationControl):
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
         if deadline is None and self.default_deadline_s is not None:  # its steps end by then (not failed then)
-            ahead = (planned_steps(sequences, self._entry.display_name()) or 0) * self.service.estimate()
+            # one more iteration than its steps: when it comes first, it still waits out the one running
+            ahead = ((planned_steps(sequences, self._entry.display_name()) or 0) + 1) * self.service.estimate()
             req.order = min(req.order, req.submitted + self.default_deadline_s - ahead)
         future.work = req
         if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
