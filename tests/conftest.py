@@ -122,6 +122,19 @@ def _ours(actor: dict) -> bool:
     return "phyai" in name.lower() or "Rank" in name or "Probe" in name or "EngineActor" in name
 
 
+def start_serve(port: int, **options: Any) -> None:
+    """`serve.start` on 127.0.0.1:`port` for one module. If it fails (e.g. a proxy actor that dies while
+    starting on a loaded machine), Serve is shut down before the error goes on: a half-started instance
+    would otherwise answer the next module's `serve.start` on this module's port."""
+    from ray import serve
+
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
+    except BaseException:
+        serve.shutdown()
+        raise
+
+
 def wait_for_no_leaks(timeout_s: float = 15.0) -> tuple[list, list]:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -23,7 +23,7 @@ import torch
 
 from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from phyai_ray.serve import codec
-from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
 from tests.diffusers_folders import build_wan
 from tests.helpers import free_port
 
@@ -61,7 +61,7 @@ def server(folder) -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},
                       config=EngineConfig(device=DeviceConfig(target="cpu")))
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(

@@ -23,7 +23,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.serve.group_registry import GroupReport, set_failed, takers
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
-from tests.conftest import RAY_CPUS, closed_without_leaks
+from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
 from tests.helpers import free_port, post_step, wait_until
 from tests.test_serve_http import StepEngine
 
@@ -124,7 +124,7 @@ def port() -> Any:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     yield from closed_without_leaks(port, serve.shutdown)
 
 

@@ -30,7 +30,7 @@ from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.openpi import _answer, pack, unpack
 from phyai_ray.serve.runner import GroupRunner
 from tests.client_venv import client_python, run_client
-from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 KEY = "robot-key-lerobot"
@@ -51,7 +51,7 @@ def server() -> Any:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
         startup_timeout_s=120, execution_timeout_s=60))
     try:

@@ -28,7 +28,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import run_client
-from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -53,7 +53,7 @@ def server() -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(grpc_port))
+    start_serve(port, grpc_options=grpc_options(grpc_port))
     args = EngineArgs(plugin="reference_dit", plugin_args=PLUGIN_ARGS,
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=PARALLEL))
     deployment = DeploymentConfig.local(replica_count=2, cpus_per_rank=0.5,

@@ -31,7 +31,7 @@ from phyai_ray import DenseParallelConfig, DeploymentConfig, Engine, EngineArgs,
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import RAY_CPUS, wait_for_no_leaks
+from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 KEY = "robot-key-1"
@@ -51,7 +51,7 @@ def server() -> dict[str, Any]:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     args = EngineArgs(plugin="reference_policy", plugin_args=PLUGIN_ARGS, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     deployment = DeploymentConfig.local(replica_count=2, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(

@@ -21,7 +21,7 @@ import requests
 
 from phyai_ray import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import RAY_CPUS, closed_without_leaks
+from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
 from tests.helpers import free_port
 from tests.test_flow_policy import ARGS
 
@@ -40,7 +40,7 @@ def fleet_server():
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     args = EngineArgs(plugin="reference_flow_policy", plugin_args=ARGS, config=EngineConfig(device=CPU))
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5,
                                         process_config=WorkerSupervisorConfig(execution_timeout_s=30))

@@ -32,7 +32,7 @@ import pytest
 
 from phyai_ray.errors import EngineUnavailableError
 from tests.client_venv import REPO, client_python
-from tests.conftest import RAY_CPUS, closed_without_leaks
+from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
 from tests.helpers import free_port, wait_until
 from tests.test_flow_policy import ARGS
 
@@ -129,7 +129,7 @@ def base() -> Any:
     if not ray.is_initialized():
         ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port)
     yield from closed_without_leaks(f"127.0.0.1:{port}/robots", serve.shutdown)
 
 
