@@ -95,7 +95,8 @@ class IpcLane(BoundedLane):
             for address, token, _, pid in opened:
                 self._socks.append(peer.connect_rank(address, token, pid, timeout_s))
         except BaseException:
-            self._close_sockets()
+            for sock in self._socks:
+                sock.close()
             raise
         self._writable = threading.Condition(self._lock)
         self._order: list[deque[_Message]] = [deque() for _ in actors]  # written, reply awaited, per rank
@@ -274,17 +275,17 @@ class IpcLane(BoundedLane):
             message.payload.close()
         for encoded in prepared:
             encoded.close()
-        self._close_sockets()
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=5.0)
-
-    def _close_sockets(self) -> None:
+        # Shut the sockets down first: that wakes the reader's select (EOF) and the writer's poll at
+        # once, where closing a socket under them would leave both asleep until their 1 s timeouts.
         for sock in self._socks:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
+        for sock in self._socks:
             sock.close()
 
 
