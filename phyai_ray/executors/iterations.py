@@ -7,14 +7,14 @@
         -> each sequence's tokens (log-probs, per-token weight versions) or value -> the request
            resolves when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
-A sequence joins at the next iteration and leaves the one it ends in, so a short request
-admitted beside a long one finishes first. Waiting sequences are admitted earliest deadline first
-(`scheduling="deadline"`: a request's own deadline, else arrival + `default_deadline_s` less its
-steps + 1 x the iteration time: the iteration running when it comes first) or in arrival order ("fifo"); a request none of whose sequences got a
-slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at submit
-and at the head, a request with its own deadline stays only if its planned iterations
-(`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent iteration time end before it;
-else it is answered at once (sequences.py: the rules).
+A sequence joins at the next iteration and leaves the one it ends in, so a short request admitted
+beside a long one finishes first. Waiting sequences are admitted earliest deadline first
+(`scheduling="deadline"`: a request's own deadline, else arrival + `default_deadline_s` less (its steps
++ the one running) x the iteration pace) or in arrival order ("fifo"); a request none of whose sequences
+got a slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at
+submit and at the head, a request with its own deadline stays only if its planned iterations
+(`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent pace end before it; else it is
+answered at once (sequences.py). The pace: an iteration's run plus the loop's work until the next.
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
 next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
 `execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
@@ -89,7 +89,7 @@ class IterationLoop(IterationControl):
         self.tally = Tally()
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
-        self.service = ServiceTime()  # their recent median: finish-by admission
+        self.service, self._last_end = ServiceTime(), None  # recent median pace (finish-by); last deltas' time
         logger.info("replica %d: continuous batching, admission %r", index, self.policy)
 
     # -- requests ------------------------------------------------------------------------------
@@ -105,10 +105,9 @@ class IterationLoop(IterationControl):
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
-        if deadline is None and self.default_deadline_s is not None:  # its steps end by then (not failed then)
-            # one more iteration than its steps: when it comes first, it still waits out the one running
-            ahead = ((planned_steps(sequences, self._entry.display_name()) or 0) + 1) * self.service.estimate()
-            req.order = min(req.order, req.submitted + self.default_deadline_s - ahead)
+        if deadline is None and self.default_deadline_s is not None:  # its steps (+ the one running) end by then
+            steps = (planned_steps(sequences, self._entry.display_name()) or 0) + 1  # (it is never failed then)
+            req.order = min(req.order, req.submitted + self.default_deadline_s - steps * self.service.estimate())
         future.work = req
         if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
             req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
@@ -159,10 +158,9 @@ class IterationLoop(IterationControl):
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
             times = sorted(self._durations)
-            return {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting,
-                    "iterations": self.iterations,
-                    "iteration_ms": {q: round(times[min(int(p * len(times)), len(times) - 1)] * 1e3, 3) if times
-                                     else None for q, p in (("p50", 0.5), ("p99", 0.99))}}
+            return {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting, "iterations":
+                    self.iterations, "iteration_ms": {q: round(times[min(int(p * len(times)), len(times) - 1)] * 1e3, 3)
+                                                      if times else None for q, p in (("p50", 0.5), ("p99", 0.99))}}
 
     def durations(self, last: int) -> list[float]:
         """Seconds of each of the latest `last` iterations (plan sent to deltas back), oldest first."""
@@ -238,9 +236,7 @@ class IterationLoop(IterationControl):
                 idle_since = time.monotonic()
 
     def _can_iterate(self) -> bool:
-        if self._held:
-            return False
-        return bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
+        return not self._held and bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
 
     def _plan(self, settle: list) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
         """Lock held: this iteration's drops, rebuilds and admissions (refused requests go to `settle`)."""
@@ -299,8 +295,10 @@ class IterationLoop(IterationControl):
         with self._cond:
             self._in_flight = False
             self.iterations += 1
-            self._durations.append(time.monotonic() - now)
-            self.service.record(self._durations[-1])
+            end = time.monotonic()
+            prev, self._last_end = self._last_end, end
+            self._durations.append(end - now)  # the pace: back to back, the run + the loop's own work; else the run
+            self.service.record(end - prev if prev is not None and now - prev < end - now else end - now)
             if error is not None:
                 settle = self._fail_running(error)
             else:
