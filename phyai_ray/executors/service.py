@@ -1,6 +1,7 @@
 """`ServiceTime`: how long one replica's steps take lately, the estimate finish-by admission uses.
 
-    record(seconds)   one finished step (or iteration) ran this long at the ranks
+    record(seconds)   one finished step ran this long at the ranks (the iteration loop records its
+                      pace instead: back to back, an iteration's run plus its own work until the next)
     estimate()        the median of the last `window` of them; 0.0 before the first
 
 `record` runs after every step, `estimate` only when a request with a deadline arrives or a batch
