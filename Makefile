@@ -20,7 +20,9 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# The clients' venv is installed first, so the suite's time is the tests' own.
 test: $(VENV)/.installed
+	$(PY) tests/client_venv.py
 	$(PY) -m pytest --durations=15
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or reference.

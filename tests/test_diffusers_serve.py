@@ -13,7 +13,6 @@ named (422 on the JSON route, 400 on OIP) and the app serves the next one.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ import torch
 
 from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from phyai_ray.serve import codec
-from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
+from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
 from tests.diffusers_folders import build_wan
 from tests.helpers import free_port
 
@@ -59,7 +58,7 @@ def server(folder) -> dict[str, Any]:
     from phyai_ray.serve import create_app
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},

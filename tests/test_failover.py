@@ -23,7 +23,7 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.serve.group_registry import GroupReport, set_failed, takers
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
-from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
+from tests.conftest import closed_without_leaks, init_local_ray, start_serve
 from tests.helpers import free_port, post_step, wait_until
 from tests.test_serve_http import StepEngine
 
@@ -122,7 +122,7 @@ def port() -> Any:
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(port, serve.shutdown)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +29,7 @@ from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.openpi import _answer, pack, unpack
 from phyai_ray.serve.runner import GroupRunner
 from tests.client_venv import client_python, run_client
-from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
+from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 KEY = "robot-key-lerobot"
@@ -49,7 +48,7 @@ def server() -> Any:
 
     client_python()  # build the clients' venv before the app holds the cluster
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(

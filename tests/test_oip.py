@@ -14,7 +14,6 @@ after `serve.shutdown()`.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +27,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import run_client
-from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
+from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -51,7 +50,7 @@ def server() -> dict[str, Any]:
     from phyai_ray.serve.server import grpc_options
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port, grpc_port = free_port(), free_port()
     start_serve(port, grpc_options=grpc_options(grpc_port))
     args = EngineArgs(plugin="reference_dit", plugin_args=PLUGIN_ARGS,

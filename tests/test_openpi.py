@@ -31,7 +31,7 @@ from phyai_ray import DenseParallelConfig, DeploymentConfig, Engine, EngineArgs,
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
+from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
 from tests.helpers import free_port
 
 KEY = "robot-key-1"
@@ -49,7 +49,7 @@ def server() -> dict[str, Any]:
 
     client_python()  # build the clients' venv before the app holds the cluster
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin="reference_policy", plugin_args=PLUGIN_ARGS, config=EngineConfig(

@@ -13,7 +13,6 @@ too, and examples/robot_fleet.py runs against the same app.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -21,7 +20,7 @@ import requests
 
 from phyai_ray import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
+from tests.conftest import closed_without_leaks, init_local_ray, start_serve
 from tests.helpers import free_port
 from tests.test_flow_policy import ARGS
 
@@ -38,7 +37,7 @@ def fleet_server():
 
     client_python()
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin="reference_flow_policy", plugin_args=ARGS, config=EngineConfig(device=CPU))

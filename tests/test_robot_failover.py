@@ -32,7 +32,7 @@ import pytest
 
 from phyai_ray.errors import EngineUnavailableError
 from tests.client_venv import REPO, client_python
-from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
+from tests.conftest import closed_without_leaks, init_local_ray, start_serve
 from tests.helpers import free_port, wait_until
 from tests.test_flow_policy import ARGS
 
@@ -129,7 +129,7 @@ def base() -> Any:
 
     client_python()
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(f"127.0.0.1:{port}/robots", serve.shutdown)

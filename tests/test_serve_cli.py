@@ -182,34 +182,12 @@ def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path
         _cleanup(proc, started, log)
 
 
-def test_direct_ingress_gives_the_group_a_port_of_its_own_with_the_same_key_check(tmp_path: Path) -> None:
-    """`--direct-ingress`: the group's Serve replica answers on its own port (no proxy hop), with the
-    same API key check, and the proxy's port keeps working."""
-    import re
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc, log = start_server(tmp_path, port, "--direct-ingress")
-    started: set[int] = set()
-    try:
-        wait_ready(proc, url, 150, log)
-        wait_for_log(log, "direct port:", 60)
-        direct = re.search(r"direct port: (http://127\.0\.0\.1:\d+)", log.read_text()).group(1)
-        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
-        for where in (direct, url):
-            reply = post_step(where, {"x": x}, key="cli-key")
-            assert reply.status_code == 200, (where, reply.text)
-            assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
-        assert post_step(direct, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
-        stop_and_check(proc, started)
-    finally:
-        _cleanup(proc, started, log)
-
-
-def test_direct_ingress_lists_each_groups_own_port_and_a_replaced_groups_new_one(tmp_path: Path) -> None:
-    """/v1/replicas lists the group's own direct port (`direct_port`), which answers; another listener in
-    Serve's port range is no group's and is not printed; once Serve has replaced the group (its replica
-    killed), the route lists the new group's port, which answers, and the gone group's no more."""
+def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_a_new_one(tmp_path: Path) -> None:
+    """`--direct-ingress`: the group's Serve replica answers on its own port (no proxy hop), with the same
+    API key check, and the proxy's port keeps working. /v1/replicas lists the group's own direct port
+    (`direct_port`); another listener in Serve's port range is no group's and is not printed; once Serve
+    has replaced the group (its replica killed), the route lists the new group's port, which answers,
+    and the gone group's no more."""
     import re
     import signal
 
@@ -241,6 +219,11 @@ def test_direct_ingress_lists_each_groups_own_port_and_a_replaced_groups_new_one
         first = wait_until(serving, 30, "the group to report its direct port")[0]
         assert printed == [first["direct_port"]] and stray.getsockname()[1] not in printed, (printed, first)
         assert first["direct_host"] == "127.0.0.1" and answers(first)
+        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+        reply = post_step(url, {"x": x}, key="cli-key")  # the proxy's port answers beside the direct one
+        assert reply.status_code == 200 and torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
+        direct = f"http://127.0.0.1:{first['direct_port']}"
+        assert post_step(direct, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
         os.kill(first["replica_pid"], signal.SIGKILL)  # Serve replaces the group: a new replica, a new port
         second = wait_until(lambda: [r for r in serving() if r["group"] != first["group"]], 120,
                             "the replacement group to report its direct port")[0]

@@ -20,7 +20,7 @@ import torch
 from phyai_ray import DeploymentConfig, EngineArgs, EngineConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from tests.conftest import RAY_CPUS, closed_without_leaks, start_serve
+from tests.conftest import closed_without_leaks, init_local_ray, start_serve
 from tests.helpers import free_port, post_step, wait_until
 
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
@@ -34,7 +34,7 @@ def port() -> int:
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(port, serve.shutdown)

@@ -31,7 +31,7 @@ from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.validation import Validated
-from tests.conftest import RAY_CPUS, start_serve, wait_for_no_leaks
+from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
 from tests.helpers import asgi_request, free_port, post_step, wait_until
 from tests.plugins.tiny import reference
 
@@ -51,7 +51,7 @@ def url() -> str:
     from phyai_ray.serve import create_app
 
     if not ray.is_initialized():  # the same instance `ray_session` would start; it reuses this one
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"),

@@ -119,7 +119,7 @@ def test_sockets_leak_no_descriptor_or_thread_over_create_close_cycles(ray_sessi
     with _engine("ipc") as engine:  # warm: Ray's own connections and threads exist from here on
         engine.step({"sleep": 0, "big": torch.ones(2 ** 20)})
     before = count()
-    for _ in range(5):
+    for _ in range(3):  # one descriptor left per cycle would show as 3 more
         with _engine("ipc") as engine:
             futures = [engine.submit({"sleep": 0, "big": torch.ones(2 ** 19)}) for _ in range(8)]
             assert all(torch.equal(f.result(timeout=30), THREE) for f in futures)
