@@ -76,9 +76,12 @@ def one_torch_thread():
 
 
 def init_local_ray() -> None:
-    """Start the test session's local Ray instance (8 logical CPUs, no dashboard)."""
+    """Start the test session's local Ray instance (8 logical CPUs, no dashboard), unless one is running
+    (module fixtures call this; the instance is shared by the whole session)."""
     import ray
 
+    if ray.is_initialized():
+        return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
@@ -98,8 +101,7 @@ def ray_session(_ray_shutdown_at_exit):
     """The session's local Ray instance; started on first use (again, if a multi-node test replaced it)."""
     import ray
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     yield ray
 
 

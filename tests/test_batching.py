@@ -158,10 +158,8 @@ def probe_group():
     """2 replicas x TP=2 of batch_probe, batching up to 8 samples, started once for the tests that
     share it. They do not take `ray_session` (its per-test leak check would see this engine's live
     ranks); the fixture checks for leaks itself after closing the engine."""
-    import ray
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     deployment = DeploymentConfig.local(
         replica_count=2, cpus_per_rank=0.5, batching=BatchingConfig(max_batch_size=8),
         process_config=WorkerSupervisorConfig(execution_timeout_s=3.0, max_queued_requests=1000))

@@ -46,10 +46,7 @@ def inline_lm():
 
 @pytest.fixture(scope="module")
 def ray_lm():
-    import ray
-
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     engine = lm_engine(tp=2)
     yield from closed_without_leaks(engine)
 

@@ -29,10 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftes
 
 @pytest.fixture(scope="module")
 def cfg2(folder):  # noqa: F811
-    import ray
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     args = {"model": str(folder), "safety_checker": dc.STAND_IN}
     engine = Engine(EngineArgs(plugin=PLUGIN, plugin_args=args, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))),

@@ -28,10 +28,7 @@ Q = "transformer.blocks.0.attn1.to_q.weight"
 
 
 def _group(folder, parallel: ParallelConfig) -> Engine:
-    import ray
-
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     return Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=parallel)),
         DeploymentConfig(mode="local", cpus_per_rank=0.5,

@@ -52,13 +52,11 @@ def expected(folder) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def server(folder) -> dict[str, Any]:
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},

@@ -118,11 +118,9 @@ def test_a_waiting_forwarded_request_goes_as_soon_as_a_group_is_healthy() -> Non
 
 @pytest.fixture(scope="module")
 def port() -> Any:
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(port, serve.shutdown)

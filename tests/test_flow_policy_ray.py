@@ -30,10 +30,7 @@ def alone():
 
 @pytest.fixture(scope="module")
 def tp2():
-    import ray
-
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     engine = Engine(EngineArgs(plugin="reference_flow_policy", plugin_args=ARGS, config=EngineConfig(
         device=CPU, parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2)))),
         DeploymentConfig(mode="local", cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(execution_timeout_s=60)))

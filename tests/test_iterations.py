@@ -45,10 +45,7 @@ def expected_tokens(prompt: list[int], n: int, scale: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_probe():
-    import ray
-
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     engine = probe_engine(2, timeout_s=60.0)
     yield from closed_without_leaks(engine)
 

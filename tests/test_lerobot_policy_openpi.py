@@ -41,14 +41,12 @@ CPU = EngineConfig(device=DeviceConfig(target="cpu"))
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
 
     client_python()  # build the clients' venv before the app holds the cluster
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(

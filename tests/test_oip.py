@@ -43,14 +43,12 @@ PARALLEL = ParallelConfig(dense=DenseParallelConfig(tp_size=2), attention=Attent
 
 @pytest.fixture(scope="module")
 def server() -> dict[str, Any]:
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
     from phyai_ray.serve.server import grpc_options
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port, grpc_port = free_port(), free_port()
     start_serve(port, grpc_options=grpc_options(grpc_port))
     args = EngineArgs(plugin="reference_dit", plugin_args=PLUGIN_ARGS,

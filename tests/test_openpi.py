@@ -42,14 +42,12 @@ NOTICE_S = 30.0  # a killed rank reaches the robot on its group as an error with
 
 @pytest.fixture(scope="module")
 def server() -> dict[str, Any]:
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
 
     client_python()  # build the clients' venv before the app holds the cluster
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin="reference_policy", plugin_args=PLUGIN_ARGS, config=EngineConfig(

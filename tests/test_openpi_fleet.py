@@ -30,14 +30,12 @@ CPU = DeviceConfig(target="cpu")
 
 @pytest.fixture(scope="module")
 def fleet_server():
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
 
     client_python()
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin="reference_flow_policy", plugin_args=ARGS, config=EngineConfig(device=CPU))

@@ -124,12 +124,10 @@ def test_a_robot_that_finds_no_group_stops_at_its_reconnect_deadline_saying_why(
 
 @pytest.fixture(scope="module")
 def base() -> Any:
-    import ray
     from ray import serve
 
     client_python()
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(f"127.0.0.1:{port}/robots", serve.shutdown)

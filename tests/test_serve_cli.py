@@ -207,10 +207,12 @@ def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_
             return []
         return [r for r in rows if r["state"] == "serving" and r["direct_port"] is not None]
 
-    def answers(row: dict) -> bool:
-        reply = post_step(f"http://{row['direct_host']}:{row['direct_port']}", {"x": torch.ones(1, 8)}, key="cli-key")
-        return reply.status_code == 200 and torch.equal(codec.decode(reply.json()["result"])["y"],
-                                                        reference(torch.ones(1, 8)))
+    def direct(row: dict) -> str:
+        return f"http://{row['direct_host']}:{row['direct_port']}"
+
+    def answers(where: str, x: torch.Tensor = torch.ones(1, 8)) -> bool:
+        reply = post_step(where, {"x": x}, key="cli-key")
+        return reply.status_code == 200 and torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
 
     try:
         wait_ready(proc, url, 150, log)
@@ -218,16 +220,13 @@ def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_
         printed = [int(p) for p in re.findall(r"direct port: http://127\.0\.0\.1:(\d+)", log.read_text())]
         first = wait_until(serving, 30, "the group to report its direct port")[0]
         assert printed == [first["direct_port"]] and stray.getsockname()[1] not in printed, (printed, first)
-        assert first["direct_host"] == "127.0.0.1" and answers(first)
-        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
-        reply = post_step(url, {"x": x}, key="cli-key")  # the proxy's port answers beside the direct one
-        assert reply.status_code == 200 and torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
-        direct = f"http://127.0.0.1:{first['direct_port']}"
-        assert post_step(direct, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
+        assert first["direct_host"] == "127.0.0.1" and answers(direct(first))
+        assert answers(url, torch.arange(8, dtype=torch.float32).reshape(1, 8))  # the proxy's port beside it
+        assert post_step(direct(first), {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
         os.kill(first["replica_pid"], signal.SIGKILL)  # Serve replaces the group: a new replica, a new port
         second = wait_until(lambda: [r for r in serving() if r["group"] != first["group"]], 120,
                             "the replacement group to report its direct port")[0]
-        assert answers(second), second
+        assert answers(direct(second)), second
         rows = requests.get(f"{url}/v1/replicas", headers=auth, timeout=10).json()["replicas"]
         assert [r["direct_port"] for r in rows if r["group"] == first["group"] and r["state"] == "gone"] in ([], [None])
         stop_and_check(proc, started)

@@ -30,11 +30,9 @@ ARGS = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target=
 
 @pytest.fixture(scope="module")
 def port() -> int:
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     yield from closed_without_leaks(port, serve.shutdown)

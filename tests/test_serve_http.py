@@ -45,13 +45,11 @@ APP = "phyai-http"
 
 @pytest.fixture(scope="module")
 def url() -> str:
-    import ray
     from ray import serve
 
     from phyai_ray.serve import create_app
 
-    if not ray.is_initialized():  # the same instance `ray_session` would start; it reuses this one
-        init_local_ray()
+    init_local_ray()
     port = free_port()
     start_serve(port)
     args = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"),
