@@ -20,9 +20,11 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
-# The clients' venv is installed first, so the suite's time is the tests' own.
+# The clients' venv is installed first, so the suite's time is the tests' own. The sources are compiled
+# once here: where PYTHONDONTWRITEBYTECODE is set, every rank process would compile them again.
 test: $(VENV)/.installed
 	$(PY) tests/client_venv.py
+	$(PY) -m compileall -q -j0 phyai_ray actors placement tests examples benchmarks
 	$(PY) -m pytest --durations=15
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or reference.

@@ -22,9 +22,8 @@ import torch
 
 from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from phyai_ray.serve import codec
-from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
+from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 from tests.diffusers_folders import build_wan
-from tests.helpers import free_port
 
 pytest.importorskip("diffusers")
 tritonclient_http = pytest.importorskip("tritonclient.http")
@@ -56,9 +55,7 @@ def server(folder) -> dict[str, Any]:
 
     from phyai_ray.serve import create_app
 
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
+    port = shared_serve()["port"]
     args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)},
                       config=EngineConfig(device=DeviceConfig(target="cpu")))
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
@@ -67,7 +64,7 @@ def server(folder) -> dict[str, Any]:
         serve.run(create_app(args, deployment), name=APP, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "host": f"127.0.0.1:{port}", "model": folder.name}
     finally:
-        serve.shutdown()
+        delete_serve_apps()
         actors, groups = wait_for_no_leaks(30)
         assert not actors and not groups, f"left behind: {actors} {groups}"
 

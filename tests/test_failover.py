@@ -23,8 +23,8 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.serve.group_registry import GroupReport, set_failed, takers
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
-from tests.conftest import closed_without_leaks, init_local_ray, start_serve
-from tests.helpers import free_port, post_step, wait_until
+from tests.conftest import closed_without_leaks, delete_serve_apps, shared_serve
+from tests.helpers import post_step, wait_until
 from tests.test_serve_http import StepEngine
 
 DOWN = dict(at_submit=EngineUnavailableError("group failed", reason="worker_exit"), healthy=False)
@@ -120,10 +120,8 @@ def test_a_waiting_forwarded_request_goes_as_soon_as_a_group_is_healthy() -> Non
 def port() -> Any:
     from ray import serve
 
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
-    yield from closed_without_leaks(port, serve.shutdown)
+    port = shared_serve()["port"]
+    yield from closed_without_leaks(port, delete_serve_apps)
 
 
 def groups(base: str) -> list[dict]:

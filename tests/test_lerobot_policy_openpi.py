@@ -29,8 +29,7 @@ from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.openpi import _answer, pack, unpack
 from phyai_ray.serve.runner import GroupRunner
 from tests.client_venv import client_python, run_client
-from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
-from tests.helpers import free_port
+from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 
 KEY = "robot-key-lerobot"
 ROOT = Path(__file__).resolve().parent / "data" / "lerobot" / "smolvla"
@@ -46,9 +45,7 @@ def server() -> Any:
     from phyai_ray.serve import create_app
 
     client_python()  # build the clients' venv before the app holds the cluster
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
+    port = shared_serve()["port"]
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
         startup_timeout_s=120, execution_timeout_s=60))
     try:
@@ -56,7 +53,7 @@ def server() -> Any:
                   name="lerobot", route_prefix="/")
         yield f"ws://127.0.0.1:{port}/v1/openpi"
     finally:
-        serve.shutdown()
+        delete_serve_apps()
         actors, groups = wait_for_no_leaks(30)
         assert not actors and not groups, f"left behind: {actors} {groups}"
 

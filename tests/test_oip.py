@@ -8,7 +8,7 @@ Results must equal `Engine.step` of the same plugin: bit for bit the handle path
 groups, and within float32 rounding a single-rank inline engine. Malformed bodies that no real
 client would produce (a shape that does not match the bytes, a truncated body) are sent with
 `requests`. One Serve app serves the module; like test_serve_http.py it checks for leaks itself
-after `serve.shutdown()`.
+after deleting its app from the session's Serve instance.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentC
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import run_client
-from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
-from tests.helpers import free_port
+from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -46,11 +45,9 @@ def server() -> dict[str, Any]:
     from ray import serve
 
     from phyai_ray.serve import create_app
-    from phyai_ray.serve.server import grpc_options
 
-    init_local_ray()
-    port, grpc_port = free_port(), free_port()
-    start_serve(port, grpc_options=grpc_options(grpc_port))
+    serve_at = shared_serve()
+    port, grpc_port = serve_at["port"], serve_at["grpc_port"]
     args = EngineArgs(plugin="reference_dit", plugin_args=PLUGIN_ARGS,
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=PARALLEL))
     deployment = DeploymentConfig.local(replica_count=2, cpus_per_rank=0.5,
@@ -59,7 +56,7 @@ def server() -> dict[str, Any]:
         serve.run(create_app(args, deployment, api_key=KEY), name=APP, route_prefix="/")
         yield {"port": port, "grpc_port": grpc_port}
     finally:
-        serve.shutdown()
+        delete_serve_apps()
         actors, groups = wait_for_no_leaks(30)
         assert not actors and not groups, f"left behind: {actors} {groups}"
 

@@ -8,7 +8,7 @@ The robots run `openpi_client.WebsocketClientPolicy` from the package index, in 
 inline rank (float32 rounding). A frame no real client would send (not msgpack) and a wrong key
 are sent with the `websockets` library. The last test kills a rank: it runs last because the
 group it breaks is replaced by Serve afterwards. Like test_serve_http.py, the module checks for
-leaks itself after `serve.shutdown()`.
+leaks itself after deleting its app from the session's Serve instance.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from phyai_ray import DenseParallelConfig, DeploymentConfig, Engine, EngineArgs,
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
-from tests.helpers import free_port
+from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 
 KEY = "robot-key-1"
 APP = "openpi"
@@ -47,9 +46,7 @@ def server() -> dict[str, Any]:
     from phyai_ray.serve import create_app
 
     client_python()  # build the clients' venv before the app holds the cluster
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
+    port = shared_serve()["port"]
     args = EngineArgs(plugin="reference_policy", plugin_args=PLUGIN_ARGS, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     deployment = DeploymentConfig.local(replica_count=2, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
@@ -58,7 +55,7 @@ def server() -> dict[str, Any]:
         serve.run(create_app(args, deployment, api_key=KEY), name=APP, route_prefix="/")
         yield {"port": port, "url": f"ws://127.0.0.1:{port}/v1/openpi", "http": f"http://127.0.0.1:{port}"}
     finally:
-        serve.shutdown()
+        delete_serve_apps()
         actors, groups = wait_for_no_leaks(30)
         assert not actors and not groups, f"left behind: {actors} {groups}"
 

@@ -20,8 +20,7 @@ import requests
 
 from phyai_ray import DeploymentConfig, DeviceConfig, EngineArgs, EngineConfig, WorkerSupervisorConfig
 from tests.client_venv import REPO, client_python, run_client, run_script
-from tests.conftest import closed_without_leaks, init_local_ray, start_serve
-from tests.helpers import free_port
+from tests.conftest import closed_without_leaks, delete_serve_apps, shared_serve
 from tests.test_flow_policy import ARGS
 
 KEY = "fleet-key"
@@ -35,15 +34,13 @@ def fleet_server():
     from phyai_ray.serve import create_app
 
     client_python()
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
+    port = shared_serve()["port"]
     args = EngineArgs(plugin="reference_flow_policy", plugin_args=ARGS, config=EngineConfig(device=CPU))
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5,
                                         process_config=WorkerSupervisorConfig(execution_timeout_s=30))
     serve.run(create_app(args, deployment, api_key=KEY), name="fleet", route_prefix="/")
     yield from closed_without_leaks({"url": f"ws://127.0.0.1:{port}/v1/openpi", "http": f"http://127.0.0.1:{port}"},
-                                    serve.shutdown)
+                                    delete_serve_apps)
 
 
 def test_openpi_robots_with_rtc_and_deadlines_read_the_timing_of_every_frame(fleet_server):

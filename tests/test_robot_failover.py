@@ -32,7 +32,7 @@ import pytest
 
 from phyai_ray.errors import EngineUnavailableError
 from tests.client_venv import REPO, client_python
-from tests.conftest import closed_without_leaks, init_local_ray, start_serve
+from tests.conftest import closed_without_leaks, delete_serve_apps, shared_serve
 from tests.helpers import free_port, wait_until
 from tests.test_flow_policy import ARGS
 
@@ -127,10 +127,8 @@ def base() -> Any:
     from ray import serve
 
     client_python()
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
-    yield from closed_without_leaks(f"127.0.0.1:{port}/robots", serve.shutdown)
+    port = shared_serve()["port"]
+    yield from closed_without_leaks(f"127.0.0.1:{port}/robots", delete_serve_apps)
 
 
 def groups(base: str) -> list[dict]:

@@ -2,9 +2,9 @@
 
 Run: flock /tmp/phyai-ray-tests.lock .venv/bin/pytest tests/test_serve_groups.py -q
 
-One Serve instance for the module, one app per test. The groups run their one rank inline in
+One app per test on the session's Serve instance. The groups run their one rank inline in
 the Serve replica (cheap to start). Like test_serve_http.py, the module checks for leaks itself
-after `serve.shutdown()` instead of using `ray_session`.
+after deleting its apps, instead of using `ray_session`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from phyai_ray import DeploymentConfig, EngineArgs, EngineConfig
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from tests.conftest import closed_without_leaks, init_local_ray, start_serve
-from tests.helpers import free_port, post_step, wait_until
+from tests.conftest import closed_without_leaks, delete_serve_apps, shared_serve
+from tests.helpers import post_step, wait_until
 
 PLUGIN = "tests.plugins.serve_plugins:ServeRowTPEntry"
 LONG_S = 8.0  # longer than choosing every request the router test compares, on a loaded machine
@@ -32,10 +32,8 @@ ARGS = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target=
 def port() -> int:
     from ray import serve
 
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
-    yield from closed_without_leaks(port, serve.shutdown)
+    port = shared_serve()["port"]
+    yield from closed_without_leaks(port, delete_serve_apps)
 
 
 def running_groups(app: str) -> int:

@@ -9,7 +9,7 @@ on purpose: a killed rank fails group A while group B serves every request, and 
 each), requests get 503 until Serve has replaced them, then 200 again.
 The module neither uses `ray_session` nor the `ray` marker: conftest's per-test leak check would
 see the app's live rank actors and placement groups between tests. It checks for leaks itself,
-once, after `serve.shutdown()`.
+once, after deleting its app from the session's Serve instance.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from phyai_ray.serve import codec
 from phyai_ray.serve.holder import EngineHolder
 from phyai_ray.serve.runner import GroupRunner
 from phyai_ray.validation import Validated
-from tests.conftest import init_local_ray, start_serve, wait_for_no_leaks
+from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 from tests.helpers import asgi_request, free_port, post_step, wait_until
 from tests.plugins.tiny import reference
 
@@ -49,9 +49,7 @@ def url() -> str:
 
     from phyai_ray.serve import create_app
 
-    init_local_ray()
-    port = free_port()
-    start_serve(port)
+    port = shared_serve()["port"]
     args = EngineArgs(plugin=PLUGIN, config=EngineConfig(device=DeviceConfig(target="cpu"),
                                                         parallel=ParallelConfig(dense=DenseParallelConfig(tp_size=2))))
     deployment = DeploymentConfig.local(replica_count=2, batching=BatchingConfig(max_batch_size=16),
@@ -61,7 +59,7 @@ def url() -> str:
         serve.run(create_app(args, deployment, api_key=KEY, max_body_bytes=MAX_BODY, health_check_period_s=1.0), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        delete_serve_apps()
         actors, groups = wait_for_no_leaks(30)
         assert not actors and not groups, f"left behind: {actors} {groups}"
 
