@@ -94,13 +94,26 @@ def init_local_ray() -> None:
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=True)
 
 
+def stop_local_ray() -> None:
+    """Shut down the session's Serve instance (if started) and Ray, e.g. before a test starts a cluster of
+    its own; the next `init_local_ray` / `shared_serve` starts both again. Serve first: its client would
+    otherwise keep the gone controller's handle."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if _SERVE:
+        from ray import serve
+
+        serve.shutdown()
+        _SERVE.clear()
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def _ray_shutdown_at_exit():
     yield
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+    stop_local_ray()
 
 
 @pytest.fixture

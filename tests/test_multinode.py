@@ -15,6 +15,7 @@ from actors.placement_groups import bundle_nodes, create_replica_group, node_tar
 from phyai_ray import DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, \
     ParallelConfig
 from placement.bundles import plan_replicas
+from tests.conftest import stop_local_ray
 from tests.plugins.tiny import TinyRowTPEntry, reference
 
 pytestmark = pytest.mark.ray
@@ -25,8 +26,7 @@ def two_node_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
+    stop_local_ray()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 2})
     cluster.add_node(num_cpus=4, num_gpus=2)
     cluster.wait_for_nodes()
