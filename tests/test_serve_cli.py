@@ -164,30 +164,14 @@ def start_server(tmp_path: Path, port: int, *flags: str) -> tuple[subprocess.Pop
     return proc, log
 
 
-def test_phyai_ray_serve_answers_a_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc, log = start_server(tmp_path, port)
-    started: set[int] = set()
-    try:
-        wait_ready(proc, url, 150, log)
-        x = torch.arange(8, dtype=torch.float32).reshape(1, 8)
-        reply = post_step(url, {"x": x}, key="cli-key")
-        assert reply.status_code == 200, reply.text
-        assert torch.equal(codec.decode(reply.json()["result"])["y"], reference(x))
-        assert post_step(url, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
-        wait_for_log(log, "phyai-ray: serving", 60)  # serve.run returned: the steady-state signal path
-        stop_and_check(proc, started)
-    finally:
-        _cleanup(proc, started, log)
-
-
-def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_a_new_one(tmp_path: Path) -> None:
-    """`--direct-ingress`: the group's Serve replica answers on its own port (no proxy hop), with the same
-    API key check, and the proxy's port keeps working. /v1/replicas lists the group's own direct port
-    (`direct_port`); another listener in Serve's port range is no group's and is not printed; once Serve
-    has replaced the group (its replica killed), the route lists the new group's port, which answers,
-    and the gone group's no more."""
+def test_serve_answers_on_the_proxy_and_each_groups_own_port_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """`phyai-ray serve --direct-ingress`: the proxy's port answers a request and refuses one without the
+    key; the group's Serve replica answers on its own port (no proxy hop), with the same key check.
+    /v1/replicas lists the group's own direct port (`direct_port`); another listener in Serve's port
+    range is no group's and is not printed; once Serve has replaced the group (its replica killed), the
+    route lists the new group's port, which answers, and the gone group's no more. SIGTERM then stops
+    everything the server started, exit status 0. (Without `--direct-ingress`, the same start, requests
+    and SIGTERM run in tests/test_serve_hf.py and tests/test_serve_openai.py.)"""
     import re
     import signal
 
@@ -222,6 +206,7 @@ def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_
         assert printed == [first["direct_port"]] and stray.getsockname()[1] not in printed, (printed, first)
         assert first["direct_host"] == "127.0.0.1" and answers(direct(first))
         assert answers(url, torch.arange(8, dtype=torch.float32).reshape(1, 8))  # the proxy's port beside it
+        assert post_step(url, {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
         assert post_step(direct(first), {"x": [[1.0] * 8]}, timeout_s=10).status_code == 401
         os.kill(first["replica_pid"], signal.SIGKILL)  # Serve replaces the group: a new replica, a new port
         second = wait_until(lambda: [r for r in serving() if r["group"] != first["group"]], 120,
@@ -229,6 +214,7 @@ def test_direct_ingress_gives_each_group_a_port_of_its_own_and_a_replaced_group_
         assert answers(direct(second)), second
         rows = requests.get(f"{url}/v1/replicas", headers=auth, timeout=10).json()["replicas"]
         assert [r["direct_port"] for r in rows if r["group"] == first["group"] and r["state"] == "gone"] in ([], [None])
+        wait_for_log(log, "phyai-ray: serving", 60)  # serve.run returned: the steady-state signal path
         stop_and_check(proc, started)
     finally:
         stray.close()
