@@ -125,18 +125,45 @@ def ray_session(_ray_shutdown_at_exit):
     yield ray
 
 
+# Ids of the actors and placement groups that module fixtures keep alive on purpose (`held`): the
+# per-test leak check and `live_actors` / `live_placement_groups` do not count them.
+_HELD: set[str] = set()
+
+
 def live_actors() -> list[dict]:
     """Actors of ours (phyai-ray rank actors and helpers) that are not dead, from the GCS table."""
     import ray
 
     table = ray._private.state.actors()
-    return [a for a in table.values() if a.get("State") != "DEAD" and _ours(a)]
+    return [a for a in table.values() if a.get("State") != "DEAD" and _ours(a) and a.get("ActorID") not in _HELD]
 
 
 def live_placement_groups() -> list[dict]:
     import ray
 
-    return [pg for pg in ray.util.placement_group_table().values() if pg.get("state") != "REMOVED"]
+    return [pg for pg in ray.util.placement_group_table().values()
+            if pg.get("state") != "REMOVED" and pg.get("placement_group_id") not in _HELD]
+
+
+def held(make: Any, close: Any = None) -> Iterator[Any]:
+    """In a module fixture (`yield from held(lambda: Engine(...))`): the actors and placement groups that
+    `make()` starts are held on purpose while the module's tests share them (the leak check after each
+    test does not count them); then `close()` (default: the value's `close()`), and nothing of ours may
+    be left."""
+    init_local_ray()
+    actors = {a["ActorID"] for a in live_actors()}
+    groups = {pg["placement_group_id"] for pg in live_placement_groups()}
+    value = make()
+    mine = ({a["ActorID"] for a in live_actors()} - actors) | \
+        ({pg["placement_group_id"] for pg in live_placement_groups()} - groups)
+    _HELD.update(mine)
+    try:
+        yield value
+    finally:
+        _HELD.difference_update(mine)
+        (close or value.close)()
+        left, left_groups = wait_for_no_leaks(30)
+        assert not left and not left_groups, f"left behind: {left} {left_groups}"
 
 
 def _ours(actor: dict) -> bool:

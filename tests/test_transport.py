@@ -15,6 +15,7 @@ import torch
 
 from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        EngineUnavailableError, ParallelConfig, WorkerSupervisorConfig)
+from tests.conftest import held
 from tests.plugins.faults import RequestRejected, SlowTPEntry
 
 pytestmark = pytest.mark.ray
@@ -28,18 +29,33 @@ def _engine(transport: str = "ipc", **proc) -> Engine:
     return Engine(args, DeploymentConfig(mode="local", process_config=config))
 
 
-@pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
-def test_every_transport_serve_in_order_with_large_requests_and_rpcs(ray_session, transport):
+@pytest.fixture(scope="module", params=["ipc", "compiled", "actor_calls"])
+def healthy(request):
+    """One replica per transport, shared by the tests that leave it healthy (pytest runs them transport by
+    transport). The socket one is asked for as "auto" (one node: it must pick sockets) with 8 requests at
+    the ranks at once, so writes can outgrow the socket buffer."""
+    if request.param == "ipc":
+        yield from held(lambda: _engine("auto", max_ongoing_requests=8))
+    else:
+        yield from held(lambda: _engine(request.param))
+
+
+def ran(engine: Engine, before: list[list]) -> list[list]:
+    """The tags each rank executed since `before` (an earlier `executed` rpc)."""
+    now = engine.collective_rpc("executed", replica=0, all_ranks=True)
+    return [tags[len(old):] for tags, old in zip(now, before)]
+
+
+def test_every_transport_serve_in_order_with_large_requests_and_rpcs(healthy):
+    engine = healthy
     big = torch.ones(2 ** 20)  # 4 MB: in shared memory (ipc) or as one ray.put reference (compiled)
-    with _engine(transport) as engine:
-        expected = transport
-        assert engine._executors[0].transport == expected
-        futures = [engine.submit({"sleep": 0, "tag": i, "big": big if i % 5 == 0 else None}) for i in range(40)]
-        assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
-        assert engine.collective_rpc("executed", replica=0, all_ranks=True) == [list(range(40))] * 2
-        assert engine.collective_rpc("fail_on", 5, replica=0, all_ranks=True) == [0, 1]
-        status = engine.replica_status()[0]
-    assert (status.served, status.in_flight, status.healthy) == (40, 0, True)
+    before, served = engine.collective_rpc("executed", replica=0, all_ranks=True), engine.replica_status()[0].served
+    futures = [engine.submit({"sleep": 0, "tag": i, "big": big if i % 5 == 0 else None}) for i in range(40)]
+    assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
+    assert ran(engine, before) == [list(range(40))] * 2
+    assert engine.collective_rpc("fail_on", 5, replica=0, all_ranks=True) == [0, 1]
+    status = engine.replica_status()[0]
+    assert (status.served - served, status.in_flight, status.healthy) == (40, 0, True)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
@@ -71,19 +87,19 @@ def test_a_killed_rank_fails_dispatched_work_within_two_seconds(ray_session, tra
         assert (status.failure_reason, status.failed_rank, status.in_flight) == ("worker_exit", 1, 0)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "compiled"])
-def test_a_payload_that_does_not_serialize_fails_alone(ray_session, transport):
-    with _engine(transport) as engine:
-        if transport == "ipc":  # pickled in the caller's thread: submit says so, nothing is queued
-            with pytest.raises(TypeError, match="does not pickle"):
-                engine.submit({"sleep": 0, "lock": threading.Lock()})
-        else:
-            bad = engine.submit({"sleep": 0, "lock": threading.Lock()})
-            assert isinstance(bad.exception(timeout=10), TypeError)
-        assert torch.equal(engine.step({"sleep": 0}), THREE)
-        status = engine.replica_status()[0]
-    assert (status.healthy, status.served, status.in_flight) == (True, 1, 0)
-    assert status.errored == (0 if transport == "ipc" else 1)
+def test_a_payload_that_does_not_serialize_fails_alone(healthy):
+    engine, transport = healthy, healthy._executors[0].transport
+    before = engine.replica_status()[0]
+    if transport == "compiled":  # pickled on the way to the graph: the request fails, nothing else
+        bad = engine.submit({"sleep": 0, "lock": threading.Lock()})
+        assert isinstance(bad.exception(timeout=10), TypeError)
+    else:  # pickled in the caller's thread: submit says so, nothing is queued
+        with pytest.raises(TypeError, match="does not pickle" if transport == "ipc" else "serialize"):
+            engine.submit({"sleep": 0, "lock": threading.Lock()})
+    assert torch.equal(engine.step({"sleep": 0}), THREE)
+    status = engine.replica_status()[0]
+    assert (status.healthy, status.served - before.served, status.in_flight) == (True, 1, 0)
+    assert status.errored - before.errored == (1 if transport == "compiled" else 0)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "compiled"])
@@ -98,16 +114,19 @@ def test_control_calls_beyond_the_lane_capacity_wait_in_order(ray_session, trans
         assert engine.collective_rpc("executed", replica=0) == ["slow", "after"]
 
 
-def test_sockets_share_large_tensors_copy_on_write_and_return_them_whole(ray_session):
-    request = torch.ones(2 ** 20)  # 4 MB: one shared-memory copy, mapped by both ranks
-    with _engine("ipc") as engine:
-        assert engine.collective_rpc("scribble", request, replica=0, all_ranks=True) == [4.0, 6.0]
-        assert torch.equal(request, torch.ones(2 ** 20))  # the caller's tensor is untouched
-        got = engine.collective_rpc("arange", 2 ** 21, replica=0, all_ranks=True)
-        assert [torch.equal(t, torch.arange(2 ** 21, dtype=torch.float32) * (r + 1)) for r, t in enumerate(got)] == \
-            [True, True]
-        got[0].add_(1)  # a result is the caller's own, writable memory
-        assert float(got[0][0]) == 1.0
+SOCKETS = pytest.mark.parametrize("healthy", ["ipc"], indirect=True)
+
+
+@SOCKETS
+def test_sockets_share_large_tensors_copy_on_write_and_return_them_whole(healthy):
+    engine, request = healthy, torch.ones(2 ** 20)  # 4 MB: one shared-memory copy, mapped by both ranks
+    assert engine.collective_rpc("scribble", request, replica=0, all_ranks=True) == [4.0, 6.0]
+    assert torch.equal(request, torch.ones(2 ** 20))  # the caller's tensor is untouched
+    got = engine.collective_rpc("arange", 2 ** 21, replica=0, all_ranks=True)
+    assert [torch.equal(t, torch.arange(2 ** 21, dtype=torch.float32) * (r + 1)) for r, t in enumerate(got)] == \
+        [True, True]
+    got[0].add_(1)  # a result is the caller's own, writable memory
+    assert float(got[0][0]) == 1.0
 
 
 def test_sockets_leak_no_descriptor_or_thread_over_create_close_cycles(ray_session):
@@ -128,22 +147,24 @@ def test_sockets_leak_no_descriptor_or_thread_over_create_close_cycles(ray_sessi
     assert fds <= before[0] + 2 and threads <= before[1], (before, (fds, threads))
 
 
-def test_sockets_keep_order_when_writes_outgrow_the_socket_buffer(ray_session):
-    # 240 KB bodies travel in the socket itself and several fill its buffer: the rest of each write
-    # waits in the lane's writer thread, in order, while submit never blocks
-    chunk = torch.ones(60_000)
-    with _engine("ipc", max_ongoing_requests=8) as engine:
-        started = time.monotonic()
-        futures = [engine.submit({"sleep": 0.01, "tag": i, "chunk": chunk}) for i in range(40)]
-        assert time.monotonic() - started < 2.0
-        assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
-        assert engine.collective_rpc("executed", replica=0, all_ranks=True) == [list(range(40))] * 2
+@SOCKETS
+def test_sockets_keep_order_when_writes_outgrow_the_socket_buffer(healthy):
+    # 240 KB bodies travel in the socket itself and several (8 at the ranks at once) fill its buffer: the
+    # rest of each write waits in the lane's writer thread, in order, while submit never blocks
+    engine, chunk = healthy, torch.ones(60_000)
+    before = engine.collective_rpc("executed", replica=0, all_ranks=True)
+    started = time.monotonic()
+    futures = [engine.submit({"sleep": 0.01, "tag": i, "chunk": chunk}) for i in range(40)]
+    assert time.monotonic() - started < 2.0
+    assert all(torch.equal(f.result(timeout=60), THREE) for f in futures)
+    assert ran(engine, before) == [list(range(40))] * 2
 
 
-def test_auto_uses_sockets_on_one_node(ray_session):
-    with _engine("auto") as engine:
-        assert engine._executors[0].transport == "ipc"
-        assert torch.equal(engine.step({"sleep": 0}), THREE)
+@SOCKETS
+def test_auto_uses_sockets_on_one_node(healthy):
+    assert healthy.deployment.process_config.request_transport == "auto"
+    assert healthy._executors[0].transport == "ipc"
+    assert torch.equal(healthy.step({"sleep": 0}), THREE)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "compiled", "actor_calls"])
