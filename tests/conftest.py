@@ -85,8 +85,8 @@ def init_local_ray() -> None:
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Workers find `tests.plugins` through PYTHONPATH inherited from this process (the raylet is its
-    # child), not through a job runtime_env: with one, no worker could come from Ray's idle pool, and
-    # every rank paid the runtime-env round trip (about 15% more CPU and wall time per 2-rank engine here).
+    # child), not through a job runtime_env: with one, a 2-rank engine took about 15% more CPU and wall
+    # time to start here.
     root = os.getcwd()
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if root not in paths:
@@ -148,22 +148,22 @@ def live_placement_groups() -> list[dict]:
 def held(make: Any, close: Any = None) -> Iterator[Any]:
     """In a module fixture (`yield from held(lambda: Engine(...))`): the actors and placement groups that
     `make()` starts are held on purpose while the module's tests share them (the leak check after each
-    test does not count them); then `close()` (default: the value's `close()`), and nothing of ours may
-    be left."""
+    test does not count them); then as `closed_without_leaks`."""
     init_local_ray()
-    actors = {a["ActorID"] for a in live_actors()}
-    groups = {pg["placement_group_id"] for pg in live_placement_groups()}
+    before = _our_ids()
     value = make()
-    mine = ({a["ActorID"] for a in live_actors()} - actors) | \
-        ({pg["placement_group_id"] for pg in live_placement_groups()} - groups)
+    mine = _our_ids() - before
     _HELD.update(mine)
-    try:
-        yield value
-    finally:
+
+    def release_and_close() -> None:
         _HELD.difference_update(mine)
         (close or value.close)()
-        left, left_groups = wait_for_no_leaks(30)
-        assert not left and not left_groups, f"left behind: {left} {left_groups}"
+
+    yield from closed_without_leaks(value, release_and_close)
+
+
+def _our_ids() -> set[str]:
+    return {a["ActorID"] for a in live_actors()} | {pg["placement_group_id"] for pg in live_placement_groups()}
 
 
 def _ours(actor: dict) -> bool:
