@@ -2,7 +2,8 @@
 
 * **Layers live in `phyai_ray/nn/`.** Outside it no module defines a norm, a rotary embedding, an
   attention function or a tensor-parallel split, and no module calls the primitives they are made of:
-  `scaled_dot_product_attention`, `layer_norm` / `rms_norm` / `group_norm`, `rsqrt`, the score product
+  `scaled_dot_product_attention` (or diffusers' `dispatch_attention_fn`), `layer_norm` / `rms_norm` /
+  `group_norm`, `rsqrt`, the score product
   `q @ k.transpose(-1, -2)`, and collectives over a tensor- or context-parallel group (`"*_tp"`,
   `"*_cp"`). A model file wires layers; a new kernel or an accumulation fix then lands once.
 * **No class is spread over files.** A class whose methods read `self.<name>` that neither it nor its
@@ -26,10 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("phyai_ray", "actors", "placement")
 LAYERS = ROOT / "phyai_ray" / "nn"
 
-# a defined name that is a layer: rms_norm, RMSNorm, LayerNorm, rope, apply_rope, rotary, rotate, attention ...
-LAYER_NAME = re.compile(r"(^|_)(rms_?norm|layer_?norm|group_?norm|norm|rope|rotary|rotate|rotate_half|attention|attend)"
-                        r"($|_)|RMSNorm|LayerNorm|Rotary|Attention$|ParallelLinear|^Split$", re.IGNORECASE)
-PRIMITIVES = frozenset({"scaled_dot_product_attention", "layer_norm", "rms_norm", "group_norm", "rsqrt"})
+# a defined name that is a layer: rms_norm, RMSNorm, LayerNorm, rope, apply_rope, rotary, rotate, a parallel linear.
+# A model's attention MODULE (projections wired around nn's attention entry) may be named for what it is; the
+# attention function itself is found by what it computes (the primitives and the score product below).
+LAYER_NAME = re.compile(r"(^|_)(rms_?norm|layer_?norm|group_?norm|norm|rope|rotary|rotate|rotate_half)($|_)"
+                        r"|RMSNorm|LayerNorm|Rotary|ParallelLinear|^Split$", re.IGNORECASE)
+PRIMITIVES = frozenset({"scaled_dot_product_attention", "dispatch_attention_fn", "layer_norm", "rms_norm",
+                        "group_norm", "rsqrt"})
 COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
 SPLIT_GROUP = re.compile(r"_(tp|cp)$")
 

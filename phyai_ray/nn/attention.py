@@ -1,0 +1,122 @@
+"""The one attention entry every model family calls, with its backends (vLLM's `Attention` layer):
+
+    attention(q, k, v, mask, backend="sdpa")    q [B, H, S, D], k / v [B, KV, T, D], H a multiple of KV
+                                                (grouped queries), mask broadcastable to [B, 1, S, T]
+                                                (True: may attend) -> [B, H, S, D]
+    backends:
+        "sdpa"        torch's scaled_dot_product_attention (FlashAttention / memory-efficient / math,
+                      as torch picks for the device); the default
+        "eager"       scores in float32, masked with float32's min, softmax in float32, then cast to
+                      v's dtype (LeRobot's and openpi's arithmetic: their parity tests need it)
+        "diffusers"   diffusers' `dispatch_attention_fn`, which honours diffusers' own backend choice
+                      (`attention_backend(...)`, e.g. flash or sage) for the pipelines it loads
+    attention_lse(q, k, v, visible)             output AND each query's log-sum-exp, for merging partial
+    merge_lse(o1, lse1, o2, lse2)               softmaxes over disjoint keys (cascade attention: a shared
+                                                prefix read once, each row's own suffix apart)
+
+A new kernel is one `register_backend(name, fn)` call and reaches every model at once.
+
+Grouped queries without copying keys: query head h reads key/value head h // G (G = H / KV, transformers'
+`repeat_kv`), so the G query heads of a group are laid side by side as rows of ONE product against
+their shared keys: q [B, H, S, D] -> [B, KV, G * S, D] (a view), the mask repeated G times along S.
+pi0's PaliGemma has 8 query heads on 1 key/value head: repeating the keys 8 times is what this avoids.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Backend = Callable[..., torch.Tensor]
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(name: str, fn: Backend) -> None:
+    """Make `fn(q, k, v, mask, scale)` (the entry's layout, grouped queries its own job) a backend."""
+    _BACKENDS[name] = fn
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+              backend: str = "sdpa", scale: float | None = None) -> torch.Tensor:
+    """Attention of q [B, H, S, D] over k / v [B, KV, T, D] (see the module docstring) -> [B, H, S, D]."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)})")
+    fn = _BACKENDS.get(backend)
+    if fn is None:
+        raise ValueError(f"attention backend {backend!r} is not known; known: {sorted(_BACKENDS)}")
+    return fn(q, k, v, mask, scale)
+
+
+def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, KV, G * S, D]: each key/value head's G query heads as rows (module docstring)."""
+    b, h, s, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * s, d)
+
+
+def group_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """A mask [.., S, T] for grouped rows [.., G * S, T] (row g * S + i is query i of group member g)."""
+    if mask is None or groups == 1:
+        return mask
+    return mask.repeat(*([1] * (mask.dim() - 2)), groups, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float | None) -> torch.Tensor:
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    if kv == h:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is not None and mask.dim() == 4 and mask.shape[1] not in (1, kv):
+        raise ValueError(f"attention: a per-head mask {tuple(mask.shape)} with grouped queries needs one row per "
+                         f"key/value head ({kv}) or one for all")
+    out = F.scaled_dot_product_attention(group_queries(q, kv), k, v, attn_mask=group_mask(mask, h // kv), scale=scale)
+    return out.view(b, h, s, d)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None) -> torch.Tensor:
+    b, h, s, d = q.shape
+    kv, t = k.shape[1], k.shape[2]
+    scores = torch.matmul(group_queries(q.float(), kv), k.float().transpose(-1, -2)).view(b, h, s, t)
+    scores = scores * (d ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.finfo(torch.float32).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs.view(b, kv, (h // kv) * s, t), v).view(b, h, s, d)
+
+
+def _diffusers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None) -> torch.Tensor:
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    if k.shape[1] != q.shape[1]:
+        raise ValueError("attention backend 'diffusers' serves equal query and key/value heads")
+    out = dispatch_attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                dropout_p=0.0, is_causal=False, scale=scale)
+    return out.transpose(1, 2)
+
+
+register_backend("sdpa", _sdpa)
+register_backend("eager", _eager)
+register_backend("diffusers", _diffusers)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(d)) v over the visible columns, and each query's log-sum-exp [..., 1].
+
+    q [.., S, D], k / v [.., T, D] with equal leading dims (group queries first)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v), lse
+
+
+def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """The attention over the union of two disjoint key sets from each set's output and log-sum-exp."""
+    total = torch.logaddexp(lse1, lse2)
+    return o1 * torch.exp(lse1 - total) + o2 * torch.exp(lse2 - total)
