@@ -223,7 +223,7 @@ def bare_app() -> Any:
 
         @api.post("/v1/step")
         async def step(self, body: dict) -> dict:  # a plain annotation: this class travels by value
-            from phyai_ray.serve import codec
+            from phyai_ray.serve.protocols import codec
 
             return {"result": codec.encode(await self.batch(body))}
 

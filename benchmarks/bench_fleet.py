@@ -44,7 +44,7 @@ import fleet_deadlines  # noqa: E402  (benchmarks/fleet_deadlines.py: part e)
 import results  # noqa: E402  (benchmarks/results.py, beside this script)
 from phyai_ray import BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig  # noqa: E402
 from phyai_ray.config.deployment import WorkerSupervisorConfig  # noqa: E402
-from phyai_ray.serve.openpi import pack, unpack  # noqa: E402
+from phyai_ray.serve.protocols.openpi import pack, unpack  # noqa: E402
 
 POLICY = {"seed": 0, "dim": 128, "hidden": 512, "blocks": 3, "horizon": 16, "num_steps": 10}
 BIG_POLICY = {"seed": 0, "dim": 512, "hidden": 2048, "blocks": 4, "horizon": 50, "action_dim": 14, "num_steps": 10}
@@ -57,7 +57,7 @@ from phyai_ray.config.parallel import ParallelConfig
 from phyai_ray.config.engine import DeviceConfig
 from phyai_ray.executors.inline import build_inline_runner
 from phyai_ray.plugins.registry import resolve_plugin
-from phyai_ray.serve.openpi import pack, unpack
+from phyai_ray.serve.protocols.openpi import pack, unpack
 entry = resolve_plugin("reference_flow_policy")
 args = eval(sys.argv[2])
 entry.configure(args)
@@ -201,7 +201,7 @@ def part_b(port: int, seconds: float, bulk: int) -> list[str]:
 
 
 def part_c(port: int, frames: int) -> list[str]:
-    from phyai_ray.serve.server import direct_ports
+    from phyai_ray.serve.runtime.server import direct_ports
 
     url = deploy(port, "deadline")
     robot = Session(0, None, 5000.0)

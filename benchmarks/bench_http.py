@@ -83,10 +83,10 @@ def phyai_app(tp: int, groups: int) -> Any:
 
 
 def gateway_app() -> Any:
-    from phyai_ray.serve.app import group_options
-    from phyai_ray.serve.group import ReplicaGroup
-    from phyai_ray.serve.options import ServeOptions
-    from phyai_ray.serve.group_registry import GroupRegistry
+    from phyai_ray.serve.runtime.app import group_options
+    from phyai_ray.serve.runtime.group import ReplicaGroup
+    from phyai_ray.serve.runtime.options import ServeOptions
+    from phyai_ray.serve.runtime.registry import GroupRegistry
 
     args, deployment, options = engine_args(1), DeploymentConfig(replica_count=2, cpus_per_rank=0.5), ServeOptions()
     registry = serve.deployment(GroupRegistry, name="GroupRegistry", ray_actor_options={"num_cpus": 0}).bind()

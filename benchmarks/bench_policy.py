@@ -273,7 +273,7 @@ def openpi_part(args: dict, robots: Robots, out: Path, threads: int, seconds: fl
 
     from phyai_ray.config.deployment import WorkerSupervisorConfig
     from phyai_ray.serve import create_app
-    from phyai_ray.serve.server import direct_ports
+    from phyai_ray.serve.runtime.server import direct_ports
     from tests.helpers import free_port
 
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"

@@ -124,7 +124,7 @@ def main() -> None:
     opts = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from phyai_ray.serve import create_app
-    from phyai_ray.serve.server import grpc_options
+    from phyai_ray.serve.runtime.server import grpc_options
     from tests.client_venv import client_python
     from tests.helpers import free_port
 

@@ -106,7 +106,7 @@ class Robot:
         import numpy as np
         import websockets
 
-        from phyai_ray.serve.openpi import pack, unpack
+        from phyai_ray.serve.protocols.openpi import pack, unpack
 
         rng = np.random.default_rng(self.index)
         async with websockets.connect(url, compression=None, max_size=None, open_timeout=30) as ws:
@@ -254,7 +254,7 @@ def group_url(port: int, via: str, previous: str | None, timeout_s: float = 60.0
     new port: waits until the registry lists only it, at most `timeout_s`)."""
     if via == "proxy":
         return f"ws://127.0.0.1:{port}/v1/openpi"
-    from phyai_ray.serve.server import direct_ports
+    from phyai_ray.serve.runtime.server import direct_ports
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -26,7 +26,7 @@ from phyai_ray.config.engine import EngineArgs
 from phyai_ray.config.parallel import ParallelConfig
 from phyai_ray.errors import PhyAIError
 from phyai_ray.flags import ConfigFlagError, add_config_flags, build_configs
-from phyai_ray.serve.options import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
+from phyai_ray.serve.runtime.options import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -165,7 +165,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
-    from phyai_ray.serve.server import run_server  # Ray and the HTTP stack load only when serving
+    from phyai_ray.serve.runtime.server import run_server  # Ray and the HTTP stack load only when serving
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
                **({"direct_ingress": True} if ns.direct_ingress else {}),

@@ -59,7 +59,7 @@ class RequestRejectedError(PhyAIError, ValueError):
     field at fault when the validator said which (a pydantic error's location, or a `field`
     attribute on its exception), else None. Sending the same request again fails the same way: fix
     the field the message names. The serving edges answer it as the client's fault (see
-    `phyai_ray/serve/error_map.py`: 422 on /v1/step, 400 on OIP and the OpenAI routes).
+    `phyai_ray/serve/protocols/error_map.py`: 422 on /v1/step, 400 on OIP and the OpenAI routes).
     """
 
     def __init__(self, message: str, *, plugin: str | None = None, field: str | None = None) -> None:

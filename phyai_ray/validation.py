@@ -12,7 +12,7 @@ only what does not arrive as `Validated`. Whatever the validator returned is wha
 
 Any exception of the validator becomes `RequestRejectedError` (a ValueError) with the plugin's
 message and the validator's exception as its cause: the request is at fault, and every edge
-answers it with its protocol's bad-request status (`serve/error_map.py`).
+answers it with its protocol's bad-request status (`serve/protocols/error_map.py`).
 """
 
 from __future__ import annotations

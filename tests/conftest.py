@@ -194,7 +194,7 @@ def shared_serve() -> dict[str, int]:
     replaced Ray)."""
     from ray import serve
 
-    from phyai_ray.serve.server import grpc_options
+    from phyai_ray.serve.runtime.server import grpc_options
     from tests.helpers import free_port
 
     init_local_ray()

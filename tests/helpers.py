@@ -137,7 +137,7 @@ def post_step(url: str, payload: Any, key: str | None = None, timeout_s: float =
     """`POST url/v1/step` with `payload` (tensors are encoded) and the bearer `key`; the response."""
     import requests
 
-    from phyai_ray.serve import codec
+    from phyai_ray.serve.protocols import codec
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return requests.post(f"{url}/v1/step", json={**codec.encode(payload), **extra}, headers=headers,

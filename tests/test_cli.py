@@ -130,9 +130,9 @@ def test_build_configs_defaults_match_the_models() -> None:
 def run_server_calls(monkeypatch) -> list:
     """Replaces `run_server` (nothing starts); each call's (engine, deployment, keywords)."""
     calls: list = []
-    fake_server = types.ModuleType("phyai_ray.serve.server")
+    fake_server = types.ModuleType("phyai_ray.serve.runtime.server")
     fake_server.run_server = lambda engine, deployment, **kw: calls.append((engine, deployment, kw))
-    monkeypatch.setitem(sys.modules, "phyai_ray.serve.server", fake_server)
+    monkeypatch.setitem(sys.modules, "phyai_ray.serve.runtime.server", fake_server)
     monkeypatch.delenv("PHYAI_RAY_API_KEY", raising=False)
     return calls
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phyai_ray.errors import PhyAIError
-from phyai_ray.serve.codec import DTYPES, TENSOR_KEY, CodecError, decode, encode
+from phyai_ray.serve.protocols.codec import DTYPES, TENSOR_KEY, CodecError, decode, encode
 
 shapes = st.lists(st.integers(min_value=0, max_value=4), min_size=0, max_size=4)
 

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from phyai_ray.llm.detok import Detokenizer
-from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop
+from phyai_ray.serve.protocols.openai.text import ChoiceText, cut_at_stop
 
 TEXTS = ["€ voilà — 日本語 “quotes” fox 🤖🦾 and 한국어 👩‍👩‍👧 done", "plain ascii words, nothing else",
          "🙂" * 40, "日本語の文章" * 20 + " end"]

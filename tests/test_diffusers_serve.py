@@ -21,7 +21,7 @@ import requests
 import torch
 
 from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, WorkerSupervisorConfig
-from phyai_ray.serve import codec
+from phyai_ray.serve.protocols import codec
 from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 from tests.diffusers_folders import build_wan
 
@@ -178,8 +178,8 @@ def test_the_stream_route_writes_each_chunk_then_the_result_once(script: list, l
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from phyai_ray.serve.options import ServeOptions
-    from phyai_ray.serve.step_stream import add_step_stream_route
+    from phyai_ray.serve.runtime.options import ServeOptions
+    from phyai_ray.serve.protocols.step_stream import add_step_stream_route
 
     api, runner = FastAPI(), _Runner(script)
     add_step_stream_route(api, runner, ServeOptions(), lambda entry, raw, options: raw)
@@ -193,8 +193,8 @@ def test_a_failure_after_the_first_line_is_the_last_line() -> None:
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from phyai_ray.serve.options import ServeOptions
-    from phyai_ray.serve.step_stream import add_step_stream_route
+    from phyai_ray.serve.runtime.options import ServeOptions
+    from phyai_ray.serve.protocols.step_stream import add_step_stream_route
 
     api, runner = FastAPI(), _Runner([[("chunk", {"step": 1, "of": 2})], [("error", RuntimeError("rank 0 died"))]])
     add_step_stream_route(api, runner, ServeOptions(), lambda entry, raw, options: raw)

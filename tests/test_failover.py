@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.serve.group_registry import GroupReport, set_failed, takers
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.registry import GroupReport, set_failed, takers
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.runtime.runner import GroupRunner
 from tests.conftest import closed_without_leaks, delete_serve_apps, shared_serve
 from tests.helpers import post_step, wait_until
 from tests.test_serve_http import StepEngine

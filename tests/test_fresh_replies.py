@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from phyai_ray import Engine, EngineArgs
-from phyai_ray.serve.openpi import _answer, pack, unpack
-from phyai_ray.serve.timing import late_mode
+from phyai_ray.serve.protocols.openpi import _answer, pack, unpack
+from phyai_ray.serve.protocols.timing import late_mode
 
 OPTIONS = SimpleNamespace(max_tensor_bytes=1 << 20, overload_status=503)
 
@@ -75,9 +75,9 @@ def test_a_bad_late_is_refused_with_the_reason(runner):
 def test_oip_takes_late_as_a_parameter_and_reports_freshness():
     import json
 
-    from phyai_ray.serve import oip_codec as oc
-    from phyai_ray.serve.oip import parse_infer, respond
-    from phyai_ray.serve.options import ServeOptions
+    from phyai_ray.serve.protocols.oip import tensors as oc
+    from phyai_ray.serve.protocols.oip.routes import parse_infer, respond
+    from phyai_ray.serve.runtime.options import ServeOptions
     from tests.test_oip_codec import AnyEntry
 
     def body(**params):
@@ -116,9 +116,9 @@ def test_the_example_robot_discards_a_stale_chunk():
 
 def test_a_forwarded_request_carries_what_is_left_of_its_deadline_and_waits_no_longer():
     from phyai_ray.errors import EngineUnavailableError
-    from phyai_ray.serve.group_registry import set_failed
-    from phyai_ray.serve.holder import EngineHolder
-    from phyai_ray.serve.runner import GroupRunner
+    from phyai_ray.serve.runtime.registry import set_failed
+    from phyai_ray.serve.runtime.holder import EngineHolder
+    from phyai_ray.serve.runtime.runner import GroupRunner
     from tests.test_serve_http import StepEngine
 
     sent = []
@@ -148,9 +148,9 @@ def test_a_forwarded_request_carries_what_is_left_of_its_deadline_and_waits_no_l
 
 def test_a_forwarded_stream_carries_what_is_left_of_its_first_chunks_deadline():
     from phyai_ray import Engine, EngineArgs
-    from phyai_ray.serve.group_registry import set_failed
-    from phyai_ray.serve.holder import EngineHolder
-    from phyai_ray.serve.runner import GroupRunner
+    from phyai_ray.serve.runtime.registry import set_failed
+    from phyai_ray.serve.runtime.holder import EngineHolder
+    from phyai_ray.serve.runtime.runner import GroupRunner
 
     sent = []
 
@@ -177,7 +177,7 @@ def test_a_forwarded_stream_carries_what_is_left_of_its_first_chunks_deadline():
 
 
 def test_grpc_takes_the_calls_own_deadline_when_no_parameter_gives_one():
-    from phyai_ray.serve.oip_grpc import call_deadline
+    from phyai_ray.serve.protocols.oip.servicer import call_deadline
 
     class Call:
         def __init__(self, left):

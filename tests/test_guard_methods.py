@@ -8,7 +8,7 @@ import json
 
 from fastapi import FastAPI
 
-from phyai_ray.serve.guard import EdgeGuard
+from phyai_ray.serve.protocols.guard import EdgeGuard
 
 
 def _app() -> FastAPI:

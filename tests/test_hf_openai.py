@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from phyai_ray import Engine, EngineArgs
-from phyai_ray.serve.openai_api import add_openai_routes
+from phyai_ray.serve.protocols.openai.api import add_openai_routes
 from tests.hf_checkpoints import load_reference, write_checkpoint
 from tests.test_hf_causal_lm import reference
 from tests.test_openai_api import InlineRunner

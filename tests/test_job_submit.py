@@ -34,7 +34,7 @@ import pytest
 import requests
 import torch
 
-from phyai_ray.serve import codec
+from phyai_ray.serve.protocols import codec
 from tests.helpers import (BIN, REPO, alive, descendants, free_port, kill_leftovers, post_step, start_interruptible,
                            stop_and_check, wait_ready, wait_until)
 from tests.plugins.tiny import reference

@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineConfig, WeightSender
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.openpi import _answer, pack, unpack
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.protocols.openpi import _answer, pack, unpack
+from phyai_ray.serve.runtime.runner import GroupRunner
 from tests.client_venv import client_python, run_client
 from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 

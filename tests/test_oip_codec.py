@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from phyai_ray.plugins.signature import SignatureError, TensorSpec, check_inputs
-from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.oip import parse_infer, respond
-from phyai_ray.serve.options import ServeOptions
+from phyai_ray.serve.protocols.oip import tensors as oc
+from phyai_ray.serve.protocols.oip.routes import parse_infer, respond
+from phyai_ray.serve.runtime.options import ServeOptions
 
 NUMERIC = {"BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16, "UINT32": torch.uint32,
            "UINT64": torch.uint64, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,

@@ -17,10 +17,10 @@ from starlette.testclient import TestClient
 
 from phyai_ray import Engine, EngineArgs
 from phyai_ray.models.reference_lm import ReferenceLMConfig, full_weights, score
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.openai_api import add_openai_routes
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.protocols.openai.api import add_openai_routes
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
 
 openai = pytest.importorskip("openai")
 

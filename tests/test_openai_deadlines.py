@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from phyai_ray import Engine, EngineArgs
 from phyai_ray.executors.service import ServiceTime
-from phyai_ray.serve.openai_api import add_openai_routes
+from phyai_ray.serve.protocols.openai.api import add_openai_routes
 from tests.test_openai_api import InlineRunner
 
 openai = pytest.importorskip("openai")
@@ -119,7 +119,7 @@ def test_a_stream_without_its_first_chunk_in_time_ends_with_an_error_event(lm):
                                         extra_body={"deadline_ms": 100}))
         assert info.value.body["code"] == 504
         raw = http.post("/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True, "deadline_ms": 100})
-    assert raw.status_code == 200  # the event says it: the response had started (see openai_common.py)
+    assert raw.status_code == 200  # the event says it: the response had started (see serve/protocols/openai/common.py)
     events = [line[6:] for line in raw.text.splitlines() if line.startswith("data: ")]
     assert '"code": 504' in events[0] and events[-1] == "[DONE]" and len(events) == 2
 

@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI
 
 from phyai_ray import Engine, EngineArgs
-from phyai_ray.serve.openai_api import add_openai_routes
+from phyai_ray.serve.protocols.openai.api import add_openai_routes
 from tests.plugins.slow_tokens import SlowTokens, SlowTokensEntry
 from tests.test_openai_api import InlineRunner
 
@@ -70,7 +70,7 @@ def _ended(count: int, timeout_s: float) -> list:
 
 def test_a_cancelled_stream_stops_the_generation_at_once(app):
     """The response task is cancelled while a pull waits for the next token (a server's disconnect)."""
-    from phyai_ray.serve.openai_api import CompletionChunks, CompletionRequest, plugin_request, sse
+    from phyai_ray.serve.protocols.openai.api import CompletionChunks, CompletionRequest, plugin_request, sse
 
     api, engine = app
     SlowTokens.ended.clear()
@@ -141,8 +141,8 @@ def test_a_stream_a_failed_group_never_started_is_read_from_another_group():
     from fastapi.testclient import TestClient
 
     from phyai_ray.errors import EngineUnavailableError
-    from phyai_ray.serve.group_registry import failed_here, set_failed
-    from phyai_ray.serve.runner import MAX_HOPS
+    from phyai_ray.serve.runtime.registry import failed_here, set_failed
+    from phyai_ray.serve.runtime.runner import MAX_HOPS
 
     args = EngineArgs(plugin="reference_lm", plugin_args={"seed": 0}, config={"device": {"target": "cpu"}})
     with Engine(args) as healthy:

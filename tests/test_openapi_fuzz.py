@@ -16,10 +16,10 @@ import schemathesis  # the `test` extra
 from hypothesis import HealthCheck, given, settings
 
 from phyai_ray import Engine, EngineArgs
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.http import create_api
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.protocols.http import create_api
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
 
 KEY = "k-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from phyai_ray.serve.openpi import FrameError, pack, unpack
+from phyai_ray.serve.protocols.openpi import FrameError, pack, unpack
 
 
 def array(a: np.ndarray, override: dict | None = None) -> dict:

@@ -72,7 +72,7 @@ def test_a_session_that_opens_on_a_failed_group_is_answered_by_a_healthy_one() -
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from phyai_ray.serve.openpi import add_openpi_route, pack, unpack
+    from phyai_ray.serve.protocols.openpi import add_openpi_route, pack, unpack
 
     group, api = FailedGroup(), FastAPI()
     add_openpi_route(api, group, SimpleNamespace(api_key=None, max_tensor_bytes=1 << 20, overload_status=503))
@@ -87,7 +87,7 @@ def test_a_session_that_opens_on_a_failed_group_is_answered_by_a_healthy_one() -
 
 
 def test_a_session_whose_group_fails_under_it_is_told_to_connect_again_and_closed() -> None:
-    from phyai_ray.serve.openpi import _answer, pack
+    from phyai_ray.serve.protocols.openpi import _answer, pack
 
     group = FailedGroup()
     options = SimpleNamespace(max_tensor_bytes=1 << 20, overload_status=503)

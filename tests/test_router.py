@@ -23,7 +23,7 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import ReplicaID  # noqa: E402
 
-from phyai_ray.serve.router import ChosenRequests, FewestInFlightRouter  # noqa: E402
+from phyai_ray.serve.runtime.router import ChosenRequests, FewestInFlightRouter  # noqa: E402
 
 _ids = itertools.count()
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.serve import codec
-from phyai_ray.serve.options import API_KEY_ENV, ServeOptions, app_arg_keys, parse_app_args
+from phyai_ray.serve.protocols import codec
+from phyai_ray.serve.runtime.options import API_KEY_ENV, ServeOptions, app_arg_keys, parse_app_args
 from tests.helpers import (REPO, console_script, free_port, kill_leftovers, post_step, stop_and_check, wait_for_log,
                            wait_ready, wait_until)
 from tests.plugins.tiny import reference
@@ -88,8 +88,9 @@ def test_build_app_binds_one_ingress_deployment() -> None:
 
 def test_serve_never_imports_the_cli() -> None:
     """`cli` sits above `serve`: every serve module, and building an app's configs, leave it unloaded."""
-    modules = sorted(f"phyai_ray.serve.{f.stem}" for f in (REPO / "phyai_ray" / "serve").glob("*.py"))
-    code = ("import importlib, sys; from phyai_ray.serve.options import parse_app_args; "
+    modules = sorted(".".join(f.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+                     for f in (REPO / "phyai_ray" / "serve").rglob("*.py"))
+    code = ("import importlib, sys; from phyai_ray.serve.runtime.options import parse_app_args; "
             f"[importlib.import_module(m) for m in {modules!r}]; "
             "parse_app_args({'plugin': 'p', 'dense_tp_size': '2', 'replicas': '2'}); "
             "print('LOADED', 'phyai_ray.cli' in sys.modules)")
@@ -126,7 +127,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> FakeRay:
 
 
 def test_the_server_starts_a_local_ray_sized_to_the_plan(fake_ray: FakeRay) -> None:
-    from phyai_ray.serve.server import _join_ray
+    from phyai_ray.serve.runtime.server import _join_ray
 
     engine, deployment, _ = parse_app_args({"plugin": "p", "dense_tp_size": "2", "attention_tp_size": "2",
                                             "replicas": "2", "device": "cpu"})
@@ -271,8 +272,8 @@ def test_a_stopping_group_outlives_the_wait_of_a_request_it_forwarded() -> None:
     """Serve kills a stopping replica after graceful_shutdown_timeout_s; a request the failed group forwarded
     waits up to FORWARD_WAIT_S for a new group, and must get its answer (result or 503), not a dead replica's 500."""
     from phyai_ray.config.deployment import DeploymentConfig, WorkerSupervisorConfig
-    from phyai_ray.serve.app import group_options
-    from phyai_ray.serve.runner import FORWARD_WAIT_S
+    from phyai_ray.serve.runtime.app import group_options
+    from phyai_ray.serve.runtime.runner import FORWARD_WAIT_S
 
     engine, _, options = parse_app_args({"plugin": "p", "dense_tp_size": "2", "device": "cpu"})
     for shutdown_s in (1.0, 10.0, 60.0):

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestRejectedError, RequestTimeoutError
-from phyai_ray.serve import codec
-from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.error_map import HttpError, classify, from_engine_error
-from phyai_ray.serve.guard import EdgeGuard, key_matches
-from phyai_ray.serve.oip import _split
-from phyai_ray.serve.oip_grpc import _CODES
-from phyai_ray.serve.oip_model import BAD_REQUEST
-from phyai_ray.serve.openai_common import openai_error
-from phyai_ray.serve.runner import SubmitFault
+from phyai_ray.serve.protocols import codec
+from phyai_ray.serve.protocols.oip import tensors as oc
+from phyai_ray.serve.protocols.error_map import HttpError, classify, from_engine_error
+from phyai_ray.serve.protocols.guard import EdgeGuard, key_matches
+from phyai_ray.serve.protocols.oip.routes import _split
+from phyai_ray.serve.protocols.oip.servicer import _CODES
+from phyai_ray.serve.protocols.oip.model import BAD_REQUEST
+from phyai_ray.serve.protocols.openai.common import openai_error
+from phyai_ray.serve.runtime.runner import SubmitFault
 
 
 @pytest.mark.parametrize("shape", [[0, 2 ** 63], [2 ** 62, 0, 4], [0] + [2 ** 31] * 3])

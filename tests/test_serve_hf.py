@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from phyai_ray.serve.options import API_KEY_ENV
+from phyai_ray.serve.runtime.options import API_KEY_ENV
 from tests.helpers import REPO, console_script, free_port, kill_leftovers, stop_and_check, wait_ready
 
 openai = pytest.importorskip("openai")

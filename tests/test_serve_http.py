@@ -27,9 +27,9 @@ from phyai_ray import BatchingConfig, DenseParallelConfig, DeploymentConfig, Eng
 from phyai_ray.config.deployment import WorkerSupervisorConfig
 from phyai_ray.config.engine import DeviceConfig
 from phyai_ray.errors import EngineOverloadedError, EngineUnavailableError, RequestTimeoutError
-from phyai_ray.serve import codec
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.protocols import codec
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.runtime.runner import GroupRunner
 from phyai_ray.validation import Validated
 from tests.conftest import delete_serve_apps, shared_serve, wait_for_no_leaks
 from tests.helpers import asgi_request, free_port, post_step, wait_until
@@ -379,8 +379,8 @@ class StepEngine:
 
 
 def edge(engine: StepEngine, forward: Any = None, **options: Any) -> Any:
-    from phyai_ray.serve.http import create_api
-    from phyai_ray.serve.options import ServeOptions
+    from phyai_ray.serve.protocols.http import create_api
+    from phyai_ray.serve.runtime.options import ServeOptions
 
     runner = GroupRunner(EngineHolder(lambda: engine), group="g0", wait_s=10, forward=forward)
     return create_api(runner, ServeOptions(api_key=KEY, **options))
@@ -454,8 +454,8 @@ def test_a_failed_group_forwards_what_it_never_started() -> None:
     assert (status, body, sent) == (200, {"result": {"from": "peer"}}, [(Validated({"x": [1.0]}), 1, ("g0",))])
     import asyncio
 
-    from phyai_ray.serve.group_registry import failed_here, set_failed
-    from phyai_ray.serve.runner import MAX_HOPS
+    from phyai_ray.serve.runtime.registry import failed_here, set_failed
+    from phyai_ray.serve.runtime.runner import MAX_HOPS
 
     runner = GroupRunner(EngineHolder(lambda: StepEngine(**down)), group="g1", forward=forward)
     try:
@@ -477,8 +477,8 @@ class _Replica:
 
 
 def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_failed() -> None:
-    from phyai_ray.serve.group_registry import set_failed
-    from phyai_ray.serve.router import rank_groups
+    from phyai_ray.serve.runtime.registry import set_failed
+    from phyai_ray.serve.runtime.router import rank_groups
 
     a, b, c, d = _Replica("a"), _Replica("b"), _Replica("c"), _Replica("d", failed=True)
     ids = {r.replica_id.unique_id: r.replica_id for r in (a, b, c, d)}
@@ -501,7 +501,7 @@ def test_router_ranks_fewest_in_flight_then_least_recently_chosen_and_skips_fail
     (EngineUnavailableError("closed", reason="closed"), 503), (RuntimeError("bug"), 500),
 ])
 def test_from_engine_error_never_blames_the_client(exc: BaseException, status: int) -> None:
-    from phyai_ray.serve.error_map import from_engine_error
+    from phyai_ray.serve.protocols.error_map import from_engine_error
 
     assert from_engine_error(exc).status_code == status
     assert from_engine_error(exc, overload_status=429).status_code == (429 if status == 503 and

@@ -22,10 +22,10 @@ from starlette.testclient import TestClient
 from phyai_ray import Engine, EngineArgs, RequestRejectedError
 from phyai_ray.models.reference_lm import ReferenceLMEntry
 from phyai_ray.plugins.entry import Entry
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.openpi import pack, unpack
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.protocols.openpi import pack, unpack
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
 from phyai_ray.validation import Validated, validate
 from tests.helpers import asgi_request
 
@@ -88,7 +88,7 @@ class CountingLM(Counted, ReferenceLMEntry):
 
 
 def _app(engine: Engine) -> Any:
-    from phyai_ray.serve.http import create_api
+    from phyai_ray.serve.protocols.http import create_api
 
     return create_api(GroupRunner(EngineHolder(lambda: engine)), ServeOptions())
 
@@ -188,7 +188,7 @@ def lm():
 def test_openai_completions_validate_once_and_a_refusal_is_400(lm, stream):
     from fastapi import FastAPI
 
-    from phyai_ray.serve.openai_api import add_openai_routes
+    from phyai_ray.serve.protocols.openai.api import add_openai_routes
 
     api = FastAPI()
     add_openai_routes(api, GroupRunner(EngineHolder(lambda: lm)))
@@ -226,7 +226,7 @@ def hf(tmp_path_factory):
 def test_text_is_tokenized_once_and_the_chat_route_validates_once(hf, monkeypatch):
     from fastapi import FastAPI
 
-    from phyai_ray.serve.openai_api import add_openai_routes
+    from phyai_ray.serve.protocols.openai.api import add_openai_routes
 
     codec_type, encoded = type(hf.entry.codec), []
     plain = codec_type.encode

@@ -29,7 +29,7 @@ CONFIG_MODELS = (
     "phyai_ray.config.deployment:WorkerSupervisorConfig",
     "phyai_ray.config.deployment:PlacementSpec",
     "phyai_ray.config.batching:BatchingConfig",
-    "phyai_ray.serve.options:ServeOptions",
+    "phyai_ray.serve.runtime.options:ServeOptions",
 )
 
 

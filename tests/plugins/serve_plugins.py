@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from phyai_ray import Entry, P, register_plugin
-from phyai_ray.serve.schema import EncodedTensor
+from phyai_ray.serve.protocols.schema import EncodedTensor
 from tests.plugins.tiny import TinyRowTP
 
 IN_FEATURES = 8

@@ -35,8 +35,8 @@ never reported as 4xx.
 "deadline_missed".
 
 `classify(exc)` is the one place a failure gets its row; every protocol renders that `Failure` in
-its own shape: this JSON API (`HttpError.of`), OpenAI (`openai_common.openai_error`), OIP over HTTP
-(`{"error": ...}`) and gRPC (the status code of the HTTP status, `oip_grpc.fail`), openpi (an error
+its own shape: this JSON API (`HttpError.of`), OpenAI (`openai/common.py` openai_error), OIP over HTTP
+(`{"error": ...}`) and gRPC (the status code of the HTTP status, `oip/servicer.py` fail), openpi (an error
 frame naming the kind). Only failures pass through here: what a reply that succeeded carries lives
 with its protocol (`timing.py` for deadlines and timing, `guard.py` for the key check).
 """
@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse
 
 from phyai_ray.errors import (DeadlineMissedError, EngineOverloadedError, EngineUnavailableError,
                               RequestRejectedError, RequestTimeoutError, StreamNotSupportedError)
-from phyai_ray.serve.runner import SubmitFault
+from phyai_ray.serve.runtime.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type",

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from phyai_ray.serve.error_map import HttpError, error_response
+from phyai_ray.serve.protocols.error_map import HttpError, error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 OIP_PREFIX = "/v2"

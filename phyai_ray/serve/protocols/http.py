@@ -1,14 +1,14 @@
 """The FastAPI application each replica group serves: routes, error handlers, the edge guard and metrics.
 
     POST /v1/step       one request -> one result (JSON; tensors in the codec's encoding)
-    POST /v1/step/stream  the same, streamed: one JSON object per line (serve/step_stream.py)
+    POST /v1/step/stream  the same, streamed: one JSON object per line (step_stream.py)
     GET  /healthz       liveness: the group's Serve replica answers (no key needed)
     GET  /readyz        200 when >= 1 replica group can serve, else 503 (no key needed, so no details)
     GET  /v1/replicas   state, in-flight, served, failures, failure cause, nodes and pids of every group
     GET  /metrics       Prometheus text
-    POST /v1/completions, GET /v1/models   OpenAI-compatible, for token plugins (serve/openai_api.py)
-    /v2/...             Open Inference Protocol v2 (KServe / Triton), JSON and binary tensors (serve/oip.py)
-    WS   /v1/openpi     openpi's robot-policy WebSocket (serve/openpi.py)
+    POST /v1/completions, GET /v1/models   OpenAI-compatible, for token plugins (openai/api.py)
+    /v2/...             Open Inference Protocol v2 (KServe / Triton), JSON and binary tensors (oip/routes.py)
+    WS   /v1/openpi     openpi's robot-policy WebSocket (openpi.py)
     GET  /docs, /openapi.json
 
 The body of `/v1/step` is the plugin's `request_model` when it declares one (validated and
@@ -32,16 +32,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from phyai_ray import __version__
-from phyai_ray.serve import codec
-from phyai_ray.serve.error_map import (RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
+from phyai_ray.serve.protocols import codec
+from phyai_ray.serve.protocols.error_map import (RETRY_AFTER, HttpError, describe, error_response, from_engine_error,
                                        from_http_exception, from_validation_errors)
-from phyai_ray.serve.guard import OIP_PREFIX, OPEN_PATHS, EdgeGuard
-from phyai_ray.serve.metrics import EdgeMetrics
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
-from phyai_ray.serve.schema import ErrorBody, StepResponse
-from phyai_ray.serve.step_stream import add_step_stream_route
-from phyai_ray.serve.timing import DEADLINE_HEADER, deadline_ms
+from phyai_ray.serve.protocols.guard import OIP_PREFIX, OPEN_PATHS, EdgeGuard
+from phyai_ray.serve.runtime.metrics import EdgeMetrics
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
+from phyai_ray.serve.protocols.schema import ErrorBody, StepResponse
+from phyai_ray.serve.protocols.step_stream import add_step_stream_route
+from phyai_ray.serve.protocols.timing import DEADLINE_HEADER, deadline_ms
 from phyai_ray.validation import Validated, validate
 
 ROUTES = ("/v1/step", "/v1/step/stream", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
@@ -66,7 +66,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
     _add_step_route(api, runner, options)
     add_step_stream_route(api, runner, options, _decode_and_validate)
     if getattr(runner.entry, "generates_tokens", False):
-        from phyai_ray.serve.openai_api import add_openai_routes
+        from phyai_ray.serve.protocols.openai.api import add_openai_routes
 
         add_openai_routes(api, runner, options)
     _add_protocol_routes(api, runner, options)
@@ -106,11 +106,11 @@ def declare_errors(api: FastAPI) -> None:
 def _add_protocol_routes(api: FastAPI, runner: GroupRunner, options: ServeOptions) -> None:
     """The protocols existing clients speak, each behind its switch (ServeOptions.oip_http, .openpi)."""
     if options.oip_http:
-        from phyai_ray.serve.oip import add_oip_routes
+        from phyai_ray.serve.protocols.oip.routes import add_oip_routes
 
         add_oip_routes(api, runner, options)
     if options.openpi:
-        from phyai_ray.serve.openpi import add_openpi_route
+        from phyai_ray.serve.protocols.openpi import add_openpi_route
 
         add_openpi_route(api, runner, options)
 

@@ -49,11 +49,11 @@ from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from phyai_ray.errors import EngineUnavailableError
-from phyai_ray.serve.error_map import classify, describe
-from phyai_ray.serve.guard import key_matches
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
-from phyai_ray.serve.timing import deadline_ms, freshness, late_mode, timing_fields
+from phyai_ray.serve.protocols.error_map import classify, describe
+from phyai_ray.serve.protocols.guard import key_matches
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
+from phyai_ray.serve.protocols.timing import deadline_ms, freshness, late_mode, timing_fields
 from phyai_ray.validation import validate
 
 logger = logging.getLogger(__name__)

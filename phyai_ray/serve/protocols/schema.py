@@ -1,7 +1,7 @@
 """pydantic models of the HTTP bodies, for validation and for the OpenAPI document.
 
 A plugin's `request_model` may use `EncodedTensor` for a tensor field; the body then carries the
-codec's form (see `phyai_ray.serve.codec`) and the plugin receives a `torch.Tensor`:
+codec's form (see `phyai_ray.serve.protocols.codec`) and the plugin receives a `torch.Tensor`:
 
     class MyRequest(BaseModel):
         x: EncodedTensor                     # {"__tensor__": {"dtype": "float32", "shape": [2, 8], "data": "..."}}
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from phyai_ray.serve.codec import DTYPES, TENSOR_KEY
+from phyai_ray.serve.protocols.codec import DTYPES, TENSOR_KEY
 
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 

@@ -6,7 +6,7 @@
     {"step": 3, "of": 3}
     {"video": {"__tensor__": {"dtype": "uint8", "shape": [9, 32, 32, 3], "data": "..."}}}
 
-The body is what `/v1/step` takes (tensors in the codec's encoding, `serve/codec.py`) and is
+The body is what `/v1/step` takes (tensors in the codec's encoding, `serve/protocols/codec.py`) and is
 validated the same way, once. Each line is one chunk of the request's stream as the plugin gives
 it, in the same encoding: a diffusion plugin's progress reports (`{"step": i, "of": n}`; when the
 reader lags, only the latest is kept) then its result; a token plugin's token chunks. The stream's
@@ -28,10 +28,10 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import StreamingResponse
 
-from phyai_ray.serve import codec
-from phyai_ray.serve.error_map import HttpError, classify, from_engine_error
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.protocols import codec
+from phyai_ray.serve.protocols.error_map import HttpError, classify, from_engine_error
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
 
 MEDIA_TYPE = "application/x-ndjson"
 

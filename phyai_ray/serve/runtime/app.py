@@ -25,7 +25,7 @@ from ray.serve import Application
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.errors import DeploymentConfigError
-from phyai_ray.serve.options import ServeOptions, parse_app_args
+from phyai_ray.serve.runtime.options import ServeOptions, parse_app_args
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def group_options(engine_args: EngineArgs, deployment: DeploymentConfig, options
     """`serve.deployment(...)` options of the group deployment: resources, scaling, health, routing."""
     from ray.serve.config import RequestRouterConfig
 
-    from phyai_ray.serve.router import FewestInFlightRouter
-    from phyai_ray.serve.runner import FORWARD_WAIT_S
+    from phyai_ray.serve.runtime.router import FewestInFlightRouter
+    from phyai_ray.serve.runtime.runner import FORWARD_WAIT_S
     from placement.bundles import rank_bundle
 
     world = engine_args.config.parallel.infer_replica_world_size()
@@ -95,8 +95,8 @@ def create_app(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
 
     `option_values` are `ServeOptions` fields (api_key=..., min_replicas=..., max_replicas=...).
     """
-    from phyai_ray.serve.group import ReplicaGroup
-    from phyai_ray.serve.group_registry import GroupRegistry
+    from phyai_ray.serve.runtime.group import ReplicaGroup
+    from phyai_ray.serve.runtime.registry import GroupRegistry
 
     options = ServeOptions(**{**(options.model_dump() if options else {}), **option_values})
     deployment = deployment or DeploymentConfig()

@@ -32,12 +32,12 @@ from ray import serve
 from phyai_ray.config.deployment import DeploymentConfig, PlacementSpec
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.errors import DeploymentConfigError
-from phyai_ray.serve.direct import enabled as direct_ingress, own_direct_port
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.oip_grpc import OipGrpcMethods
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.group_registry import FAILED_STAT, REPORT_INTERVAL_S, set_failed
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.direct import enabled as direct_ingress, own_direct_port
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.protocols.oip.servicer import OipGrpcMethods
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.registry import FAILED_STAT, REPORT_INTERVAL_S, set_failed
+from phyai_ray.serve.runtime.runner import GroupRunner
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ReplicaGroup(OipGrpcMethods):
         logger.info("replica group %s ready: pids %s", self.group, holder.engine.replica_status()[0].pids)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from phyai_ray.serve.http import create_api
+        from phyai_ray.serve.protocols.http import create_api
 
         if self.api is None:  # Serve may ask more than once; requests and reports must share one app
             self.api = create_api(self.runner, self.options)

@@ -69,7 +69,7 @@ class _GroupCollector:
         self.statuses = statuses
 
     def collect(self) -> Iterable[Any]:
-        from phyai_ray.serve.group_registry import request_totals
+        from phyai_ray.serve.runtime.registry import request_totals
 
         statuses = list(self.statuses())
         families = {name: GaugeMetricFamily(f"phyai_replica_{name}", text, labels=["engine_replica"])

@@ -25,7 +25,7 @@ from phyai_ray.flags import build_configs, config_flags
 
 API_KEY_ENV = "PHYAI_RAY_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_TENSORS = 1024  # the codec's defaults (codec.py imports torch; this module must not)
+DEFAULT_MAX_TENSORS = 1024  # the codec's defaults (protocols/codec.py imports torch; this module must not)
 DEFAULT_MAX_TOTAL_BYTES = 1024 * 1024 * 1024
 OVERLOAD_STATUSES = (503, 429)
 
@@ -73,7 +73,7 @@ class ServeOptions(ConfigModel):
     overload_status: int = Field(
         503, description="HTTP status of a request shed because every replica group's queue is full: 503 or 429 "
         "(both with Retry-After).")
-    # -- the protocols existing clients speak (serve/oip.py, serve/oip_grpc.py, serve/openpi.py)
+    # -- the protocols existing clients speak: OIP over HTTP and gRPC, openpi (serve/protocols/oip/, openpi.py)
     oip_http: bool = Field(True, description="Serve the Open Inference Protocol v2 over HTTP (/v2/...).")
     openpi: bool = Field(True, description="Serve openpi's robot-policy WebSocket (/v1/openpi).")
     grpc_port: int | None = Field(

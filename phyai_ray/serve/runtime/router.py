@@ -46,8 +46,8 @@ from typing import Any, Callable, Hashable, List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 # Serve pickles this module BY VALUE into every proxy and handle, so state shared with the group
-# deployment in the same process lives in `group_registry` (pickled by reference).
-from phyai_ray.serve.group_registry import FAILED_STAT, failed_here
+# deployment in the same process lives in `registry` (pickled by reference).
+from phyai_ray.serve.runtime.registry import FAILED_STAT, failed_here
 
 RESERVATION_TTL_S = 30.0  # a choice Serve never reported back (a bug, a lost callback) stops counting then
 # Serve versions without the hook never say when a routed request ends: there the router's own count

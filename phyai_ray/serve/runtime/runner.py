@@ -25,7 +25,7 @@ healthy group it has not passed (the router then picks it). It waits only when n
 failed group again: for no longer than the request's deadline, else FORWARD_WAIT_S, then 503 naming
 every group and its state.
 
-`view` is the last copy of every group's report (see `group_registry.py`); it answers `/v1/replicas`,
+`view` is the last copy of every group's report (see `registry.py`); it answers `/v1/replicas`,
 `/readyz` and the per-group metrics, whichever group the proxy picked. No Ray needed here.
 """
 
@@ -41,8 +41,8 @@ from phyai_ray.errors import (EngineOverloadedError, EngineUnavailableError, Phy
                               RequestTimeoutError)
 from phyai_ray.async_streams import stream_items
 from phyai_ray.executors.futures import awaitable
-from phyai_ray.serve.holder import EngineHolder
-from phyai_ray.serve.group_registry import GroupReport, describe, note_failed, set_failed, takers
+from phyai_ray.serve.runtime.holder import EngineHolder
+from phyai_ray.serve.runtime.registry import GroupReport, describe, note_failed, set_failed, takers
 from phyai_ray.validation import Validated, validate
 
 Forward = Callable[[Any, int, tuple], Awaitable[Any]]  # (request, hops, failed groups passed)

@@ -22,8 +22,8 @@ from typing import Any
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.raystart import ensure_ray, plan_cpus
-from phyai_ray.serve.direct import DIRECT_INGRESS_ENV
-from phyai_ray.serve.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
+from phyai_ray.serve.runtime.direct import DIRECT_INGRESS_ENV
+from phyai_ray.serve.runtime.options import DEFAULT_MAX_BODY_BYTES, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def run_server(engine_args: EngineArgs, deployment: DeploymentConfig | None = No
     robot's frames skip the proxy; the groups' own ports are printed once serving (`direct_ports`) and
     listed by `/v1/replicas`, a replaced group's new port too.
     """
-    from phyai_ray.serve.app import create_app
+    from phyai_ray.serve.runtime.app import create_app
 
     if blocking and threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run_server(blocking=True) waits for SIGINT/SIGTERM and must run on the main thread; "
@@ -140,7 +140,7 @@ def direct_ports(app_name: str = APP_NAME, timeout_s: float = 30.0) -> list[int]
     once every group that is not gone has reported one, or what is known after `timeout_s`."""
     from ray import serve
 
-    from phyai_ray.serve.app import REGISTRY_NAME
+    from phyai_ray.serve.runtime.app import REGISTRY_NAME
 
     registry = serve.get_deployment_handle(REGISTRY_NAME, app_name=app_name)
     deadline = time.monotonic() + timeout_s
@@ -154,7 +154,7 @@ def direct_ports(app_name: str = APP_NAME, timeout_s: float = 30.0) -> list[int]
 
 def grpc_options(port: int | None) -> dict[str, Any] | None:
     """Serve's gRPC proxy options that serve the Open Inference Protocol's gRPC service on `port`."""
-    from phyai_ray.serve.oip_grpc import SERVICER_FUNCTION
+    from phyai_ray.serve.protocols.oip.servicer import SERVICER_FUNCTION
 
     return None if port is None else {"port": port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
 

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's model, beneath both of its transports (`oip.py` HTTP, `oip_grpc.py` gRPC).
+"""The Open Inference Protocol's model, beneath both of its transports (`routes.py` HTTP, `servicer.py` gRPC).
 
     model_name(options, entry)            the protocol's model name: `model_name`, else the plugin's served name
     unknown_model(name, version, model)   None, or the error text of a name / version this server does not serve
@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from phyai_ray.plugins.signature import SignatureError, check_inputs
-from phyai_ray.serve.oip_codec import OipError
-from phyai_ray.serve.timing import deadline_ms, freshness, late_mode, timing_fields
+from phyai_ray.serve.protocols.oip.tensors import OipError
+from phyai_ray.serve.protocols.timing import deadline_ms, freshness, late_mode, timing_fields
 from phyai_ray.validation import Validated, validate
 
 RESERVED = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers",

@@ -15,7 +15,7 @@ other than the protocol's reserved ones become plain values of the request. A te
 one output, named by the plugin's first output spec (else `output`); a dict result is one output
 per key. The model name is the served model name (`model_name`, default the plugin name); it has
 one version, "1". Errors are `{"error": "<what failed, the values, what to do>"}` with the status
-of `serve/error_map.py` (a bad request or one the plugin refuses 400, an unknown model 404,
+of `serve/protocols/error_map.py` (a bad request or one the plugin refuses 400, an unknown model 404,
 overload or no group 503).
 """
 
@@ -34,13 +34,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from phyai_ray import __version__
-from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.error_map import classify, describe
-from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
+from phyai_ray.serve.protocols.oip import tensors as oc
+from phyai_ray.serve.protocols.error_map import classify, describe
+from phyai_ray.serve.protocols.oip.model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
                                        model_metadata, missing_outputs, model_name, named_outputs, reply_parameters,
                                        request_deadline, request_late, unknown_model)
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.runner import GroupRunner
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.runtime.runner import GroupRunner
 from phyai_ray.validation import Validated
 
 logger = logging.getLogger(__name__)

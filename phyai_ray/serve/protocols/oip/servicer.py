@@ -26,10 +26,10 @@ import uuid
 from typing import Any
 
 from phyai_ray import __version__
-from phyai_ray.serve import oip_codec as oc
-from phyai_ray.serve.error_map import classify
-from phyai_ray.serve.guard import key_matches
-from phyai_ray.serve.oip_model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
+from phyai_ray.serve.protocols.oip import tensors as oc
+from phyai_ray.serve.protocols.error_map import classify
+from phyai_ray.serve.protocols.guard import key_matches
+from phyai_ray.serve.protocols.oip.model import (BAD_REQUEST, EXTENSIONS, VERSION, check_signature, finish_request,
                                        missing_outputs, model_name, model_metadata, named_outputs, reply_parameters,
                                        request_deadline, request_late, unknown_model)
 from phyai_ray.validation import Validated

@@ -2,8 +2,8 @@
 
     POST /v1/completions        prompt as text or token ids (one, or a list); max_tokens, temperature,
                                 top_p, seed, stop (strings, or token ids), logprobs, n, stream;
-                                deadline_ms (an extension) or X-Request-Deadline-Ms (openai_common.py)
-    POST /v1/chat/completions   messages through the checkpoint's chat template (`serve/openai_chat.py`)
+                                deadline_ms (an extension) or X-Request-Deadline-Ms (common.py)
+    POST /v1/chat/completions   messages through the checkpoint's chat template (`serve/protocols/openai/chat.py`)
     GET  /v1/models             one model: `--model-name`, else the plugin's (hf_causal_lm: the folder's name)
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
@@ -15,8 +15,8 @@ Text needs a plugin with a tokenizer (`hf_causal_lm`); for the others a text pro
 "token_id:<id>" (vLLM's convention) unless a tokenizer gives their text. `stream=true` answers
 with server-sent events, one chunk per generated token and choice, then `data: [DONE]`; a client
 that disconnects stops the generation on every rank. Errors use OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/error_map.py`
-(`openai_common.py`); the API key (bearer) is the app's own. The request is validated once, by
+`{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/protocols/error_map.py`
+(`common.py`); the API key (bearer) is the app's own. The request is validated once, by
 the plugin's validator here, and runs in the form it returned.
 """
 
@@ -31,13 +31,13 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.openai_chat import add_chat_route
-from phyai_ray.serve.openai_common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
+from phyai_ray.serve.protocols.openai.chat import add_chat_route
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
                                            openai_error, sse)
-from phyai_ray.serve.openai_text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
+from phyai_ray.serve.protocols.openai.text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
                                         usable)
-from phyai_ray.serve.options import ServeOptions
-from phyai_ray.serve.timing import DEADLINE_HEADER
+from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
 from phyai_ray.validation import Validated, validate
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)

@@ -12,7 +12,7 @@ tokenized without adding special tokens again, and run as `n` sequences of one r
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
 logprobs with top_logprobs (each token's log-probability and its k most likely alternatives),
 stream, chat_template_kwargs (more template variables), deadline_ms (an extension; or the
-X-Request-Deadline-Ms header: see openai_common.py). Content as text parts is joined into one
+X-Request-Deadline-Ms header: see common.py). Content as text parts is joined into one
 string. Bad input (no messages, an unknown role, a message without content, a template that refuses
 the chat, messages over max_model_len x CHARS_PER_TOKEN characters, a prompt longer than the model
 takes) is a 400 in OpenAI's error shape, and so is any of tools, tool_choice, functions,
@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.openai_common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
                                            openai_error, sse)
-from phyai_ray.serve.timing import DEADLINE_HEADER
-from phyai_ray.serve.openai_text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
+from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
+from phyai_ray.serve.protocols.openai.text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
 from phyai_ray.validation import Validated, validate
 
 MAX_N = 16

@@ -6,11 +6,11 @@
     StreamingResponse(sse(runner, checked, chunks), media_type="text/event-stream")
     deadline = RequestDeadline(http.headers.get("x-request-deadline-ms"), body.get("deadline_ms"))
 
-The bottom of the three OpenAI modules: `openai_text.py` (prompts, stop strings, streamed text),
-`openai_chat.py` (/v1/chat/completions) and `openai_api.py` (/v1/completions, /v1/models, and
+The bottom of the three OpenAI modules: `text.py` (prompts, stop strings, streamed text),
+`chat.py` (/v1/chat/completions) and `api.py` (/v1/completions, /v1/models, and
 mounting both) import it, and it imports none of them. A request the plugin refuses is a 400
 (`invalid_request_error`, `param` the field when known); every other failure has its row of the
-failure table (`serve/error_map.py`).
+failure table (`serve/protocols/error_map.py`).
 
 Deadlines (both routes, streamed or not): the `X-Request-Deadline-Ms` header, or `deadline_ms` in
 the body (an extension of OpenAI's API: `extra_body={"deadline_ms": 150}` in the openai client),
@@ -33,8 +33,8 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from phyai_ray.outputs import entry_values
-from phyai_ray.serve.error_map import classify
-from phyai_ray.serve.timing import deadline_ms
+from phyai_ray.serve.protocols.error_map import classify
+from phyai_ray.serve.protocols.timing import deadline_ms
 
 BAD_REQUEST = 400  # OpenAI's status for a request at fault, the plugin's refusal included
 OPENAI_TYPES = {"overloaded": "overloaded_error", "timeout": "timeout_error",  # every other server kind: server_error

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phyai_ray.serve.openai_common import BAD_REQUEST, OpenAIError
+from phyai_ray.serve.protocols.openai.common import BAD_REQUEST, OpenAIError
 
 
 def _error(message: str, param: str) -> OpenAIError:
