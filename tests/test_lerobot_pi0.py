@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
-from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, RMSNorm, gated, gemma_attention, pi_sizes
+from phyai_ray.models.lerobot_policy.layers import attend
+from phyai_ray.models.lerobot_policy.pi0 import VARIANTS, PiZero, gated, pi_sizes
+from phyai_ray.nn.norm import GemmaRMSNorm
 from safetensors.torch import load_file, save_file
 
 from tests.test_lerobot_policy import DATA, Cases, args_of
@@ -167,12 +169,12 @@ def test_the_expert_must_share_depth_and_heads_with_paligemma():
 def test_adaptive_rmsnorm_and_the_gated_residual():
     torch.manual_seed(0)
     x, cond = torch.randn(2, 3, 4), torch.randn(2, 6)
-    plain = RMSNorm(4)
+    plain = GemmaRMSNorm(4)
     normed, gate = plain(x)
     rms = x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
     torch.testing.assert_close(normed, x * rms)  # weight 0 means a scale of 1 (Gemma's 1 + w)
     assert gate is None and torch.equal(gated(x, normed, None), x + normed)
-    ada = RMSNorm(4, cond_dim=6)
+    ada = GemmaRMSNorm(4, cond_dim=6)
     out, gate = ada(x, cond)
     scale, shift, g = ada.dense(cond)[:, None, :].chunk(3, dim=-1)
     torch.testing.assert_close(out, x * rms * (1 + scale) + shift)
@@ -186,7 +188,7 @@ def test_grouped_queries_read_their_shared_key_head(heads, kv_heads):
     q, k, v = torch.randn(3, 5, heads, 8), torch.randn(3, 9, kv_heads, 8), torch.randn(3, 9, kv_heads, 8)
     mask = torch.rand(3, 5, 9) > 0.4
     mask[..., 0] = True
-    got = gemma_attention(q, k, v, mask, heads, kv_heads)
+    got = attend(q, k, v, mask)
     rep = heads // kv_heads  # the plain way: every key / value head repeated for its queries
     kr, vr = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("bshd,bthd->bhst", q, kr) * 8 ** -0.5

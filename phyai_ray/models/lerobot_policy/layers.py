@@ -1,8 +1,8 @@
-"""Pieces the LeRobot policies share: rotary positions, eager fp32 attention, masks, the time embedding.
+"""Pieces the LeRobot policies share: attention wired to nn's entry, masks, the time embedding, stacking.
 
-They follow LeRobot 0.4.4's arithmetic step for step (its `apply_rope`, `eager_attention_forward`,
-`make_att_2d_masks`, `create_sinusoidal_pos_embedding`), so that a frame here and in LeRobot gives
-the same numbers to float rounding.
+They follow LeRobot 0.4.4's arithmetic step for step (its `eager_attention_forward`, `make_att_2d_masks`,
+`create_sinusoidal_pos_embedding`; the rotary embeddings and norms are nn's `float32_rope`, `gemma_rope`
+and `GemmaRMSNorm`), so that a frame here and in LeRobot gives the same numbers to float rounding.
 
 Stacking frames: every robot's prefix (images, language, state) has its own length L_i. A batch
 pads them on the right to L_max; `prefix_pad` [B, L_max] is True on real positions, and keys and
@@ -16,41 +16,16 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from phyai_ray.nn.attention import attention
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_wavelength: float = 10_000) -> torch.Tensor:
-    """Rotary positions [B, L] applied to x [B, L, H, D] (halves rotated, computed in float32)."""
-    d_half = x.shape[-1] // 2
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(d_half, dtype=torch.float32, device=x.device)
-    timescale = max_wavelength ** freq_exponents
-    radians = positions[..., None].to(torch.float32) / timescale[None, None, :].to(torch.float32)
-    radians = radians[..., None, :]
-    sin, cos = torch.sin(radians), torch.cos(radians)
-    x1, x2 = x.split(d_half, dim=-1)
-    res = torch.empty_like(x)
-    res[..., :d_half] = x1 * cos - x2 * sin
-    res[..., d_half:] = x2 * cos + x1 * sin
-    return res.to(dtype)
-
-
-def attention(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
-              num_kv_heads: int) -> torch.Tensor:
-    """Eager attention in float32: q [B, S, H, D], k / v [B, T, KV, D], mask [B, S, T] (True: attend)
-    -> [B, S, H * D]. Key/value heads are repeated for grouped queries; masked scores are float32's min."""
-    b, t, _, d = k.shape
-    groups = num_heads // num_kv_heads
-    k = k[:, :, :, None, :].expand(b, t, num_kv_heads, groups, d).reshape(b, t, num_heads, d)
-    v = v[:, :, :, None, :].expand(b, t, num_kv_heads, groups, d).reshape(b, t, num_heads, d)
-    q = q.to(torch.float32).transpose(1, 2)
-    k = k.to(torch.float32).transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5
-    scores = torch.where(mask[:, None, :, :], scores, torch.finfo(torch.float32).min)
-    probs = nn.functional.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3)).permute(0, 2, 1, 3)
-    return out.reshape(b, -1, num_heads * d)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """nn's attention entry on this family's layout: q [B, S, H, D], k / v [B, T, KV, D], mask [B, S, T]
+    (True: attend) -> [B, S, H * D]. The "eager" backend is LeRobot's arithmetic (float32 scores, masked
+    with float32's min, float32 softmax); its grouped queries read their shared key head without copies."""
+    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], backend="eager")
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
 def att_2d_masks(pad_masks: torch.Tensor, att_masks: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, by_shape, pad_mask, stack_right, \
-    time_embedding
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, by_shape, pad_mask, \
+    stack_right, time_embedding
+from phyai_ray.nn.norm import GemmaRMSNorm
+from phyai_ray.nn.rotary import gemma_rope
 
 VARIANTS = {
     "gemma_2b": {"width": 2048, "depth": 18, "mlp_dim": 16384, "num_heads": 8, "num_kv_heads": 1, "head_dim": 256},
@@ -37,7 +39,6 @@ VARIANTS = {
 SIGLIP = {"hidden_size": 1152, "num_hidden_layers": 27, "num_attention_heads": 16, "intermediate_size": 4304,
           "patch_size": 14}
 GEMMA_FIELDS = ("width", "depth", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
-MASK_VALUE = -2.3819763e38  # openpi's attention mask value
 
 
 def pi_sizes(config: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any]:
@@ -60,36 +61,6 @@ def pi_sizes(config: dict[str, Any], given: dict[str, Any] | None) -> dict[str, 
     return {**out, "vision": SIGLIP, "vocab_size": 257152}
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Gemma's rotary embedding (transformers' rotate_half form) of x [B, L, H, D] at positions [B, L]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device=x.device).float() / d))
-    freqs = positions[..., None].float() * inv_freq[None, None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    """Gemma's RMSNorm (weight as 1 + w) or, with `cond_dim`, pi0.5's adaptive one: scale, shift, gate."""
-
-    def __init__(self, dim: int, cond_dim: int | None = None, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        if cond_dim is None:
-            self.weight = nn.Parameter(torch.zeros(dim))
-        else:
-            self.dense = nn.Linear(cond_dim, dim * 3)
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        normed = x * torch.rsqrt(torch.mean(torch.square(x.float()), dim=-1, keepdim=True) + self.eps)
-        if cond is None:
-            return normed * (1.0 + self.weight.float()), None
-        scale, shift, gate = torch.chunk(self.dense(cond)[:, None, :], 3, dim=-1)
-        return normed * (1 + scale) + shift, gate
-
-
 def gated(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     return x + y if gate is None else x + y * gate
 
@@ -107,14 +78,14 @@ class GemmaLayer(nn.Module):
         self.mlp.gate_proj = nn.Linear(w, s["mlp_dim"], bias=False)
         self.mlp.up_proj = nn.Linear(w, s["mlp_dim"], bias=False)
         self.mlp.down_proj = nn.Linear(s["mlp_dim"], w, bias=False)
-        self.input_layernorm = RMSNorm(w, cond_dim)
-        self.post_attention_layernorm = RMSNorm(w, cond_dim)
+        self.input_layernorm = GemmaRMSNorm(w, cond_dim)
+        self.post_attention_layernorm = GemmaRMSNorm(w, cond_dim)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, d: int, cond: torch.Tensor | None):
         h, gate = self.input_layernorm(x, cond)
         shape = (*x.shape[:2], -1, d)
-        q = rope(self.self_attn.q_proj(h).view(shape), positions)
-        k = rope(self.self_attn.k_proj(h).view(shape), positions)
+        q = gemma_rope(self.self_attn.q_proj(h).view(shape), positions)
+        k = gemma_rope(self.self_attn.k_proj(h).view(shape), positions)
         return q, k, self.self_attn.v_proj(h).view(shape), gate
 
     def finish(self, x: torch.Tensor, att: torch.Tensor, gate: Any, cond: torch.Tensor | None) -> torch.Tensor:
@@ -122,25 +93,6 @@ class GemmaLayer(nn.Module):
         h, gate2 = self.post_attention_layernorm(out, cond)
         m = self.mlp.down_proj(nn.functional.gelu(self.mlp.gate_proj(h), approximate="tanh") * self.mlp.up_proj(h))
         return gated(out, m, gate2)
-
-
-def gemma_attention(q, k, v, mask, heads: int, kv_heads: int) -> torch.Tensor:
-    """transformers' eager attention with openpi's additive mask: q [B, S, H, D], k / v [B, T, KV, D],
-    mask [B, S, T] (True: attend) -> [B, S, H * D].
-
-    Grouped queries without copying keys: head h reads key/value head h // (H / KV) (transformers'
-    repeat_kv), so the H / KV query heads of a group are laid side by side as rows of one matmul
-    against their shared keys: [B, KV, (H / KV) * S, D] @ [B, KV, D, T]. pi0's PaliGemma has 8 query
-    heads on 1 key/value head; repeating the prefix cache 8 times per layer and step is what this avoids.
-    """
-    b, s, _, d = q.shape
-    t, rep = k.shape[1], heads // kv_heads
-    q = q.reshape(b, s, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, rep * s, d)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).view(b, heads, s, t) * d ** -0.5
-    scores = scores + torch.where(mask[:, None], 0.0, MASK_VALUE)
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).view(b, kv_heads, rep * s, t)
-    out = torch.matmul(probs, v.transpose(1, 2)).view(b, heads, s, d)
-    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 @dataclass
@@ -181,7 +133,7 @@ class PiZero(nn.Module):
         pwe.gemma_expert = nn.Module()
         expert = pwe.gemma_expert.model = nn.Module()
         expert.layers = nn.ModuleList(GemmaLayer(self.ex, cond) for _ in range(self.ex["depth"]))
-        expert.norm = RMSNorm(self.ex["width"], cond)
+        expert.norm = GemmaRMSNorm(self.ex["width"], cond)
         w, a = self.ex["width"], int(config["max_action_dim"])
         self.action_in_proj = nn.Linear(a, w)
         self.action_out_proj = nn.Linear(w, a)
@@ -241,12 +193,12 @@ class PiZero(nn.Module):
         mask = real[:, None, :] & real[:, :, None]
         pos = torch.arange(lmax, device=dev)[None].expand(len(rows), lmax)
         keys, values = [], []
-        d, heads, kv = self.pg["head_dim"], self.pg["num_heads"], self.pg["num_kv_heads"]
+        d = self.pg["head_dim"]
         for layer in pg.language_model.layers:
             q, k, v, gate = layer.qkv(x, pos, d, None)
             keys.append(k)
             values.append(v)
-            x = layer.finish(x, gemma_attention(q, k, v, mask, heads, kv), gate, None)
+            x = layer.finish(x, attend(q, k, v, mask), gate, None)
         return [Prefix([k[b, :n].clone() for k in keys], [v[b, :n].clone() for v in values], n)
                 for b, n in enumerate(lengths)]
 
@@ -276,12 +228,12 @@ class PiZero(nn.Module):
                                    torch.tensor(att, device=dev)[None].expand(b, s))
         mask = torch.cat([pad_mask(lengths, lmax, dev)[:, None, :].expand(b, s, lmax), suffix_mask], dim=2)
         pos = torch.tensor(lengths, device=dev)[:, None] + torch.arange(s, device=dev)[None]
-        d, heads, kv = self.ex["head_dim"], self.ex["num_heads"], self.ex["num_kv_heads"]
+        d = self.ex["head_dim"]
         expert = self.paligemma_with_expert.gemma_expert.model
         for i, layer in enumerate(expert.layers):
             q, k, v, gate = layer.qkv(h, pos, d, cond)
             k = torch.cat([prefixes.get("k", i), k], dim=1)
             v = torch.cat([prefixes.get("v", i), v], dim=1)
-            h = layer.finish(h, gemma_attention(q, k, v, mask, heads, kv), gate, cond)
+            h = layer.finish(h, attend(q, k, v, mask), gate, cond)
         h, _ = expert.norm(h, cond)
         return self.action_out_proj(h[:, -chunk:].to(torch.float32))

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, apply_rope, att_2d_masks, attention, \
-    by_shape, pad_mask, stack_right, time_embedding
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, by_shape, pad_mask, \
+    stack_right, time_embedding
+from phyai_ray.nn.rotary import float32_rope
 
 
 def expert_intermediate(hidden: int, multiplier: int = 4, multiple_of: int = 256) -> int:
@@ -81,7 +82,7 @@ class SmolVLA(nn.Module):
                              "> 0 is not supported; supported: the defaults (False, 0, -1)")
         vlm_config = AutoConfig.from_pretrained(str(vlm_folder), local_files_only=True)
         text = vlm_config.text_config
-        self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
+        self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.hidden = text.hidden_size
         self.vlm_with_expert = nn.Module()
@@ -185,12 +186,12 @@ class SmolVLA(nn.Module):
         for i, layer in enumerate(vlm.text_model.layers):
             h = layer.input_layernorm(x)
             shape = (b, lmax, -1, self.head_dim)
-            q = apply_rope(layer.self_attn.q_proj(h).view(shape), pos)
-            k = apply_rope(layer.self_attn.k_proj(h).view(shape), pos)
+            q = float32_rope(layer.self_attn.q_proj(h).view(shape), pos)
+            k = float32_rope(layer.self_attn.k_proj(h).view(shape), pos)
             v = layer.self_attn.v_proj(h).view(shape)
             keys.append(k)
             values.append(v)
-            out = layer.self_attn.o_proj(attention(mask, q, k, v, self.heads, self.kv_heads)) + x
+            out = layer.self_attn.o_proj(attend(q, k, v, mask)) + x
             x = layer.mlp(layer.post_attention_layernorm(out)) + out
             expert = self.expert_at[i]
             if expert is not None and not self._is_self_attn(i):
@@ -228,16 +229,16 @@ class SmolVLA(nn.Module):
             n = layer.input_layernorm(h)
             shape = (b, s, -1, self.head_dim)
             if self._is_self_attn(i):
-                q = apply_rope(layer.self_attn.q_proj(n).view(shape), self_pos)
-                k = apply_rope(layer.self_attn.k_proj(n).view(shape), self_pos)
+                q = float32_rope(layer.self_attn.q_proj(n).view(shape), self_pos)
+                k = float32_rope(layer.self_attn.k_proj(n).view(shape), self_pos)
                 v = layer.self_attn.v_proj(n).view(shape)
                 k = torch.cat([prefixes.get("k", i), k], dim=1)
                 v = torch.cat([prefixes.get("v", i), v], dim=1)
-                att = attention(self_mask, q, k, v, self.heads, self.kv_heads)
+                att = attend(q, k, v, self_mask)
             else:
-                q = apply_rope(layer.self_attn.q_proj(n).view(shape), cross_pos)
+                q = float32_rope(layer.self_attn.q_proj(n).view(shape), cross_pos)
                 k, v = prefixes.get("ck", i), prefixes.get("cv", i)
-                att = attention(prefix_pad, q, k, v, self.heads, self.kv_heads)
+                att = attend(q, k, v, prefix_pad)
             out = layer.self_attn.o_proj(att) + h
             h = layer.mlp(layer.post_attention_layernorm(out)) + out
         h = self.vlm_with_expert.lm_expert.norm(h)
