@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from phyai_ray import BatchingConfig, DeploymentConfig, Engine, EngineArgs
-from phyai_ray.models.reference_flow_policy.config import rtc_weights
+from phyai_ray.models.reference_flow_policy.config import RTC
+from phyai_ray.stepwise.rtc import Guidance
 
 ARGS = {"seed": 3, "num_steps": 10, "horizon": 16, "action_dim": 7, "state_dim": 8}
 
@@ -93,8 +94,8 @@ def test_rtc_returns_the_frozen_prefix_exactly_and_a_smoother_seam(engine, delay
 
 
 def test_execution_horizon_ends_the_guided_span_early(engine):
-    guided = {**frame(9, rtc=True, delay=2, k=12), "execution_horizon": 10}  # guided span: [2, min(12, 16-10)=6)
-    weights = rtc_weights(16, 2, 12, 10)
+    guided = {**frame(9, rtc=True, delay=2, k=12), "execution_horizon": 6}  # guided span: [2, min(12, 6)=6)
+    weights = Guidance.build(RTC, guided["prev_actions"], 2, 6, 16, 7).weights[:, 0]
     assert weights[:2].tolist() == [1.0, 1.0] and (weights[2:6] > 0).all() and (weights[6:] == 0).all()
     assert weights[2] > weights[3] > weights[4] > weights[5]  # decaying toward the span's end
     out = engine.step(guided)["actions"]

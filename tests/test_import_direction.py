@@ -100,7 +100,7 @@ def test_nothing_below_the_engine_imports_the_trainers_side():
 
 
 def test_edges_and_runtimes_import_no_plugin():
-    paths = [p for room in ("serve", "llm", "nn", "policy") for p in _modules(f"phyai_ray/{room}")]
+    paths = [p for room in ("serve", "llm", "nn", "stepwise") for p in _modules(f"phyai_ray/{room}")]
     offenders = _importers_of("phyai_ray.models", paths)
     assert not offenders, ("these import a plugin; what they need belongs in a runtime room (phyai_ray.llm, "
                            f"phyai_ray.nn) or comes through the plugin's Entry: {offenders}")
@@ -115,7 +115,7 @@ def test_plugins_never_import_each_other():
             if foreign:
                 offenders[module] = foreign
     assert not offenders, ("plugins import other plugins; move what they share to a runtime room "
-                           f"(phyai_ray.llm, phyai_ray.nn, phyai_ray.policy): {offenders}")
+                           f"(phyai_ray.llm, phyai_ray.nn, phyai_ray.stepwise): {offenders}")
 
 
 def test_the_dotted_check_sees_lazy_and_from_imports(tmp_path):

@@ -43,7 +43,7 @@ def test_a_frame_joining_half_way_equals_lerobot(policy):
     for _ in range(2):
         assert rank.iterate() == {}
     rank.admit(2, entry.validate_request(cases.frame(2)))
-    assert [rank.running[i].j for i in (0, 1, 2)] == [2, 2, 0]  # three robots, two different steps
+    assert [rank.running[i].index for i in (0, 1, 2)] == [2, 2, 0]  # three robots, two different steps
     while rank.running:
         for ident, delta in rank.iterate().items():
             assert delta.stop_reason == "completed"

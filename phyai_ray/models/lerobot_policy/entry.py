@@ -20,8 +20,9 @@ plugin_args:
 
 Everything is checked here, before any rank starts: the folder, the policy type, the statistics the
 normalization modes need, and every tensor of model.safetensors against the shapes the model code
-builds from the config (a network on the meta device: no memory). A frame (see request.py) is one
-sequence; each iteration advances every running frame one Euler step (policy.py).
+builds from the config (a network on the meta device: no memory). A frame (the robot frame format of
+phyai_ray/stepwise/frames.py, laid out by request.py) is one sequence; each iteration advances every
+running frame one Euler step (policy.py).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from phyai_ray.errors import RequestAbortedError
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy, build_network, expected_weights
 from phyai_ray.models.lerobot_policy.processing import Normalizer
-from phyai_ray.models.lerobot_policy.request import Layout, openpi_aliases, parse_frame
+from phyai_ray.models.lerobot_policy.request import frame_layout
 from phyai_ray.plugins.admission import CostBudget
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
+from phyai_ray.stepwise.frames import FrameLayout, RobotFrame, parse_frame
 
 
 @register_plugin
@@ -48,7 +50,7 @@ class LeRobotPolicyEntry(Entry):
 
     def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
         self.folder: PolicyFolder | None = None
-        self.layout: Layout | None = None
+        self.layout: FrameLayout | None = None
         if plugin_args:
             self.configure(plugin_args)
 
@@ -75,29 +77,22 @@ class LeRobotPolicyEntry(Entry):
         if not isinstance(self._batch_prefixes, bool):
             raise ValueError(f'lerobot_policy: plugin_args["batch_prefixes"] must be true or false (one VLM pass for '
                              f"the frames admitted together, or one per frame), got {self._batch_prefixes!r}")
-        cfg = folder.config
-        [(state_key, state_shape)] = folder.features("STATE").items()
-        [action_shape] = folder.features("ACTION").values()
         self.folder = folder
-        cameras = folder.features("VISUAL")
-        aliases = openpi_aliases(list(cameras), state_key, plugin_args.get("openpi_keys"))
-        self.layout = Layout(cameras=cameras, state_key=state_key, state_dim=state_shape[0],
-                             action_dim=action_shape[0], chunk=int(cfg["chunk_size"]),
-                             max_action_dim=int(cfg["max_action_dim"]), aliases=aliases)
+        self.layout = frame_layout(folder, plugin_args.get("openpi_keys"))
 
-    def _require(self) -> Layout:
+    def _require(self) -> FrameLayout:
         if self.layout is None:
             raise ValueError('lerobot_policy needs plugin_args {"model": "<pretrained_model folder>", ...}')
         return self.layout
 
-    def validate_request(self, request: Any) -> dict[str, Any]:
+    def validate_request(self, request: Any) -> RobotFrame:
         return parse_frame(request, self._require())
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per frame; its cost is the KV cache it keeps while it runs: prefix tokens x layers;
         its steps the expert's denoising steps (with a deadline, finish-by admission runs the frame only
         if that many iterations of the replica's recent length end in time)."""
-        payload = request if "images" in request else parse_frame(request, self._require())
+        payload = parse_frame(request, self._require())  # a checked frame passes as it is
         return [SequenceSpec(payload=payload, cost=self.prefix_cost(payload), steps=self.denoising_steps())]
 
     def denoising_steps(self) -> int:
@@ -107,7 +102,7 @@ class LeRobotPolicyEntry(Entry):
         cfg = self.folder.config
         return int(cfg.get("num_steps", 10) if self.folder.type == "smolvla" else cfg.get("num_inference_steps", 10))
 
-    def prefix_cost(self, payload: dict[str, Any]) -> int:
+    def prefix_cost(self, payload: RobotFrame) -> int:
         """(cameras x image tokens + prompt tokens + the state token) x VLM layers, the prompt counted
         at its longest (tokenizer_max_length) so the dispatcher need not tokenize."""
         cfg = self.folder.config

@@ -30,8 +30,10 @@ from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 from phyai_ray.models.lerobot_policy.layers import StackedPrefixes
 from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad, \
     resize_with_pad_centered
-from phyai_ray.models.lerobot_policy.rtc import Guidance, RTCSettings
 from phyai_ray.plugins.iteration import Delta
+from phyai_ray.stepwise.frames import RobotFrame
+from phyai_ray.stepwise.rtc import Guidance, RTCRule
+from phyai_ray.stepwise.sequence import Running, Sequence
 
 
 def build_network(folder: PolicyFolder, device: Any = "meta") -> torch.nn.Module:
@@ -51,16 +53,15 @@ def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
     return {f"model.{k}": v.shape for k, v in network.state_dict().items()}
 
 
-@dataclass
-class Running:
-    """One frame on its way: its prefix cache (None until its prefix pass; `inputs` hold the resized
-    cameras and the prompt's tokens until then), sample, steps taken and RTC guidance."""
+@dataclass(eq=False, kw_only=True)
+class Expert(Sequence):
+    """One frame on its way (`value`: its sample [chunk, max_action_dim] after `index` Euler steps): its
+    prefix cache (None until its prefix pass; `inputs` hold the resized cameras and the prompt's tokens
+    until then) and RTC guidance."""
 
-    prefix: Any
-    x: torch.Tensor  # [chunk, max_action_dim]
-    payload: dict[str, Any]
+    frame: RobotFrame
+    prefix: Any = None
     inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None
-    j: int = 0
     guidance: Guidance | None = None
     state: torch.Tensor | None = None  # normalized, padded to max_state_dim (pi0's suffix takes it)
 
@@ -86,53 +87,46 @@ class LeRobotPolicy:
             self.num_steps = int(cfg.get("num_inference_steps", 10))
         self.norm = Normalizer(folder)
         self.tokenizer = PromptTokenizer(folder.backbone, int(cfg.get("tokenizer_max_length", 48)))
-        self.rtc = RTCSettings.from_config(cfg.get("rtc_config"))
+        self.rtc = RTCRule.lerobot(cfg.get("rtc_config"))
         self.state_key = next(iter(folder.features("STATE")))
         self.cameras = list(folder.features("VISUAL"))
         [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
-        self.running: dict[int, Running] = {}
+        self.running: Running[Expert] = Running()
         self.prefix_passes: Counter[int] = Counter()  # {frames in one VLM prefix pass: how many such passes}
         self._stacked: tuple[tuple[int, ...], StackedPrefixes] | None = None
         self.weight_version: Any = None
 
     # -- the iteration protocol -----------------------------------------------------------------
     @torch.inference_mode()
-    def admit(self, ident: int, payload: dict[str, Any]) -> None:
-        self.running[ident] = self._start(payload)
+    def admit(self, ident: int, payload: RobotFrame) -> None:
+        self.running.admit(ident, self._start(payload))
 
     def drop(self, ident: int) -> None:
-        self.running.pop(ident, None)
+        self.running.drop(ident)
 
     @torch.inference_mode()
     def recompute(self, ident: int) -> None:
         """Start the frame again from its noise; its prefix runs again (with this plan's admissions)."""
         if ident in self.running:
-            self.running[ident] = self._start(self.running[ident].payload)
+            self.running.admit(ident, self._start(self.running[ident].frame))
 
     @torch.inference_mode()
     def iterate(self) -> dict[int, Delta]:
         """The new frames' prefixes in one pass, then ONE Euler step of the action expert for every
         running frame (see the module docstring)."""
-        if not self.running:
-            return {}
-        idents = list(self.running)
-        frames = [self.running[i] for i in idents]
+        return self.running.iterate(self._encode_and_advance, lambda f: {"actions": self._postprocess(f.value)})
+
+    def _encode_and_advance(self, frames: list[Expert]) -> None:
         self._encode([f for f in frames if f.prefix is None])
         self._advance(frames)
-        out: dict[int, Delta] = {}
-        for ident, frame in zip(idents, frames):
-            if frame.j == self.num_steps:
-                del self.running[ident]
-                out[ident] = Delta(stop_reason="completed", value={"actions": self._postprocess(frame.x)})
-        return out
 
     @torch.inference_mode()
-    def step(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def step(self, payload: RobotFrame) -> dict[str, torch.Tensor]:
         """A whole frame alone: every step of one frame (the same math as per iteration)."""
         [frame] = self.encode([payload])
-        for _ in range(self.num_steps):
+        while not frame.done:
             self._advance([frame])
-        return {"actions": self._postprocess(frame.x)}
+        return {"actions": self._postprocess(frame.value)}
 
     def prefix_stats(self) -> dict[int, int]:
         """{frames in one VLM prefix pass: passes of that size} since this rank started (collective_rpc)."""
@@ -159,13 +153,13 @@ class LeRobotPolicy:
 
     # -- the math -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode(self, payloads: list[dict[str, Any]]) -> list[Running]:
+    def encode(self, payloads: list[RobotFrame]) -> list[Expert]:
         """Frames ready for their first step, their prefixes from ONE VLM pass (see `_encode`)."""
         frames = [self._start(p) for p in payloads]
         self._encode(frames)
         return frames
 
-    def _encode(self, frames: list[Running]) -> None:
+    def _encode(self, frames: list[Expert]) -> None:
         """The frames' prefix caches: ONE pass of the VLM over all of them (or one pass per frame with
         batch_prefixes off); counted in `prefix_passes` by frames per pass."""
         groups = [frames] if self.batch_prefixes else [[f] for f in frames]
@@ -176,41 +170,42 @@ class LeRobotPolicy:
                 frame.prefix, frame.inputs = prefix, None
             self.prefix_passes[len(group)] += 1
 
-    def _start(self, payload: dict[str, Any]) -> Running:
+    def _start(self, payload: RobotFrame) -> Expert:
         """The frame at time 1, preprocessed as LeRobot does (its prefix not yet run): the state
         normalized and padded, the cameras resized to [-1, 1], the prompt tokenized; its noise (given,
-        or drawn from its seed) and its RTC guidance."""
+        or drawn from its seed) and its RTC guidance (in the model's normalized action space)."""
         dev = self.device
-        state = self.norm.apply(payload["state"].to(dev), self.state_key, "STATE")
+        state = self.norm.apply(payload.state.to(dev), self.state_key, "STATE")
         state = pad_vector(state, self.max_state)
         images = []
         for key in self.cameras:
-            img = payload["images"][key].to(dev)[None]
+            img = payload.images[key].to(dev)[None]
             if self.kind == "smolvla" and self.resize:
                 img = resize_with_pad(img, *self.resize, pad_value=0)
             elif self.resize:
                 img = resize_with_pad_centered(img, *self.resize)
             images.append(img[0] * 2.0 - 1.0)
         if self.kind == "pi05":
-            tokens = self.tokenizer(self.net.state_prompt(payload["task"], state), newline=False)
+            tokens = self.tokenizer(self.net.state_prompt(payload.task, state), newline=False)
         else:
-            tokens = self.tokenizer(payload["task"])
-        noise = payload.get("noise")
+            tokens = self.tokenizer(payload.task)
+        noise = payload.noise
         if noise is None:
-            gen = torch.Generator(device="cpu").manual_seed(int(payload["noise_seed"]))
+            gen = torch.Generator(device="cpu").manual_seed(payload.noise_seed)
             noise = torch.randn(self.chunk, self.max_action, generator=gen)
-        frame = Running(None, noise.to(dev, torch.float32).clone(), payload, (images, tokens.to(dev)), state=state)
-        prev = payload.get("prev_actions")
-        if prev is not None:
-            model_space = self.norm.apply(prev.to(dev), self.action_key, "ACTION")
-            frame.guidance = Guidance.build(self.rtc, model_space, int(payload["inference_delay"]),
-                                            payload.get("execution_horizon"), self.chunk, self.max_action)
-        return frame
+        guidance = None
+        if payload.prev_actions is not None:
+            model_space = self.norm.apply(payload.prev_actions.to(dev), self.action_key, "ACTION")
+            guidance = Guidance.build(self.rtc, model_space, payload.inference_delay, payload.execution_horizon,
+                                      self.chunk, self.max_action, dev)
+        return Expert(value=noise.to(dev, torch.float32).clone(), steps=self.num_steps, frame=payload,
+                      inputs=(images, tokens.to(dev)), guidance=guidance, state=state)
 
-    def _advance(self, frames: list[Running]) -> None:
+    def _advance(self, frames: list[Expert]) -> None:
+        """ONE Euler step of every frame, LeRobot's time running from 1 (noise) to 0 (actions); RTC per frame."""
         dt = -1.0 / self.num_steps
-        times = [1.0 + f.j * dt for f in frames]
-        x = torch.stack([f.x for f in frames])
+        times = [1.0 + f.index * dt for f in frames]
+        x = torch.stack([f.value for f in frames])
         key = tuple(id(f.prefix) for f in frames)
         if self._stacked is None or self._stacked[0] != key:  # the batch changed: stack its prefixes anew
             self._stacked = (key, StackedPrefixes([f.prefix for f in frames]))
@@ -219,10 +214,9 @@ class LeRobotPolicy:
                               torch.stack([f.state for f in frames]))
         for row, frame in enumerate(frames):
             vi = v[row]
-            if frame.guidance is not None:
-                vi = frame.guidance.correct(frame.x, vi, times[row])
-            frame.x = frame.x + dt * vi
-            frame.j += 1
+            if frame.guidance is not None:  # rtc.py's velocity points toward the actions: LeRobot's is -it
+                vi = -frame.guidance.velocity(frame.value, -vi, times[row])
+            frame.took(frame.value + dt * vi)
 
     def _postprocess(self, x: torch.Tensor) -> torch.Tensor:
         actions = x[:, :self.action_dim]

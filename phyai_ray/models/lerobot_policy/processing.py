@@ -6,8 +6,8 @@
     image = resize_with_pad(image, 512, 512)  # bilinear, aspect kept, padded on the left and top
     tokens = PromptTokenizer(folder.backbone, max_length=48)("pick up the cube")  # "\\n" appended first
 
-Images: a float tensor is LeRobot's CHW in [0, 1]; a uint8 array is a camera's HWC (openpi) and is
-scaled by 1/255 and moved to CHW first. SigLIP then sees image * 2 - 1.
+Images arrive as float CHW in [0, 1] (a uint8 HWC camera frame, openpi's, is scaled and moved to CHW
+when the frame is parsed: phyai_ray/stepwise/fields.py). SigLIP then sees image * 2 - 1.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -52,33 +51,6 @@ class Normalizer:
         if inverse:
             return (x + 1.0) * denom / 2.0 + s[low]
         return 2.0 * (x - s[low]) / denom - 1.0
-
-
-def as_image(value: Any, key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A camera frame as float CHW in [0, 1]: float CHW as given, uint8 HWC scaled and transposed."""
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if not isinstance(value, torch.Tensor):
-        try:
-            value = torch.as_tensor(np.asarray(value))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"'{key}' must be an image array, got {type(value).__name__}") from exc
-    if value.dim() != 3:
-        raise ValueError(f"'{key}' must be an image with 3 dimensions (float CHW in [0, 1] or uint8 HWC), "
-                         f"got shape {list(value.shape)}")
-    if value.dtype == torch.uint8:
-        if value.shape[-1] != 3:
-            raise ValueError(f"'{key}': a uint8 image is HWC with 3 channels, got shape {list(value.shape)}")
-        value = value.permute(2, 0, 1).to(torch.float32) / 255.0
-    elif value.is_floating_point():
-        if value.shape[0] != 3:
-            raise ValueError(f"'{key}': a float image is CHW with 3 channels in [0, 1], got shape {list(value.shape)}")
-        value = value.to(torch.float32)
-    else:
-        raise ValueError(f"'{key}' must be uint8 HWC or float CHW, got {value.dtype}")
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"'{key}' holds NaN or infinite values")
-    return value
 
 
 def resize_with_pad(img: torch.Tensor, width: int, height: int, pad_value: float = 0.0) -> torch.Tensor:

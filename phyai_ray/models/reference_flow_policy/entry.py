@@ -5,7 +5,7 @@
 
 One observation `{"state": float32 [state_dim], "step": int, "noise_seed": int, "prev_actions":
 float32 [k, action_dim], "inference_delay": d, "execution_horizon": s}` (all but `state` optional;
-see config.py) -> `{"actions": float32 [horizon, action_dim]}`. Each frame is one sequence of the
+the robot frame format of phyai_ray/stepwise/frames.py) -> `{"actions": float32 [horizon, action_dim]}`. Each frame is one sequence of the
 iteration protocol and takes one denoising step per iteration, so robots share every step
 (`per_step=False` runs whole frames as batched steps instead). Its metadata frame (openpi's
 protocol) names the sizes and the number of steps.
@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from phyai_ray.errors import RequestAbortedError
-from phyai_ray.models.reference_flow_policy.config import FlowPolicyConfig, Frame
+from phyai_ray.models.reference_flow_policy.config import FlowPolicyConfig, frame_layout
 from phyai_ray.models.reference_flow_policy.model import ReferenceFlowPolicy
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
 from phyai_ray.plugins.signature import TensorSpec
+from phyai_ray.stepwise.frames import RobotFrame, parse_frame
 
 
 @register_plugin
@@ -35,10 +36,11 @@ class ReferenceFlowPolicyEntry(Entry):
     outputs = (TensorSpec("actions", "FP32", (-1, -1)),)
 
     def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
-        self.config = FlowPolicyConfig.from_args(plugin_args)
+        self.configure(plugin_args)
 
-    def configure(self, plugin_args: dict[str, Any]) -> None:
+    def configure(self, plugin_args: dict[str, Any] | None) -> None:
         self.config = FlowPolicyConfig.from_args(plugin_args)
+        self.layout = frame_layout(self.config)
 
     @property
     def iterative(self) -> bool:
@@ -51,12 +53,12 @@ class ReferenceFlowPolicyEntry(Entry):
             raise ParallelConfigError(f"reference_flow_policy denoises whole frames; dense dp_size="
                                       f"{parallel.dense.dp_size} would split one; use dense tp_size")
 
-    def validate_request(self, request: Any) -> None:
-        Frame.parse(request, self.config)
+    def validate_request(self, request: Any) -> RobotFrame:
+        return parse_frame(request, self.layout)
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per frame (one slot, one row per denoising step)."""
-        return [SequenceSpec(payload=Frame.parse(request, self.config).to_payload(), cost=1,
+        return [SequenceSpec(payload=parse_frame(request, self.layout), cost=1,
                              steps=self.config.num_steps)]
 
     def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:

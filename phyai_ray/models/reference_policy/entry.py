@@ -4,6 +4,7 @@
     python examples/robot_client.py --url ws://127.0.0.1:8000/v1/openpi --steps 200
 
 One observation `{"state": float32 [state_dim], "step": int (optional), "prompt": str (optional)}`
+(the robot frame format of phyai_ray/stepwise/frames.py, without noise or RTC fields)
 -> `{"actions": float32 [horizon, action_dim]}`, deterministic from plugin_args["seed"]. Its
 metadata frame (openpi's protocol) names the sizes, so a client knows the action chunk it gets.
 """
@@ -12,13 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from phyai_ray.models.reference_policy.model import PolicyConfig, ReferencePolicy
+from phyai_ray.models.reference_policy.model import PolicyConfig, ReferencePolicy, frame_layout
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.registry import register_plugin
 from phyai_ray.plugins.signature import TensorSpec
-from phyai_ray.policy.frames import check_observation
-
-OBSERVATION_KEYS = frozenset({"state", "step", "prompt"})
+from phyai_ray.stepwise.frames import RobotFrame, parse_frame
 
 
 @register_plugin
@@ -44,8 +43,8 @@ class ReferencePolicyEntry(Entry):
             raise ParallelConfigError(f"reference_policy acts on one observation at a time; dense dp_size="
                                       f"{parallel.dense.dp_size} would split a batch of 1; use dense tp_size")
 
-    def validate_request(self, request: Any) -> None:
-        check_observation(request, self.config.state_dim, OBSERVATION_KEYS)
+    def validate_request(self, request: Any) -> RobotFrame:
+        return parse_frame(request, frame_layout(self.config))
 
     def policy_metadata(self) -> dict[str, Any]:
         c = self.config

@@ -18,8 +18,8 @@ import torch
 
 from phyai_ray.nn.layers import mlp_blocks, norm
 from phyai_ray.nn.weights import seeded_draw
-from phyai_ray.policy.config import PolicyConfig
-from phyai_ray.policy.frames import StepsInBatches
+from phyai_ray.stepwise.frames import FrameLayout, openpi_aliases, parse_frame
+from phyai_ray.stepwise.policy import PolicyConfig, StepsInBatches
 
 
 def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
@@ -32,6 +32,12 @@ def _weights(cfg: PolicyConfig) -> dict[str, torch.Tensor]:
     return w
 
 
+def frame_layout(cfg: PolicyConfig) -> FrameLayout:
+    """Its frames: `state` (openpi's "observation/state"), `step`, `task` / `prompt`; no noise, no RTC."""
+    return FrameLayout(state_dim=cfg.state_dim, action_dim=cfg.action_dim, chunk=cfg.horizon, denoised=False,
+                       aliases=openpi_aliases([], "state"))
+
+
 class ReferencePolicy(StepsInBatches):
     """One rank of the policy: every rank runs the same frames; dense_tp splits each MLP."""
 
@@ -42,13 +48,16 @@ class ReferencePolicy(StepsInBatches):
         w, to = _weights(cfg), {"device": ctx.device, "dtype": torch.float32}
         self.embed, self.head, self.offset = (w[k].to(**to) for k in ("embed", "head", "offset"))
         self.blocks = mlp_blocks(w, cfg.blocks, ctx, to)
+        self.layout = frame_layout(cfg)
 
     @torch.inference_mode()
     def step_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]] | None:
-        """Several robots' frames as ONE forward (a row each); one {"actions": ...} per frame, in order."""
+        """Several robots' frames (checked, or raw dicts: parsed here) as ONE forward (a row each); one
+        {"actions": ...} per frame, in order."""
         device = self.embed.device
-        states = torch.stack([torch.as_tensor(r["state"], dtype=torch.float32).reshape(-1) for r in requests])
-        shift = torch.tensor([math.sin(int(r.get("step", 0)) / 10) for r in requests], dtype=torch.float32)
+        frames = [parse_frame(r, self.layout) for r in requests]
+        states = torch.stack([f.state for f in frames])
+        shift = torch.tensor([math.sin(f.step / 10) for f in frames], dtype=torch.float32)
         states = states.to(device) + shift.to(device)[:, None] * self.offset
         x = (states @ self.embed.T).unsqueeze(1)  # [frames, 1, dim]
         for block in self.blocks:
