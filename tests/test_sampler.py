@@ -15,7 +15,7 @@ import torch
 
 from phyai_ray.llm import sampler
 from phyai_ray.llm.sampler import alternatives, draw, filtered_weights, kept_mass, sample, uniform
-from phyai_ray.llm.slots import Running
+from phyai_ray.llm.sequence import Running
 
 VOCAB = 500
 MIXED = [dict(temperature=1.0, top_k=0, top_p=0.9), dict(temperature=0.0, top_k=0, top_p=1.0),

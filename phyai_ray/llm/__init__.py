@@ -1,14 +1,13 @@
 """The LLM runtime: what every token-generating plugin (`reference_lm`, `hf_causal_lm`) runs on.
 
-    slots.py      running sequences, one KV-cache row each, packed
+    sequence.py   one generating sequence: sampling knobs, seeded generator, output, what it feeds next
     sampler.py    per-sequence sampling on the logits' device (no sort, one copy to the host)
-    decoder.py    SlotDecoder: the iteration protocol and whole-request generation over `Slots`
-    blocks.py     a paged KV cache: the block pool, reference counts, automatic prefix caching
+    blocks.py     the KV cache: a pool of blocks, reference counts, automatic prefix caching
     paged.py      sequences over the block pool: waiting, preemption, chunked prefill (decodes first)
     ragged.py     one iteration's tokens unpadded, attention through the block tables
-    paged_decoder.py  PagedDecoder: the iteration protocol over the paged cache (hf_causal_lm)
+    paged_decoder.py  PagedDecoder: the one decoder loop, for the iteration protocol and whole requests
     sampling.py   Sampling, the request knobs every token plugin shares, and per-prompt seeds
-    topology.py   what a slot decoder asks of a topology (decoder_rules) and one refusal (refuse)
+    topology.py   what a decoder asks of a topology (decoder_rules) and one refusal (refuse)
     tokenizer.py  a checkpoint's tokenizer and chat template (tokenizers + jinja2), incremental text
     detok.py      incremental detokenization: a few tokens decoded per push (prefix / read offsets)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phyai_ray.llm.blocks import BlockPool, blocks_for, chain_hash
-from phyai_ray.llm.slots import Running
+from phyai_ray.llm.sequence import Running
 from phyai_ray.plugins.iteration import Delta
 
 
@@ -93,6 +93,12 @@ class PagedSequences:
     def __bool__(self) -> bool:
         return bool(self.by_id)
 
+    def beside(self) -> "PagedSequences":
+        """Sequences of their own on the SAME pool (a whole request's, `PagedDecoder.generate`): they
+        take its free blocks and share its cached prefixes, and never preempt these."""
+        return PagedSequences(self.pool, max_seq=self.max_seq, vocab=self.vocab, token_budget=self.budget,
+                              stop_scan=self.stop_scan)
+
     def admit(self, seq_id: int, payload: dict[str, Any]) -> PagedSeq:
         seq = PagedSeq.admitted(seq_id, payload, max_seq=self.max_seq, vocab=self.vocab, running=self.by_id,
                                 stop_scan=self.stop_scan)
@@ -116,10 +122,11 @@ class PagedSequences:
         elif seq is not None:
             seq.restart()
 
-    def evict_all(self) -> None:
-        """Every running sequence back to waiting (its blocks freed, its history recomputed later): a sleep."""
+    def evict_all(self, count: bool = False) -> None:
+        """Every running sequence back to waiting (its blocks freed, its history recomputed later): a
+        sleep, or (`count`: reported as preemptions) a whole request that needs the blocks."""
         for seq in list(self.running):
-            self._preempt(seq, count=False)
+            self._preempt(seq, count=count)
 
     # -- one iteration ---------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:

@@ -1,17 +1,29 @@
-"""`PagedDecoder`: the iteration protocol of a decoder over the paged KV cache (`paged.PagedSequences`).
+"""`PagedDecoder`: the one decoder of the LLM runtime, over the one KV cache (a `BlockPool`).
 
-A per-rank decoder mixes it in before `SlotDecoder` (whose `step` / `stream` of whole requests
-stay on `Slots`) and supplies two things:
+A per-rank decoder (`reference_lm`, `hf_causal_lm`) subclasses it and supplies three things:
 
-    self.paged                     the `PagedSequences` over its `BlockPool` (built at load)
+    self.paged                     the protocol's `PagedSequences` over its `BlockPool` (built at load)
+    parse(request)                 -> a request with `prompts`, `max_tokens` and `payloads()` (one per prompt)
     logits(batch, pool)            -> [R, vocab] at `batch.last` (one forward of a `RaggedBatch`)
 
-    iterate():  chunks = paged.schedule()             decodes first, then prompt chunks, then starts
-                batch = RaggedBatch.build(chunks)     the new tokens, unpadded
-                logits -> sample -> paged.finish()    one Delta per scheduled sequence
+Every generation runs through one loop, `run(seqs)`:
+
+    chunks = seqs.schedule()              decodes first, then prompt chunks, then starts
+    batch = RaggedBatch.build(chunks)     the new tokens, unpadded
+    logits -> sample -> seqs.finish()     one Delta per sequence; ended ones free their blocks
+
+The iteration protocol (`admit` / `drop` / `recompute` / `iterate`) runs it over `self.paged`, the
+replica's sequences. A whole request (`step` / `stream`) runs it over sequences of its own on the
+SAME pool (`PagedSequences.beside`): its prompts are admitted, iterated until they end, and their
+blocks freed. They never preempt the protocol's sequences, except when the free blocks cannot hold
+one token of the request: then the protocol's running sequences give their blocks back (they
+recompute their history at their next iteration, their tokens unchanged). Every prompt of a
+checked request fits the pool alone (`PagedSequences` refuses a pool smaller than `max_seq`).
 
 A sequence that waits for blocks, or whose prompt is part way through, gets an empty Delta.
 A forward that raises forgets every cached prefix (its blocks were named before they were written).
+After the reductions every rank holds the same logits, so every rank samples the same token from
+the same seeded generator.
 """
 
 from __future__ import annotations
@@ -20,21 +32,28 @@ from typing import Any
 
 import torch
 
+from phyai_ray.llm.blocks import BlockPool
 from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.ragged import RaggedBatch
 from phyai_ray.llm.sampler import draw
+from phyai_ray.outputs import TokenOutput, token_chunk
 from phyai_ray.plugins.iteration import Delta
 
 
 class PagedDecoder:
-    """admit / drop / recompute / iterate / reset_cache over `self.paged` (see the module docstring)."""
+    """The iteration protocol, `step` / `stream` of whole requests, and the cache's sleep and reset."""
 
     ctx: Any
     paged: PagedSequences
+    weight_version: Any = None  # set by the engine after every weight update
 
-    def logits(self, batch: Any, cache: Any) -> torch.Tensor:
+    def parse(self, request: Any) -> Any:
         raise NotImplementedError
 
+    def logits(self, batch: RaggedBatch, pool: BlockPool) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- the iteration protocol ------------------------------------------------------------------
     @torch.inference_mode()
     def admit(self, seq_id: int, payload: dict[str, Any]) -> None:
         """A new sequence; it starts (its prompt in chunks) once blocks for its first chunk are free."""
@@ -54,22 +73,76 @@ class PagedDecoder:
     @torch.inference_mode()
     def iterate(self) -> dict[int, Delta]:
         """One forward of this iteration's chunks: {seq_id: Delta} for every sequence it holds."""
-        paged = self.paged
-        paged.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
-        chunks = paged.schedule()
-        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in paged.by_id.values()}  # none preempted in chunks
-        if not chunks:
-            return deltas
+        return self.run(self.paged)[0]
+
+    # -- whole requests --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, request: Any) -> list[TokenOutput] | None:
+        outputs = self.generate(self.parse(request))
+        return outputs if self.ctx.is_output_rank else None
+
+    @torch.inference_mode()
+    def stream(self, request: Any, emit: Any) -> list[TokenOutput]:
+        """Like step, emitting {"index": t, "token_ids": [...], "log_probs": [...]} per iteration that
+        gave a token (None for prompts without one); stops on every rank when `emit` returns False."""
+        return self.generate(self.parse(request), emit)
+
+    def generate(self, req: Any, emit: Any = None) -> list[TokenOutput]:
+        """Every prompt as a sequence beside the protocol's, on the same pool, iterated to the end."""
+        own = self.paged.beside()
+        seqs = [own.admit(i, payload) for i, payload in enumerate(req.payloads())]
+        preempted, index = [0] * len(seqs), 0
         try:
-            logits = self.logits(RaggedBatch.build(chunks, paged.pool.block_size, self.ctx.device), paged.pool)
-        except BaseException:
-            paged.pool.reset()  # blocks named for this iteration hold no valid keys: never find them
-            raise
-        seqs = [c.seq for c in chunks if c.samples]
-        chosen, log_probs, tops = draw(logits, seqs) if seqs else ([], [], None)  # one copy to the host
-        deltas.update(paged.finish(chunks, chosen, log_probs, tops))
+            while own:
+                deltas = self._advance(own)
+                for i, d in deltas.items():
+                    preempted[i] += d.preempted
+                if not any(d.token_ids for d in deltas.values()):
+                    continue
+                if emit is not None and emit(token_chunk(index, [deltas.get(i) for i in range(len(seqs))])) is False:
+                    break
+                index += 1
+        finally:
+            for seq in seqs:  # aborted or failed: its blocks go back to the pool
+                own.drop(seq.seq_id)
+        return [TokenOutput(s.tokens, s.log_probs, stop_reason=s.stop_reason or "aborted", num_preempted=n,
+                            weight_version=self.weight_version, top_logprobs=s.tops) for s, n in zip(seqs, preempted)]
+
+    def _advance(self, own: PagedSequences) -> dict[int, Delta]:
+        """One iteration of a whole request's sequences; when the free blocks hold none of them, the
+        protocol's running sequences give theirs back first (module docstring)."""
+        first, ran = self.run(own)
+        if ran or not own:
+            return first
+        self.paged.evict_all(count=True)
+        deltas, ran = self.run(own)
+        if not ran and own:
+            raise RuntimeError(f"the KV cache's {own.pool.free_count} free block(s) of {own.pool.num_blocks} "
+                               f"hold no token of the request's {len(own.waiting)} waiting sequence(s)")
+        for seq_id, d in first.items():
+            deltas[seq_id].preempted += d.preempted
         return deltas
 
+    # -- the one loop ----------------------------------------------------------------------------
+    def run(self, seqs: PagedSequences) -> tuple[dict[int, Delta], bool]:
+        """One forward of `seqs`' scheduled chunks: ({seq_id: Delta} for every sequence it holds,
+        whether any chunk ran)."""
+        seqs.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
+        chunks = seqs.schedule()
+        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in seqs.by_id.values()}  # none preempted in chunks
+        if not chunks:
+            return deltas, False
+        try:
+            logits = self.logits(RaggedBatch.build(chunks, seqs.pool.block_size, self.ctx.device), seqs.pool)
+        except BaseException:
+            seqs.pool.reset()  # blocks named for this iteration hold no valid keys: never find them
+            raise
+        sampling = [c.seq for c in chunks if c.samples]
+        chosen, log_probs, tops = draw(logits, sampling) if sampling else ([], [], None)  # one copy to the host
+        deltas.update(seqs.finish(chunks, chosen, log_probs, tops))
+        return deltas, True
+
+    # -- the cache -------------------------------------------------------------------------------
     def release_cache(self) -> None:
         """Free the KV blocks' memory (sleep): running sequences wait again, to recompute their history."""
         self.paged.evict_all()
@@ -90,4 +163,3 @@ class PagedDecoder:
         return {**self.paged.pool.stats(), "preemptions": self.paged.preemptions,
                 "waits": self.paged.waits,
                 "waiting": len(self.paged.waiting), "running": len(self.paged.running)}
-

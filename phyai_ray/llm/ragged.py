@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.llm.paged import Chunk
-from phyai_ray.llm.slots import _tensor
+from phyai_ray.llm.sequence import tensor_of as _tensor
 
 
 @dataclass(frozen=True)

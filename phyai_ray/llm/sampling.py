@@ -4,7 +4,7 @@
         prompts: list[list[int]]
     req.shared_payload(stop) | {"prompt": p, "seed": sequence_seed(req.seed, i)}   # one sequence each
 
-A sequence payload is what `phyai_ray.llm.slots.Slots.admit` takes; `sequence_seed` gives each
+A sequence payload is what `phyai_ray.llm.paged.PagedSequences.admit` takes; `sequence_seed` gives each
 prompt of a request its own seed, so n copies of one prompt sample differently but reproducibly.
 
 `seed` unset (None) means a fresh random seed, as vLLM and SGLang draw one: the dispatcher fixes it
@@ -42,7 +42,7 @@ class Sampling(BaseModel):
         return self if self.seed is not None else self.model_copy(update={"seed": fresh_seed()})
 
     def shared_payload(self, stop: list[int]) -> dict[str, Any]:
-        """The part of every sequence's payload (`Slots.admit`) that is the same for all prompts of a request."""
+        """The part of every sequence payload (`PagedSequences.admit`) shared by all prompts of a request."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "stop_token_ids": stop, "top_logprobs": self.top_logprobs}
 

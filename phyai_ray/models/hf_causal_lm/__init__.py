@@ -2,11 +2,11 @@
 
     checkpoint.py  config.json -> the decoder's shape (unsupported fields refused); safetensors slices
     shards.py      which slice of every tensor a rank keeps (tensor parallel over the named groups)
-    model.py       the per-rank decoder on the slot KV cache of `phyai_ray.llm` (the iteration protocol)
+    model.py       the per-rank decoder on the paged KV cache of `phyai_ray.llm` (the iteration protocol)
     request.py     requests: token ids or text, sampling knobs, ignore_eos
     entry.py       the plugin entry (dispatcher side)
 
-The tokenizer and chat template, slots, sampling and the decoder loop are the LLM runtime's
+The tokenizer and chat template, KV blocks, sampling and the decoder loop are the LLM runtime's
 (`phyai_ray.llm`), shared with `reference_lm` and the OpenAI edge.
 
 Run: phyai-ray serve hf_causal_lm --plugin-args '{"model": "/path/to/folder"}'

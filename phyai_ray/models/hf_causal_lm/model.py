@@ -9,9 +9,9 @@ RMSNorm, rotary embeddings (`checkpoint.Rope`), grouped-query attention, SwiGLU;
 biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head. Grouped-query attention reads the
 cache once per key/value head: the G = heads / kv_heads queries that share it are stacked, so the
 cache holds kv heads only. Every rank reads only its slices from the safetensors files (`shards`).
-The iteration protocol runs on the paged KV cache (`phyai_ray.llm.paged_decoder`: a block pool
-sized at load, waiting and preemption, chunked prefill, prefix caching, ragged attention);
-whole requests (`step` / `stream`) on `SlotDecoder`'s private slots. One forward serves both.
+Every generation runs on the paged KV cache (`phyai_ray.llm.paged_decoder`: a block pool sized
+at load, waiting and preemption, chunked prefill, prefix caching, ragged attention): the iteration
+protocol's sequences and a whole request's (`step` / `stream`) alike, through one forward.
 """
 
 from __future__ import annotations
@@ -29,17 +29,14 @@ from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.llm.tokenizer import TextCodec
 from phyai_ray.llm.blocks import BlockPool, block_bytes, blocks_for
-from phyai_ray.llm.decoder import SlotDecoder
 from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.paged_decoder import PagedDecoder
 from phyai_ray.llm.ragged import RaggedBatch
-from phyai_ray.llm.slots import Batch, Slots
 from phyai_ray.llm.stops import StopScan
 from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-MASKED = -1e30  # a finite fill: every query sees key 0, so no row is all fill, and exp() of it is exactly 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +53,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
-class HFCausalLM(PagedDecoder, SlotDecoder):
+class HFCausalLM(PagedDecoder):
     """`hf_causal_lm` on one rank: the iteration protocol, `step` / `stream`, and weight updates by name."""
 
     def __init__(self, cfg: HFCausalLMConfig, ctx: Any) -> None:
@@ -178,7 +175,7 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
         if self.arch.tied:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
 
-    # -- SlotDecoder -------------------------------------------------------------------------------
+    # -- whole requests (PagedDecoder.step / stream) --------------------------------------------------
     def parse(self, request: Any) -> Parsed:
         if isinstance(request, Parsed):  # the entry's validator parsed it already
             return request
@@ -187,19 +184,14 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
             self._text_codec()
         return TextRequest.parse(request, self.arch.vocab, self.max_len, self.arch.eos_ids, self.codec)
 
-    def new_slots(self, rows: int, max_seq: int) -> Slots:
-        return Slots(layers=self.arch.layers, heads=self.plan.local_kv_heads, head_dim=self.arch.head_dim,
-                     max_seq=max_seq, vocab=self.arch.vocab, to={"device": self.ctx.device, "dtype": self.dtype},
-                     rows=rows, stop_scan=lambda stops: StopScan(self._text_codec(), stops))
-
     def _text_codec(self) -> TextCodec:
         """The checkpoint's tokenizer, loaded on this rank at the first request that needs text."""
         if self.codec is None:
             self.codec = TextCodec.open(self.cfg.model)
         return self.codec
 
-    def logits(self, batch: Batch | RaggedBatch, cache: Slots | BlockPool) -> torch.Tensor:
-        """Logits [R, vocab] (float32) at `batch.last`: each row's (slots) or sampling chunk's (paged) last token."""
+    def logits(self, batch: RaggedBatch, cache: BlockPool) -> torch.Tensor:
+        """Logits [R, vocab] (float32) at `batch.last`: the last token of each chunk that samples."""
         a = self.arch
         x = self._embed(batch.tokens)
         angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -229,7 +221,7 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
         return F.linear(x, self.w[name + ".weight"], bias)
 
     def _attention(self, h: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: tuple[torch.Tensor, torch.Tensor], batch: Batch | RaggedBatch) -> torch.Tensor:
+                   cache: tuple[torch.Tensor, torch.Tensor], batch: RaggedBatch) -> torch.Tensor:
         a, heads, kv = self.arch, self.plan.local_heads, self.plan.local_kv_heads
         q = self._linear(h, p + "self_attn.q_proj").view(-1, heads, a.head_dim)
         k = self._linear(h, p + "self_attn.k_proj").view(-1, kv, a.head_dim)
@@ -238,29 +230,11 @@ class HFCausalLM(PagedDecoder, SlotDecoder):
             q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
             k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if isinstance(batch, RaggedBatch):
-            batch.write(*cache, k, v)
-            attended = batch.attend(q, *cache).view(q.shape[0], -1)
-        else:
-            attended = self._slot_attention(q, k, v, cache, batch)
+        batch.write(*cache, k, v)
+        attended = batch.attend(q, *cache).view(q.shape[0], -1)
         attended = P.all_reduce(F.linear(attended, self.w[p + "self_attn.o_proj.weight"]), "attention_tp")
         bias = self.w.get(p + "self_attn.o_proj.bias")
         return attended if bias is None else attended + bias
-
-    def _slot_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        cache: tuple[torch.Tensor, torch.Tensor], batch: Batch) -> torch.Tensor:
-        """The whole-request path: attention over `Slots` rows padded to the longest new-token run."""
-        a, heads, kv = self.arch, self.plan.local_heads, self.plan.local_kv_heads
-        keys, values = cache
-        keys[batch.rows, :, batch.positions] = k
-        values[batch.rows, :, batch.positions] = v
-        keys, values = keys[: batch.size, :, : batch.length], values[: batch.size, :, : batch.length]
-        group = heads // kv  # queries per kv head, stacked: [B, kv, group * S, d]
-        queries = batch.padded(q).reshape(batch.size, kv, group * batch.width, a.head_dim)
-        scores = (queries @ keys.transpose(-1, -2)).float() * a.head_dim ** -0.5
-        scores = scores.masked_fill(batch.hidden.repeat(1, 1, group, 1), MASKED)
-        out = (scores.softmax(-1).to(values.dtype) @ values).view(batch.size, heads, batch.width, a.head_dim)
-        return batch.unpadded(out)
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         hidden = F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj")

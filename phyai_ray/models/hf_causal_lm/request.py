@@ -72,7 +72,7 @@ class TextRequest(Sampling):
 
 
 class Parsed:
-    """A checked request with its prompts as ids: what `SlotDecoder.generate` and the entry use."""
+    """A checked request with its prompts as ids: what `PagedDecoder.generate` and the entry use."""
 
     def __init__(self, request: TextRequest, prompts: list[list[int]], eos: tuple[int, ...]) -> None:
         self.request, self.prompts, self.eos = request, prompts, eos
@@ -88,7 +88,7 @@ class Parsed:
         return self if request is self.request else Parsed(request, self.prompts, self.eos)
 
     def payloads(self) -> list[dict[str, Any]]:
-        """One sequence payload per prompt (what `Slots.admit` takes), seeded by `sequence_seed`."""
+        """One sequence payload per prompt (what `PagedSequences.admit` takes), seeded by `sequence_seed`."""
         r = self.request
         shared = r.shared_payload(sorted(set(r.stop_token_ids) | set(self.eos)))
         if r.stop:

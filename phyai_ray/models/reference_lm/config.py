@@ -1,6 +1,7 @@
 """Plugin arguments and requests of `reference_lm`.
 
-    plugin_args  {"seed": 0, "dim": 64, "heads": 4, "layers": 2, "vocab": 128, "max_seq": 256}
+    plugin_args  {"seed": 0, "dim": 64, "heads": 4, "layers": 2, "vocab": 128, "max_seq": 256,
+                  "kv_cache_blocks": 1024}
     request      {"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 16, "temperature": 0.0, "top_k": 0,
                   "top_p": 1.0, "seed": 0, "stop_token_ids": [0]}
 
@@ -16,9 +17,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from phyai_ray.llm.blocks import blocks_for
 from phyai_ray.llm.sampling import Sampling, sequence_seed
 from phyai_ray.llm.topology import decoder_rules, refuse
 from phyai_ray.nn.shape import TransformerShape
+
+KV_BLOCK_SIZE = 16  # tokens per KV block
+KV_SEQUENCES = 64  # the default KV cache holds this many sequences of max_seq
 
 
 class ReferenceLMConfig(BaseModel):
@@ -33,12 +38,23 @@ class ReferenceLMConfig(BaseModel):
     mlp_ratio: int = Field(4, ge=1, le=64, description="MLP hidden size = mlp_ratio * dim.")
     vocab: int = Field(128, ge=2, le=1 << 20, description="Token vocabulary.")
     max_seq: int = Field(256, ge=2, le=1 << 16, description="Longest prompt + completion.")
+    kv_cache_blocks: int | None = Field(None, ge=1, le=1 << 24, description="Blocks of the KV cache (16 tokens "
+                                        "each, never fewer than one max_seq sequence needs); default: room for 64 "
+                                        "sequences of max_seq. Sequences beyond it wait for blocks.")
 
     @model_validator(mode="after")
     def _check(self) -> "ReferenceLMConfig":
         if self.dim % self.heads:
             raise ValueError(f"dim={self.dim} does not split into heads={self.heads}; pick a multiple of heads")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < blocks_for(self.max_seq, KV_BLOCK_SIZE):
+            raise ValueError(f"kv_cache_blocks={self.kv_cache_blocks} holds fewer than one sequence of max_seq="
+                             f"{self.max_seq} needs ({blocks_for(self.max_seq, KV_BLOCK_SIZE)} blocks of "
+                             f"{KV_BLOCK_SIZE} tokens); raise it or lower max_seq")
         return self
+
+    def cache_blocks(self) -> int:
+        """Blocks of the KV cache: `kv_cache_blocks`, or room for KV_SEQUENCES sequences of max_seq."""
+        return self.kv_cache_blocks or KV_SEQUENCES * blocks_for(self.max_seq, KV_BLOCK_SIZE)
 
     @classmethod
     def from_args(cls, plugin_args: dict[str, Any] | None) -> "ReferenceLMConfig":
