@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     lines = []
     if opts.only in (None, "throughput"):
-        lines += part_throughput(folder, reference, params, [int(n) for n in opts.requests.split(",")], tokens)
+        lines += part_throughput(folder, reference, params, [int(n) for n in opts.requests.split(",")], opts.tokens)
     if opts.only in (None, "grpo"):
         lines += part_grpo(folder, reference)
     if opts.only in (None, "mixed"):
