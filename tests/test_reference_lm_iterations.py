@@ -213,6 +213,25 @@ def test_step_equals_the_protocol_path_of_the_same_request(model, sampling):
         assert stepped[0].token_ids != stepped[1].token_ids  # one seed, two prompts: two different draws
 
 
+def test_a_step_that_needs_the_blocks_the_protocol_holds_takes_them_and_both_equal_alone(model):
+    args = {"seed": 0, "kv_cache_blocks": 16}  # 16 blocks of 16 tokens: one sequence of max_seq=256
+    small = build_inline_runner(ReferenceLMEntry(args), args, ParallelConfig(), DeviceConfig(target="cpu")).model
+    traffic = seq(list(range(1, 41)), 20, seed=2, **SAMPLED)  # 3 blocks once running
+    request = {"prompts": [[(7 * i) % 128 for i in range(200)]], "max_tokens": 50}  # 250 tokens: all 16 blocks
+    stepped, preempted = [], []
+
+    def step(m):
+        stepped.append(m.step(request))
+        preempted.append(m.paged.preemptions)
+
+    beside = drive(small, {0: [(1, traffic)]}, before={2: step})
+    [[out]] = stepped
+    assert preempted == [1] and small.paged.pool.free_count == 16
+    assert out.token_ids == model.step(request)[0].token_ids and out.stop_reason == "length"
+    assert beside[1]["tokens"] == alone(model, traffic)["tokens"]
+    assert_scored(beside[1], traffic["prompt"])
+
+
 def test_bad_admissions_are_clear_errors(model):
     model.admit(1, seq([1, 2]))
     with pytest.raises(ValueError, match=r"sequence 1 is already running"):
