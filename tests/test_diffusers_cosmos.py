@@ -104,8 +104,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_one_request_equals_pipeline(family, pipe, mode):
     r = request(mode, seed=3)
     [job] = run(family, [r])
-    assert job.latents.shape == (1, dc.Z_DIM, 4, 4, 4)
-    assert_close(job.latents[0], reference(pipe, r))
+    assert job.value.shape == (1, dc.Z_DIM, 4, 4, 4)
+    assert_close(job.value[0], reference(pipe, r))
 
 
 def test_batched_per_step_with_different_step_counts(family, pipe):
@@ -117,8 +117,8 @@ def test_batched_per_step_with_different_step_counts(family, pipe):
     late = request("image", num_inference_steps=3, seed=15)
     jobs = run(family, requests, joins={2: [late]})
     for job, r in zip(jobs, requests + [late]):
-        assert job.i == r["num_inference_steps"]
-        assert_close(job.latents[0], reference(pipe, r))
+        assert job.index == r["num_inference_steps"]
+        assert_close(job.value[0], reference(pipe, r))
 
 
 def test_decoded_video_after_the_guardrail_equals_pipeline(family, pipe):

@@ -12,13 +12,13 @@ needs it:
               to num_frames (2 latent frames condition); the VAE encodes them (its mode, no noise
               drawn) -> cond_latent, normalised; latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from
               Generator("cpu").manual_seed(seed); cond_mask = 1 on the conditioning latent frames;
-              a deep copy of the scheduler with its timesteps set
+              its own scheduler copy with its timesteps set (stepwise's own_scheduler)
     step      per job: sigma = its scheduler's sigmas[i]; the timestep per latent frame is 1e-4 on
               conditioning frames and sigma elsewhere; the input is cond_latent on conditioning
               frames, latents elsewhere; ONE forward over the cond rows of every job and the uncond
               rows of the guided ones; on conditioning frames the velocity is replaced by
               latents0 - cond_latent; noise = c + g (c - u) (Cosmos' form, not u + g (c - u));
-              then the job's own scheduler.step
+              then the job's own scheduler step (stepwise's advance)
     decode    latents / latents_std + latents_mean -> VAE decode -> uint8 frames -> the guardrail's
               check_video_safety -> float [frames, H, W, 3] in [0, 1], as diffusers returns them
 
@@ -37,7 +37,6 @@ takes CFG over 2 ranks (`outer.cfg_size=2`) and runs whole on each rank otherwis
 
 from __future__ import annotations
 
-import copy
 import importlib
 import types
 from typing import Any
@@ -48,6 +47,7 @@ import torch
 from phyai_ray.errors import PhyAIError
 from phyai_ray.models.diffusers_pipeline.family import Family, Job
 from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
+from phyai_ray.stepwise.schedulers import advance, own_scheduler
 
 PIPELINE = "Cosmos2_5_PredictBasePipeline"
 GUARDRAIL = "cosmos_guardrail:CosmosSafetyChecker"
@@ -224,9 +224,8 @@ class CosmosFamily(Family):
         latents = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(r["seed"]),
                                device=torch.device(self.device), dtype=torch.float32)
         cond.update(self._masks(latents, cond_latent, frames_in))
-        scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(r["num_inference_steps"], device=self.device)
-        return Job(request=r, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps, cond=cond)
+        return Job(request=r, value=latents, cond=cond,
+                   **own_scheduler(self.scheduler, r["num_inference_steps"], self.device))
 
     def _embed(self, text: str, length: int) -> torch.Tensor:
         """[1, length, layers x hidden] exactly as Cosmos2_5_PredictBasePipeline._get_prompt_embeds."""
@@ -293,18 +292,19 @@ class CosmosFamily(Family):
         inputs, times = [], []
         for job in jobs:
             c = job.cond
-            sigma = job.scheduler.sigmas[job.i].to(device=self.device, dtype=torch.float32)
+            sigma = job.scheduler.sigmas[job.index].to(device=self.device, dtype=torch.float32)
             times.append(c["indicator"] * CONDITIONING_TIMESTEP + (1 - c["indicator"]) * sigma.view(1, 1, 1, 1, 1))
-            inputs.append((c["mask"] * c["cond_latent"] + (1 - c["mask"]) * job.latents).to(self.model_dtype))
+            inputs.append((c["mask"] * c["cond_latent"] + (1 - c["mask"]) * job.value).to(self.model_dtype))
         cond, uncond = self._predict(torch.cat(inputs), torch.cat(times), jobs)
+        predictions: dict[int, torch.Tensor] = {}
         for k, job in enumerate(jobs):
             c = job.cond
             noise = c["velocity"] + cond[k:k + 1] * (1 - c["mask"])
             if c["guided"]:
                 negative = c["velocity"] + uncond[k:k + 1] * (1 - c["mask"])
                 noise = noise + job.request["guidance_scale"] * (noise - negative)
-            job.latents = job.scheduler.step(noise, job.timesteps[job.i], job.latents, return_dict=False)[0]
-            job.i += 1
+            predictions[id(job)] = noise
+        advance(jobs, predictions)  # each job's own scheduler step
 
     def _predict(self, x: torch.Tensor, t: torch.Tensor, jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor]:
         """(cond, uncond) velocity predictions [B, ...] (uncond rows of unguided jobs: zeros, unused)."""
@@ -334,7 +334,7 @@ class CosmosFamily(Family):
     @torch.no_grad()
     def decode(self, job: Job) -> torch.Tensor:
         """The job's video after the guardrail: float [frames, H, W, 3] in [0, 1], as the pipeline's "np"."""
-        latents = job.latents
+        latents = job.value
         mean, std = (x.to(latents.device, latents.dtype) for x in (self.latents_mean, self.latents_std))
         video = self.vae.decode((latents / std + mean).to(self.vae.dtype), return_dict=False)[0]
         frames = self.processor.postprocess_video(video, output_type="np")

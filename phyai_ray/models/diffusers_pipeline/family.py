@@ -3,24 +3,21 @@
 The per-rank model (`model.py`) owns the loop and knows nothing of any family:
 
     job = family.start(request)         admission: draw the latents as the diffusers pipeline does for
-                                        one prompt, a deep copy of the scheduler with its timesteps set
+                                        one prompt, its own scheduler copy with its timesteps set
                                         (a family may encode the prompt here, once)
     family.join(jobs)                   the jobs admitted since the last step, together: a family may
                                         encode their prompts in one call (Wan does); jobs with one
-                                        schedule and latent shape form a `Cohort` (below)
+                                        schedule and latent shape form a `Cohort`
     family.step(jobs)                   ONE denoising step of every job in `jobs` (they share a latent
                                         shape, `job.group`): the rows of every job stacked into one
                                         transformer forward per guidance branch (and expert), then
-                                        each job's own scheduler.step; advances job.i
+                                        each job's scheduler step; advances job.index
     family.decode(job)                  -> float video [frames, H, W, 3] in [0, 1] (the VAE), after the
                                         last step (`job.done`)
 
-A `Cohort` is what diffusers' own N-prompt call does with its one scheduler: jobs that joined together
-with the same step count and latent shape share ONE scheduler instance over their stacked rows, so each
-step is one `scheduler.step` for the cohort instead of one per job (8 UniPC steps cost 9 ms for one row
-and 11.5 ms for 8 rows on a 2-core CPU). The schedulers' math is row-wise, so a row equals what its
-own scheduler gives. A member that leaves early (dropped, restarted) takes its rows out of the shared
-state (`Cohort.remove`); the others go on.
+The step counting, each job's own scheduler copy (`own_scheduler`) and the cohorts that share one
+scheduler over their stacked rows (`Cohort`, `form_cohorts`, `advance`) are the stepwise room's
+(phyai_ray/stepwise/schedulers.py); a `Job` is a `ScheduledSequence` whose value is its latents.
 
 A family module (`wan.py`, `cosmos.py`) subclasses `Family` and is named in `folder.PIPELINES` by
 the pipeline class of the folder's model_index.json; `parallelize(ctx)` shards its transformers
@@ -37,96 +34,21 @@ from typing import Any
 
 import torch
 
+from phyai_ray.stepwise.schedulers import ScheduledSequence
 
-@dataclass(eq=False)  # a job is itself: compared (and found in lists) by identity, never by its tensors
-class Job:
-    """One request on its way through the step loop (every rank holds the same jobs)."""
+
+@dataclass(eq=False, kw_only=True)  # a job is itself: compared (and found in lists) by identity
+class Job(ScheduledSequence):
+    """One request on its way through the step loop (every rank holds the same jobs): its latents
+    [1, C, F, h, w] float32 are its `value`, as the pipeline keeps them."""
 
     request: Any  # the parsed request (request.py)
-    latents: torch.Tensor  # [1, C, F, h, w] float32, as the pipeline keeps them
-    scheduler: Any  # this job's own copy: schedulers keep per-instance state (step index, history)
-    timesteps: torch.Tensor  # the scheduler's timesteps for this job's step count
     cond: dict[str, Any] = field(default_factory=dict)  # family-specific conditioning (embeddings, ...)
-    i: int = 0  # steps taken
-    cohort: "Cohort | None" = None  # the jobs it shares a scheduler with (None: its own)
-
-    @property
-    def steps(self) -> int:
-        return len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        return self.i >= self.steps
 
     @property
     def group(self) -> tuple[int, ...]:
         """Jobs whose latents share this shape are stacked into one forward."""
-        return tuple(self.latents.shape)
-
-
-class Cohort:
-    """Jobs that share ONE scheduler over their stacked rows (see the module docstring)."""
-
-    def __init__(self, jobs: list[Job]) -> None:
-        self.jobs = list(jobs)
-        self.scheduler = jobs[0].scheduler
-        for job in jobs:
-            job.cohort, job.scheduler = self, self.scheduler
-
-    def remove(self, job: Job) -> None:
-        """`job` leaves before the others: its rows leave every per-row tensor of the shared state."""
-        k = self.jobs.index(job)
-        keep = torch.tensor([j for j in range(len(self.jobs)) if j != k])
-        rows, ndim = len(self.jobs), job.latents.ndim
-        for name, value in list(vars(self.scheduler).items()):
-            taken = _take_rows(value, keep, rows, ndim)
-            if taken is not value:
-                setattr(self.scheduler, name, taken)
-        del self.jobs[k]
-        job.cohort = None
-
-    def step(self, noise: dict[int, torch.Tensor]) -> None:
-        """One scheduler step of every member (`noise[id(job)]` its guided prediction, [1, ...])."""
-        jobs = self.jobs
-        latents = torch.cat([job.latents for job in jobs])
-        out = self.scheduler.step(torch.cat([noise[id(job)] for job in jobs]), jobs[0].timesteps[jobs[0].i],
-                                  latents, return_dict=False)[0]
-        for k, job in enumerate(jobs):
-            job.latents = out[k:k + 1]
-            job.i += 1
-
-
-def _take_rows(value: Any, keep: torch.Tensor, rows: int, ndim: int) -> Any:
-    """`value` with only the rows `keep` when it is per-row state (a latent-shaped tensor of `rows` rows,
-    or a list / tuple of such); anything else (the schedule's arrays, scalars) unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, keep.to(value.device)) if value.ndim == ndim and value.shape[0] == rows else value
-    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_take_rows(v, keep, rows, ndim) for v in value)
-    return value
-
-
-def form_cohorts(jobs: list[Job]) -> None:
-    """Jobs that joined together with one step count and latent shape become one cohort each."""
-    groups: dict[tuple, list[Job]] = {}
-    for job in jobs:
-        groups.setdefault((job.steps, tuple(job.latents.shape)), []).append(job)
-    for members in groups.values():
-        if len(members) > 1:
-            Cohort(members)
-
-
-def advance(jobs: list[Job], noise: dict[int, torch.Tensor]) -> None:
-    """The scheduler step of every job in `jobs` (`noise[id(job)]`: its guided prediction): a cohort's
-    members in one call, the others each on its own scheduler."""
-    stepped: set[int] = set()
-    for job in jobs:
-        if job.cohort is None:
-            job.latents = job.scheduler.step(noise[id(job)], job.timesteps[job.i], job.latents, return_dict=False)[0]
-            job.i += 1
-        elif id(job.cohort) not in stepped:
-            stepped.add(id(job.cohort))
-            job.cohort.step(noise)
+        return tuple(self.value.shape)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
     admit(seq, request)   family.start: the prompt encoded once, the latents drawn, a scheduler copy
     iterate()             ONE denoising step of every running request: the requests whose latents
                           share a shape go through family.step together (one forward per expert);
-                          a request whose last step this was leaves, decoded by the VAE, with its
-                          result in Delta.value and stop_reason "completed"
+                          each reports its progress {"step": i, "of": n}; a request whose last step
+                          this was leaves, decoded by the VAE, with its result in Delta.value and
+                          stop_reason "completed" (the running set: phyai_ray/stepwise/sequence.py)
     drop(seq)             forget it; recompute(seq): start it again from its noise (new weights)
 
 The components are diffusers' and transformers' own classes, loaded from the folder with
@@ -24,6 +25,8 @@ import torch
 
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
 from phyai_ray.plugins.iteration import Delta
+from phyai_ray.stepwise.schedulers import leave_cohort
+from phyai_ray.stepwise.sequence import Running
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +69,6 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
     return out
 
 
-def _progress(job: Job) -> Delta:
-    """A request's delta after its step i of n: {"step": i, "of": n} for its stream once Delta carries progress."""
-    if "progress" in getattr(Delta, "__dataclass_fields__", {}):
-        return Delta(progress={"step": job.i, "of": job.steps})
-    return Delta()
-
-
 class PipelineModel:
     """One rank: the components, the family's loop, the running jobs (see the module docstring)."""
 
@@ -84,9 +80,7 @@ class PipelineModel:
         self.full_shapes = {f"{name}.{key}": tuple(p.shape) for name in TRAINABLE if name in self.components
                             for key, p in self.components[name].state_dict().items()}
         self.family.parallelize(ctx)
-        self.jobs: dict[int, Job] = {}
-        self.joining: list[Job] = []  # admitted since the last iteration: `family.join` takes them together
-        self.payloads: dict[int, dict[str, Any]] = {}
+        self.jobs: Running[Job] = Running()  # the ones admitted since the last iteration `family.join`s together
         self.weight_version: Any = None
         logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s", ctx.rank, folder.class_name,
                     folder.path, branches.cfg_rank, branches.cfg_size, dtype)
@@ -102,49 +96,34 @@ class PipelineModel:
 
     # -- the iteration protocol -------------------------------------------------------------------
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
-        self.payloads[ident] = payload
-        self.jobs[ident] = job = self.family.start(payload)
-        self.joining.append(job)
+        self.jobs.admit(ident, self.family.start(payload))
 
     def drop(self, ident: int) -> None:
-        self._leave(self.jobs.pop(ident, None))
-        self.payloads.pop(ident, None)
+        leave_cohort(self.jobs.drop(ident))
 
     def recompute(self, ident: int) -> None:
         """Start the request again from its noise: the transformer changed under it."""
-        if ident in self.payloads:
-            self._leave(self.jobs.get(ident))
-            self.jobs[ident] = job = self.family.start(self.payloads[ident])
-            self.joining.append(job)
-
-    def _leave(self, job: Job | None) -> None:
-        """`job` stops before its last step: out of the joining list and of its cohort."""
-        if job is None:
-            return
-        if job in self.joining:
-            self.joining.remove(job)
-        if job.cohort is not None:
-            job.cohort.remove(job)
+        if ident in self.jobs:
+            job = self.jobs.drop(ident)
+            leave_cohort(job)
+            self.jobs.admit(ident, self.family.start(job.request))
 
     @torch.no_grad()
     def iterate(self) -> dict[int, Delta]:
         """ONE denoising step of every running request; the ones that finished leave with their result."""
-        if self.joining:
-            joining, self.joining = self.joining, []
-            self.family.join(joining)
+        return self.jobs.iterate(self._step, self._result, progress=True)
+
+    def _step(self, running: list[Job]) -> None:
+        """The jobs admitted since the last step join (together), then every job takes one step, the
+        ones whose latents share a shape in one family.step."""
+        joined = self.jobs.joined()
+        if joined:
+            self.family.join(joined)
         groups: dict[tuple[int, ...], list[Job]] = {}
-        for job in self.jobs.values():
+        for job in running:
             groups.setdefault(job.group, []).append(job)
         for jobs in groups.values():
             self.family.step(jobs)
-        out: dict[int, Delta] = {}
-        for ident, job in list(self.jobs.items()):
-            out[ident] = _progress(job)
-            if job.done:
-                del self.jobs[ident]
-                self.payloads.pop(ident, None)
-                out[ident].stop_reason, out[ident].value = "completed", self._result(job)
-        return out
 
     def _result(self, job: Job) -> dict[str, Any]:
         kind = job.request["output_type"]
@@ -152,7 +131,7 @@ class PipelineModel:
         if self.weight_version is not None:
             result["weight_version"] = self.weight_version
         if kind == "latent":
-            result["video"] = job.latents[0].detach().cpu()
+            result["video"] = job.value[0].detach().cpu()
             return result
         if not self.ctx.is_output_rank:  # only the output rank's result is read: skip the decode elsewhere
             result["video"] = None

@@ -3,7 +3,7 @@
 What `WanPipeline.__call__` does for one prompt, split where the iteration protocol needs it:
 
     start     latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
-              a deep copy of the scheduler, set_timesteps(n), set_begin_index(0)
+              its own scheduler copy, set_timesteps(n), set_begin_index(0) (stepwise's own_scheduler)
     join      the jobs that arrived together: their prompts -> UMT5 embeddings in one call per
               branch, padded with zeros past each prompt's tokens to max_sequence_length (cond; and
               the negative prompts, uncond, when guidance_scale > 1); jobs with one schedule and shape
@@ -23,12 +23,12 @@ rows (zeros for jobs without guidance), gathered over group "cfg" (`Branches.gat
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
-from phyai_ray.models.diffusers_pipeline.family import Family, Job, advance, form_cohorts
+from phyai_ray.models.diffusers_pipeline.family import Family, Job
+from phyai_ray.stepwise.schedulers import advance, form_cohorts, own_scheduler
 
 
 def _clean(text: str) -> str:
@@ -87,10 +87,8 @@ class WanFamily(Family):
         shape = (1, self.channels, frames, r["height"] // self.spatial, r["width"] // self.spatial)
         latents = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(r["seed"]),
                                device=torch.device(self.device), dtype=torch.float32)
-        scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(r["num_inference_steps"], device=self.device)
-        scheduler.set_begin_index(0)
-        return Job(request=r, latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps, cond=cond)
+        schedule = own_scheduler(self.scheduler, r["num_inference_steps"], self.device, begin_index=0)
+        return Job(request=r, value=latents, cond=cond, **schedule)
 
     def join(self, jobs: list[Job]) -> None:
         """The prompts of the jobs that arrived together, encoded in one text-encoder call per branch and
@@ -134,15 +132,15 @@ class WanFamily(Family):
         advance(jobs, noise)  # every prediction first: a cohort's members may sit in different stacks
 
     def _expert_index(self, job: Job) -> int:
-        t = job.timesteps[job.i]
+        t = job.timestep
         if self.transformer_2 is None or (self.boundary is not None and t >= self.boundary):
             return 0 if self.transformer is not None else 1
         return 1 if self.boundary is not None else 0
 
     def _guided_noise(self, transformer: Any, expert: int, jobs: list[Job], out: dict[int, torch.Tensor]) -> None:
         """Each job's guided noise prediction at its step, into `out[id(job)]`."""
-        ts = torch.stack([job.timesteps[job.i] for job in jobs])
-        latents = torch.cat([job.latents for job in jobs])
+        ts = torch.stack([job.timestep for job in jobs])
+        latents = torch.cat([job.value for job in jobs])
         cond, uncond = self._predict(transformer, latents.to(self.model_dtype), ts, jobs)
         for k, job in enumerate(jobs):
             noise = cond[k:k + 1]
@@ -194,7 +192,7 @@ class WanFamily(Family):
     def decode(self, job: Job) -> torch.Tensor:
         """The job's video: float [frames, H, W, 3] in [0, 1], as WanPipeline's output_type="np"."""
         vae, z = self.vae, self.vae.config.z_dim
-        latents = job.latents.to(dtype=vae.dtype)
+        latents = job.value.to(dtype=vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         video = vae.decode(latents / std + mean, return_dict=False)[0]

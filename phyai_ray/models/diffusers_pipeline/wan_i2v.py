@@ -140,7 +140,7 @@ class WanImageToVideoFamily(WanFamily):
         first = Image.fromarray(image_array(request["image"]))
         last = None if request.get("last_image") is None else Image.fromarray(image_array(request["last_image"]))
         job.cond["image"] = self._embed_image(first if last is None else [first, last])
-        job.cond["condition"] = self._condition(first, last, request, job.latents)
+        job.cond["condition"] = self._condition(first, last, request, job.value)
         return job
 
     def _embed_image(self, pictures: Any) -> torch.Tensor:
