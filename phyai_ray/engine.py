@@ -21,6 +21,7 @@ from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
 from phyai_ray.dispatcher import RequestDispatcher
 from phyai_ray.engine_control import WAIT_GRACE_S, EngineControl
+from phyai_ray.executors.control import ControlReport
 from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
 from phyai_ray.executors import ReplicaStatus, create_replicas, restart_replica
 from phyai_ray.plugins.registry import resolve_plugin
@@ -32,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 
-class Engine(EngineControl):
+class Engine:
     """Serve one plugin: `step`, `submit`, `collective_rpc`, `replica_status`, `close`; the control calls
-    (pause, sleep, weight updates: engine_control.py). Thread-safe."""
+    (pause, sleep, weight updates) are its `EngineControl` part's (engine_control.py). Thread-safe."""
 
     def __init__(self, args: EngineArgs, deployment: DeploymentConfig | None = None) -> None:
         self.args = args
@@ -55,6 +56,9 @@ class Engine(EngineControl):
         self._closed = False
         self._batching = self.deployment.batching.enabled and self.mode != "external"
         self._wait_s = self._default_wait_s()
+        self._controls = EngineControl(targets=self._rpc_targets, check_open=self._check_open,
+                                       process_config=self.deployment.process_config,
+                                       device_type=lambda: self.device_type)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, session: Any = None, *, deadline_s: float | None = None,
@@ -232,6 +236,55 @@ class Engine(EngineControl):
         if future not in done:
             raise TimeoutError(f"collective_rpc({method!r}) on replica {replica.index} got no reply in time")
         return future.result()
+
+    # -- control (RL loops, operators): EngineControl's calls, each reaching EVERY rank of the replicas --
+    def pause(self, mode: str = "wait", replicas: Sequence[int] | None = None,
+              timeout: float | None = None) -> list[ControlReport]:
+        """PAUSED: requests queue until `resume()`; mode "wait", "abort" or "keep" (EngineControl.pause)."""
+        return self._controls.pause(mode, replicas, timeout)
+
+    def resume(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
+        """PAUSED -> SERVING; what queued meanwhile is dispatched first."""
+        return self._controls.resume(replicas, timeout)
+
+    def sleep(self, level: int = 1, replicas: Sequence[int] | None = None,
+              timeout: float | None = None) -> list[ControlReport]:
+        """Drain, then free the replicas' memory (level 1 keeps weights on the host, level 2 drops them)."""
+        return self._controls.sleep(level, replicas, timeout)
+
+    def wake_up(self, tags: Sequence[str] | None = None, replicas: Sequence[int] | None = None,
+                timeout: float | None = None) -> list[ControlReport]:
+        """Bring back `tags` ("weights", "kv_cache"; None = all). Idempotent on awake replicas."""
+        return self._controls.wake_up(tags, replicas, timeout)
+
+    def reset_cache(self, replicas: Sequence[int] | None = None, timeout: float | None = None) -> list[ControlReport]:
+        """Drain, then call every rank's reset_cache() hook."""
+        return self._controls.reset_cache(replicas, timeout)
+
+    def init_weight_transfer(self, backend: str = "object_store", *, master_addr: str | None = None,
+                             master_port: int | None = None, group_prefix: str = "phyai-weights",
+                             replicas: Sequence[int] | None = None, timeout: float | None = None,
+                             wait: bool = True) -> Any:
+        """Prepare the replicas to receive weights (gloo / nccl: each joins its transfer group, rank 0 the
+        trainer's at master_addr:master_port); `wait=False`: a Future of the reports."""
+        return self._controls.init_weight_transfer(backend, master_addr=master_addr, master_port=master_port,
+                                                   group_prefix=group_prefix, replicas=replicas, timeout=timeout,
+                                                   wait=wait)
+
+    def start_weight_update(self, version: Any, replicas: Sequence[int] | None = None,
+                            timeout: float | None = None, lease_s: float | None = None) -> list[ControlReport]:
+        """UPDATING until finish_weight_update(); each next phase is due within `lease_s` (default 300 s)."""
+        return self._controls.start_weight_update(version, replicas, timeout, lease_s)
+
+    def update_weights(self, buckets: Sequence[Any], replicas: Sequence[int] | None = None,
+                       timeout: float | None = None, wait: bool = True) -> Any:
+        """Every rank receives `buckets` (from `WeightSender`) and loads them; `wait=False`: a Future."""
+        return self._controls.update_weights(buckets, replicas, timeout, wait)
+
+    def finish_weight_update(self, replicas: Sequence[int] | None = None,
+                             timeout: float | None = None) -> list[ControlReport]:
+        """Reset caches, publish the new weight version, return to the state before the update."""
+        return self._controls.finish_weight_update(replicas, timeout)
 
     @property
     def device_type(self) -> str:

@@ -8,7 +8,8 @@ chosen replicas: pause / resume, sleep / wake_up, reset_cache, and the weight-up
 Every call checks every target first (an illegal call changes nothing), then runs on all targets at
 once and returns one `ControlReport` per replica; a replica that fails on the way reports FAILED and
 the others carry on. The state machine of one replica is `executors/control.py`. A part of `Engine`
-(engine.py), which provides `_check_open`, `_rpc_targets`, `deployment` and `device_type`.
+(engine.py), which builds it with what it uses (how to pick target replicas, whether the engine is
+open, the process config's timeouts, the device type) and offers its calls as its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from phyai_ray.errors import ReplicaStateError
 from phyai_ray.executors.control import ALL_TAGS, ControlReport
@@ -28,7 +29,15 @@ WAIT_GRACE_S = 30.0  # a caller waits this long past a call's own timeout before
 
 
 class EngineControl:
-    """The control half of `Engine` (see the module docstring)."""
+    """The control calls of an `Engine` (see the module docstring). `targets(replicas, allow_failed)`:
+    the chosen replicas (raises for a bad index or, unless `allow_failed`, a failed replica);
+    `check_open()` raises once the engine is closed; `process_config`: the deployment's
+    (`rpc_timeout_s`, `collective_timeout_s`); `device_type()`: "cpu" or "cuda"."""
+
+    def __init__(self, *, targets: Callable[..., list], check_open: Callable[[], None], process_config: Any,
+                 device_type: Callable[[], str]) -> None:
+        self._targets, self._check_open = targets, check_open
+        self._process, self._device_type = process_config, device_type
 
     # -- control (RL loops, operators): each call reaches EVERY rank of the chosen replicas -------
     def pause(self, mode: str = "wait", replicas: Sequence[int] | None = None,
@@ -75,12 +84,12 @@ class EngineControl:
         concurrently, e.g. through `WeightSender`); with `wait=False` a Future of the reports."""
         from phyai_ray.rank.receive import TransferSpec, check_backend
 
-        check_backend(backend, self.device_type)
+        check_backend(backend, self._device_type())
         if backend in ("gloo", "nccl") and (master_addr is None or master_port is None):
             raise ValueError(f"init_weight_transfer({backend!r}) needs the trainer's master_addr and master_port")
         specs = {e.index: TransferSpec(backend, master_addr, master_port, f"{group_prefix}-r{e.index}",
-                                       self.deployment.process_config.collective_timeout_s)
-                 for e in self._rpc_targets(replicas)}
+                                       self._process.collective_timeout_s)
+                 for e in self._targets(replicas)}
         return self._control("init_weight_transfer", lambda e: (specs[e.index],), replicas, timeout, wait=wait)
 
     def start_weight_update(self, version: Any, replicas: Sequence[int] | None = None,
@@ -112,16 +121,16 @@ class EngineControl:
         started = time.monotonic()
         lost: list[ControlReport] = []
         if op in _LATER_SYNC_PHASES:  # a replica that failed since its update began reports FAILED, as mid-call
-            targets = self._rpc_targets(replicas, allow_failed=True)
+            targets = self._targets(replicas, allow_failed=True)
             lost = [e.failed_report(op, e.unavailable_error(), started) for e in targets if not e.healthy]
             targets = [e for e in targets if e.healthy]
             if not targets:
                 return lost if wait else _done(lost)
         else:
-            targets = self._rpc_targets(replicas)
+            targets = self._targets(replicas)
         for e in targets:
             e.check_transition(op)
-        timeout_s = timeout if timeout is not None else self.deployment.process_config.rpc_timeout_s
+        timeout_s = timeout if timeout is not None else self._process.rpc_timeout_s
 
         def one(e: Any) -> ControlReport:
             try:

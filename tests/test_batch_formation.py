@@ -3,7 +3,7 @@
 Run: `.venv/bin/pytest tests/test_batch_formation.py -q`
 
 `Item` is a stand-in for a queued request (named as such: only `form_batch` reads it); the
-scheduler tests use the real `ReplicaScheduler` with a launcher that records what it was given.
+scheduler tests use the real `StepQueue` and `RankPipeline` with a launcher that records what it was given.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from types import SimpleNamespace
+
 import pytest
 
 from phyai_ray.errors import RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, Histogram, form_batch
 from phyai_ray.executors.futures import CallbackThread
-from phyai_ray.executors.clock import _CLOCK_TICK_S
-from phyai_ray.executors.scheduler import ReplicaScheduler
+from phyai_ray.executors.clock import _CLOCK_TICK_S, DeadlineClock
+from phyai_ray.executors.ledger import Counts
+from phyai_ray.executors.pipeline import RankPipeline
+from phyai_ray.executors.queues import StepQueue
 
 
 @dataclass(eq=False)
@@ -112,12 +116,38 @@ def test_histogram_is_cumulative_with_an_inf_bucket():
 
 
 # -- the scheduler with batching on, fed by a recording launcher -----------------------------------
+class Scheduling:
+    """The parts that schedule a replica's steps, wired as `ScheduledReplica` wires them: a `StepQueue`
+    feeding a `RankPipeline` whose executor only records `launch`, one `DeadlineClock`."""
+
+    def __init__(self, launch, *, max_ongoing: int | None, max_queued: int | None, on_hung=lambda w, s: None):
+        lock = threading.RLock()
+        self.clock = DeadlineClock(0, lock)
+        self.pipeline = RankPipeline(0, SimpleNamespace(launch=launch), max_ongoing=max_ongoing, lock=lock,
+                                     clock=self.clock, on_hung=on_hung, delivery=CallbackThread("test-callbacks"))
+        self.queue = StepQueue(0, self.pipeline, None, lock=lock, clock=self.clock, limit_s=30.0, max_queued=max_queued)
+        self.deliver, self.finished, self.tally = self.pipeline.deliver, self.pipeline.finished, self.pipeline.tally
+        self.service = self.pipeline.service
+
+    def submit(self, kind, payload, limit_s, **kwargs):
+        return self.queue.put(kind, payload, limit_s, **kwargs)
+
+    def counts(self) -> Counts:
+        queued, at_ranks = self.queue.counts(), self.pipeline.counts()
+        return Counts(queued.queued, at_ranks.dispatched, at_ranks.served, at_ranks.errored)
+
+    def stop(self, refusal, cancel_queued: bool = True) -> None:
+        self.queue.stop(refusal, cancel_waiting=cancel_queued)
+        self.pipeline.stop(refusal)
+        self.clock.stop()
+
+
 class Recorder:
     """Records launched work; `finish()` answers the oldest launched batch with one result per member."""
 
     def __init__(self) -> None:
         self.launched: list = []
-        self.scheduler: ReplicaScheduler | None = None
+        self.scheduler: Scheduling | None = None
 
     def launch(self, work) -> None:
         self.launched.append(work)
@@ -135,10 +165,9 @@ class Recorder:
 def batching_scheduler(max_size: int | None = 4, delay_s: float = 0.0, max_ongoing: int = 1, max_queued: int = 100):
     """A scheduler fed by a Recorder; `max_size=None`: batching off."""
     rec = Recorder()
-    sched = ReplicaScheduler(0, max_ongoing=max_ongoing, max_queued=max_queued, launch=rec.launch,
-                             on_hung=lambda w, s: None, delivery=CallbackThread("test-callbacks"))
+    sched = Scheduling(rec.launch, max_ongoing=max_ongoing, max_queued=max_queued)
     if max_size is not None:
-        sched.policy = BatchPolicy(max_size=max_size, max_delay_s=delay_s)
+        sched.queue.policy = BatchPolicy(max_size=max_size, max_delay_s=delay_s)
     rec.scheduler = sched
     return sched, rec
 
@@ -242,8 +271,7 @@ def test_a_slow_launch_holds_no_lock_that_submit_or_counts_need():
         entered.set()
         release.wait(5)
         launched.append(work.payload)
-    sched = ReplicaScheduler(0, max_ongoing=2, max_queued=100, launch=slow_launch, on_hung=lambda w, s: None,
-                             delivery=CallbackThread("test-callbacks"))
+    sched = Scheduling(slow_launch, max_ongoing=2, max_queued=100)
     first = threading.Thread(target=sched.submit, args=("step", "a", 30.0))
     first.start()
     assert entered.wait(5)
@@ -264,9 +292,7 @@ def test_a_head_reported_hung_is_reported_once_and_the_clock_then_sleeps():
     """An on_hung that does not stop the replica (a test's) must not make the clock spin on the same head."""
     reports = []
     rec = Recorder()
-    sched = ReplicaScheduler(0, max_ongoing=1, max_queued=100, launch=rec.launch,
-                             on_hung=lambda work, s: reports.append(work.payload),
-                             delivery=CallbackThread("test-callbacks"))
+    sched = Scheduling(rec.launch, max_ongoing=1, max_queued=100, on_hung=lambda work, s: reports.append(work.payload))
     rec.scheduler = sched
     stuck = sched.submit("step", "stuck", 0.2)
     with pytest.raises(RequestTimeoutError):

@@ -21,10 +21,8 @@ import pytest
 from phyai_ray import BatchingConfig, DeadlineMissedError, DeploymentConfig, Engine, EngineArgs
 from phyai_ray.errors import RequestTimeoutError
 from phyai_ray.executors.batching import BatchPolicy, form_batch
-from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.ledger import enqueue
-from phyai_ray.executors.scheduler import ReplicaScheduler
-from tests.test_batch_formation import Recorder
+from tests.test_batch_formation import Recorder, Scheduling
 
 
 @dataclass(eq=False)
@@ -80,11 +78,10 @@ def test_a_batch_forms_around_the_earliest_deadline():
 
 def recording_scheduler(edf: bool, max_size: int | None = None):
     rec = Recorder()
-    sched = ReplicaScheduler(0, max_ongoing=1, max_queued=100, launch=rec.launch, on_hung=lambda w, s: None,
-                             delivery=CallbackThread("test-callbacks"))
-    sched.edf = edf
+    sched = Scheduling(rec.launch, max_ongoing=1, max_queued=100)
+    sched.queue.edf = edf
     if max_size is not None:
-        sched.policy = BatchPolicy(max_size=max_size)
+        sched.queue.policy = BatchPolicy(max_size=max_size)
     rec.scheduler = sched
     return sched, rec
 

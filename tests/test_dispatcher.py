@@ -1,6 +1,6 @@
 """Routing and the per-replica scheduler, driven by hypothesis over hand-run replicas.
 
-`ManualExecutor` is a real `ScheduledReplica` (real scheduler, queue, limits and accounting) whose
+`ManualExecutor` is a real `ScheduledReplica` (real queue, pipeline, limits and accounting) whose
 "ranks" are this test (`ManualRanks`): `launch` only records the dispatched work, and the test finishes it. A
 stateful hypothesis machine submits, finishes, cancels, expires and fails requests and flips
 health; after every step each replica's counts must match its futures (queued = PENDING,
@@ -28,7 +28,7 @@ from phyai_ray.executors.base import ScheduledReplica
 
 
 class ManualRanks:
-    """A `RankTransport` run by hand: dispatched work waits in `at_ranks` until the test finishes it."""
+    """An `Executor` run by hand: dispatched work waits in `at_ranks` until the test finishes it."""
 
     name, world_size, batchable, iterative, max_batch_weight = "manual", 1, False, False, None
     runs_here = lockstep = False
@@ -74,7 +74,7 @@ class ManualRanks:
 
 
 class ManualExecutor(ScheduledReplica):
-    """A real `ScheduledReplica` (real scheduler, queue, limits and accounting) over `ManualRanks`."""
+    """A real `ScheduledReplica` (real queue, pipeline, limits and accounting) over `ManualRanks`."""
 
     def __init__(self, index: int, max_ongoing: int = 2, max_queued: int | None = 3) -> None:
         super().__init__(ManualRanks(), index=index, max_ongoing=max_ongoing, max_queued=max_queued,
@@ -95,10 +95,10 @@ class ManualExecutor(ScheduledReplica):
     def finish_next(self, how: str) -> None:
         work = self.at_ranks.pop(0)
         if how == "result":
-            self.scheduler.deliver(work, "ok")
+            self.pipeline.deliver(work, "ok")
         else:
-            self.scheduler.deliver(work, error=ValueError("plugin rejected the payload"))
-        self.scheduler.finished(work)
+            self.pipeline.deliver(work, error=ValueError("plugin rejected the payload"))
+        self.pipeline.finished(work)
 
 
 class _Fixed:
@@ -134,8 +134,8 @@ class DispatcherMachine(RuleBasedStateMachine):
     def _room(self, i: int) -> bool:
         e = self.executors[i]
         queued, _ = _states(e, self.futures[i])
-        free_now = len(e.at_ranks) < e.scheduler.max_ongoing and e.serving and not queued
-        return free_now or queued < e.scheduler.max_queued
+        free_now = len(e.at_ranks) < e.pipeline.max_ongoing and e.serving and not queued
+        return free_now or queued < e.max_queued
 
     @rule()
     def submit(self):
@@ -147,7 +147,7 @@ class DispatcherMachine(RuleBasedStateMachine):
             return
         best = min(open_, key=lambda i: (not self.executors[i].serving, self._in_flight(i), self.last[i]))
         future = self.dispatcher.submit(("req", self.tick))
-        assert future.work in self.executors[best].at_ranks or future.work in self.executors[best].scheduler._queued
+        assert future.work in self.executors[best].at_ranks or future.work in self.executors[best].queue._queued
         self.futures[best].append(future)
         self.last[best], self.tick = self.tick, self.tick + 1
 
@@ -178,7 +178,7 @@ class DispatcherMachine(RuleBasedStateMachine):
         for f in queued:
             f.work.submitted -= 7200
         launched = e.launched
-        e.scheduler.expire(time.monotonic())
+        e.queue.expire(time.monotonic())
         for f in queued:
             assert isinstance(f.exception(timeout=0), RequestTimeoutError)
         self.errored[e.index] += len(queued)
@@ -237,9 +237,9 @@ class DispatcherMachine(RuleBasedStateMachine):
     def only_serving_replicas_dispatch(self):
         for e in self.executors:  # a replica that is not SERVING keeps its queue: nothing moves to the ranks
             if e.healthy and e.state.value != "SERVING":
-                assert e.scheduler._held
+                assert e.pipeline.held
             elif e.healthy:
-                assert not e.scheduler.counts().queued or len(e.at_ranks) == e.scheduler.max_ongoing
+                assert not e.queue.counts().queued or len(e.at_ranks) == e.pipeline.max_ongoing
 
     @invariant()
     def counts_match_futures(self):
@@ -247,8 +247,8 @@ class DispatcherMachine(RuleBasedStateMachine):
             counts = self.dispatcher.counts(i)
             assert (counts.queued, counts.dispatched) == _states(e, self.futures[i])
             assert (counts.served, counts.errored) == (self.served[i], self.errored[i])
-            assert e.peak <= e.scheduler.max_ongoing
-            assert counts.queued <= e.scheduler.max_queued
+            assert e.peak <= e.pipeline.max_ongoing
+            assert counts.queued <= e.max_queued
 
 
 DispatcherMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -154,7 +154,7 @@ def test_engine_takes_late_per_request_and_from_batching_config():
 
 def test_a_request_without_deadline_is_due_default_deadline_s_after_arrival():
     sched, rec = batching_scheduler(max_size=None)
-    sched.edf, sched.default_deadline_s = True, 1.0
+    sched.queue.edf, sched.queue.default_deadline_s = True, 1.0
     now = time.monotonic()
     sched.submit("step", "running", 30.0)
     bulk = sched.submit("step", "bulk", 30.0)

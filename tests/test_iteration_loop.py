@@ -40,7 +40,7 @@ class ShapesEntry(Entry):
 
 
 class FakeRanks:
-    """The replica's side of the loop: runs each plan at once and remembers who ran in every iteration."""
+    """The loop's pipeline: runs each plan at once and remembers who ran in every iteration."""
 
     def __init__(self, version: object = None) -> None:
         self.version = version
@@ -73,8 +73,8 @@ class FakeRanks:
 
 
 def make_loop(ranks: FakeRanks, entry: Entry | None = None, **batching) -> IterationLoop:
-    loop = IterationLoop(0, entry or ShapesEntry(), BatchingConfig(**batching), run_iteration=ranks.run_iteration,
-                         delivery=CallbackThread("test-loop-callbacks"), record=ranks.record,
+    loop = IterationLoop(0, entry or ShapesEntry(), BatchingConfig(**batching), pipeline=ranks,
+                         delivery=CallbackThread("test-loop-callbacks"),
                          on_failure=lambda error: ranks.failures.append(error), limit_s=30.0, max_queued=None)
     return loop
 

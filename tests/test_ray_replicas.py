@@ -109,8 +109,8 @@ def test_killed_rank_fails_its_inflight_requests_fast_and_other_replica_serves(r
 
 
 def _futures_of(engine, executor, futures):
-    return {w.future for w in executor.scheduler.dispatched_work()} | {f for f in futures if f.work in
-                                                                       executor.scheduler._queued}
+    return {w.future for w in executor.pipeline.dispatched_work()} | {f for f in futures if f.work in
+                                                                       executor.queue._queued}
 
 
 def test_execution_timeout_fails_group_within_two_seconds_of_deadline(ray_session):

@@ -1,4 +1,5 @@
-"""Replicas and the factory that starts them by mode (backends.py: Ray is imported only when chosen)."""
+"""Replicas, the executors that run their ranks, and the factory that starts them by mode (backends.py: Ray
+is imported only when chosen)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from phyai_ray.executors.backends import backend
 from phyai_ray.executors.base import ReplicaStatus, ScheduledReplica
-from phyai_ray.executors.replica import RankTransport, Replica
+from phyai_ray.executors.replica import Executor, Replica
 
 
 def create_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[Replica]:
@@ -22,4 +23,4 @@ def restart_replica(index: int, mode: str, entry: Any, args: Any, deployment: An
     return restart(index, mode, entry, args, deployment)
 
 
-__all__ = ["RankTransport", "Replica", "ReplicaStatus", "ScheduledReplica", "create_replicas", "restart_replica"]
+__all__ = ["Executor", "Replica", "ReplicaStatus", "ScheduledReplica", "create_replicas", "restart_replica"]

@@ -1,9 +1,9 @@
 """Replica backends, registered by what they are, and the one table that maps a deployment mode to one.
 
-    mode       backend    how its replicas run
-    inline     inline     one rank in this process (executors/inline.py)
-    external   torchrun   this process is one rank of a launcher-started replica (executors/external.py)
-    local      ray        Ray replica groups on this machine (actors/launch.py)
+    mode       backend    how its replicas run (each a ScheduledReplica over one executor)
+    inline     inline     one rank in this process (InlineExecutor, executors/inline.py)
+    external   torchrun   this process is one rank of a launcher-started replica (ExternalExecutor, external.py)
+    local      ray        Ray replica groups on this machine (RayExecutor, actors/launch.py)
     cluster    ray        Ray replica groups on a cluster
 
 A backend is `start(mode, entry, args, deployment) -> [replica]` and optionally
@@ -59,10 +59,10 @@ def backend(mode: str) -> Backend:
 
 def _start_inline(mode: str, entry: Any, args: Any, deployment: Any) -> list[Any]:
     from phyai_ray.executors.base import ScheduledReplica
-    from phyai_ray.executors.inline import InlineTransport, build_inline_runner
+    from phyai_ray.executors.inline import InlineExecutor, build_inline_runner
 
     parallel, device, proc = args.config.parallel, args.config.device, deployment.process_config
-    ranks = InlineTransport(lambda: build_inline_runner(entry, args.plugin_args, parallel, device),
+    ranks = InlineExecutor(lambda: build_inline_runner(entry, args.plugin_args, parallel, device),
                             startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s)
     return [ScheduledReplica(ranks, max_ongoing=1, max_queued=proc.max_queued_requests,
                              step_limit_s=proc.execution_timeout_s, batching=deployment.batching, entry=ranks.entry)]
@@ -70,10 +70,10 @@ def _start_inline(mode: str, entry: Any, args: Any, deployment: Any) -> list[Any
 
 def _start_torchrun(mode: str, entry: Any, args: Any, deployment: Any) -> list[Any]:
     from phyai_ray.executors.base import ScheduledReplica
-    from phyai_ray.executors.external import TorchrunTransport
+    from phyai_ray.executors.external import ExternalExecutor
 
     proc = deployment.process_config
-    ranks = TorchrunTransport(entry, args.plugin_args, args.config.parallel, args.config.device,
+    ranks = ExternalExecutor(entry, args.plugin_args, args.config.parallel, args.config.device,
                               startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s,
                               collective_timeout_s=proc.collective_timeout_s)
     return [ScheduledReplica(ranks, max_ongoing=None, max_queued=None, step_limit_s=proc.execution_timeout_s)]

@@ -2,15 +2,18 @@
 reports per replica.
 
     ScheduledReplica
-        queue      StepQueue or IterationLoop (queues.py): where requests wait
-        scheduler  ReplicaScheduler (scheduler.py): in-order dispatch, the clocks, exact counts
-        lifecycle  ReplicaControl (control.py): pause, sleep, wake, weight updates
-        ranks      a RankTransport (replica.py): inline, torchrun (external.py) or Ray (actors/transport.py)
+        queue      StepQueue (queues.py) or IterationLoop (iterations.py): where requests wait, batched
+        pipeline   RankPipeline (pipeline.py): what is at the ranks, in order, at most max_ongoing
+        clock      DeadlineClock (clock.py): one timer thread the queue and the pipeline watch
+        lifecycle  ReplicaControl (control.py): pause, sleep, wake, weight updates (updates.py)
+        ranks      its Executor (replica.py): InlineExecutor, ExternalExecutor (external.py) or
+                   RayExecutor (actors/ray_executor.py)
 
-It satisfies the `Replica` protocol (replica.py), which is all the engine and the dispatcher use.
-The transport reports back only through the `ReplicaLink` it is bound to; the failure path is
-written once, here: `fail(error)` marks the replica unavailable, fails every queued and dispatched
-request with the cause, then lets the transport release the ranks.
+Each part is given what it uses when the replica builds it; they share one lock. The replica
+satisfies the `Replica` protocol (replica.py), which is all the engine and the dispatcher use. The
+executor reports back only through the `ReplicaLink` it is bound to; the failure path is written
+once, here: `fail(error)` marks the replica unavailable, fails every queued and dispatched request
+with the cause, then lets the executor release the ranks.
 """
 
 from __future__ import annotations
@@ -23,14 +26,15 @@ from typing import Any
 
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.batching import BatchPolicy
+from phyai_ray.executors.clock import DeadlineClock
 from phyai_ray.executors.control import ControlReport, ReplicaControl, ReplicaState
 from phyai_ray.executors.futures import CallbackThread
 from phyai_ray.executors.iterations import IterationLoop
 from phyai_ray.executors.ledger import Counts
+from phyai_ray.executors.pipeline import RankPipeline
 from phyai_ray.executors.queues import RequestQueue, StepQueue
-from phyai_ray.executors.replica import RankTransport, Replica, ReplicaLink
-from phyai_ray.executors.scheduler import ReplicaScheduler
-from phyai_ray.work import CALL, ITERATE, STEP, Work
+from phyai_ray.executors.replica import Executor, Replica, ReplicaLink
+from phyai_ray.work import CALL, STEP, Work
 
 logger = logging.getLogger(__name__)
 
@@ -60,29 +64,32 @@ class ReplicaStatus:
 
 
 class ScheduledReplica:
-    """One WHOLE model replica (one rank or many), fed by its own `ReplicaScheduler` (see the module
-    docstring). `ranks` is started already; `index` and `world_size` name the replica."""
+    """One WHOLE model replica (one rank or many), scheduled by its own parts (see the module docstring).
+    `ranks` is its executor, started already; `index` and `world_size` name the replica."""
 
-    def __init__(self, ranks: RankTransport, *, index: int = 0, max_ongoing: int | None = 2,
+    def __init__(self, ranks: Executor, *, index: int = 0, max_ongoing: int | None = 2,
                  max_queued: int | None = None, step_limit_s: float = 600.0, batching: Any = None,
                  entry: Any = None) -> None:
         self.index, self.world_size, self.ranks = index, ranks.world_size, ranks
         self._step_limit_s = step_limit_s
         self._failure: EngineUnavailableError | None = None
         self._failure_lock = threading.Lock()
-        self.scheduler = ReplicaScheduler(index, max_ongoing=max_ongoing, max_queued=max_queued,
-                                          launch=ranks.launch, on_hung=self._on_hung,
-                                          delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
-        self.queue: RequestQueue = StepQueue(self.scheduler, ranks, step_limit_s)
-        self.lifecycle = ReplicaControl(index, self.scheduler, self.queue, ranks=ranks.control, fail=self.fail,
+        lock = threading.RLock()
+        self.clock = DeadlineClock(index, lock)
+        self.pipeline = RankPipeline(index, ranks, max_ongoing=max_ongoing, lock=lock, clock=self.clock,
+                                     on_hung=self._on_hung, limit_s=step_limit_s,
+                                     delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
+        self.max_queued = max_queued
+        batching = None if ranks.lockstep else batching  # ranks run by separate engines must run the same steps
+        self.queue: RequestQueue = self._iteration_loop(entry, batching, ranks.iterative) or \
+            self._step_queue(lock, batching, ranks.batchable)
+        self._runs_here = ranks.runs_here and not self.queue.iterative and not self.batching
+        self.lifecycle = ReplicaControl(index, self.pipeline, self.queue, ranks=ranks.control, fail=self.fail,
                                         failure=lambda: self._failure, unavailable_error=self.unavailable_error)
-        ranks.bind(ReplicaLink(deliver=self.scheduler.deliver, finished=self.scheduler.finished,
-                               complete=self.scheduler.complete, fail=self.fail, failure=lambda: self._failure,
+        pipeline = self.pipeline
+        ranks.bind(ReplicaLink(deliver=pipeline.deliver, finished=pipeline.finished, complete=pipeline.complete,
+                               fail=self.fail, failure=lambda: self._failure,
                                unavailable_error=self.unavailable_error, batching=lambda: self.batching))
-        if not ranks.lockstep:  # ranks run by separate engines must run the same steps: no batching there
-            self.enable_batching(batching, ranks.batchable)
-            if entry is not None:
-                self.enable_iterations(entry, batching, ranks.iterative)
 
     # -- requests ---------------------------------------------------------------------------
     def submit(self, request: Any, *, caller_runs: bool = False, key: Any = None, size: int = 1,
@@ -108,12 +115,12 @@ class ScheduledReplica:
         if not (caller_runs and ranks.runs_here) or self.queue.iterative:
             return self.queue.submit(request, key=key, size=size, deadline=deadline, late=late)
         payload = ranks.prepare(request)
-        if deadline is None:  # the fast path: an idle replica runs it on this thread, no future at all
-            outcome = self.scheduler.run_here(payload, self._step_limit_s, ranks.step_here)
+        if deadline is None and self._runs_here:  # the fast path: an idle replica runs it here, no future at all
+            outcome = self.pipeline.run_here(payload, self._step_limit_s, ranks.step_here)
             if outcome is not None:
                 return outcome
-        future = self.scheduler.submit(STEP, payload, self._step_limit_s, here=True, key=key, size=size,
-                                       weight=ranks.weight(payload), deadline=deadline, late=late)
+        future = self.queue.put(STEP, payload, self._step_limit_s, here=True, key=key, size=size,
+                                weight=ranks.weight(payload), deadline=deadline, late=late)
         work = future.work
         if work.here:
             ranks.run_here(work)  # returns once the work is settled and its slot is free
@@ -135,55 +142,48 @@ class ScheduledReplica:
             raise self.unavailable_error()
         payload = self.ranks.prepare((method, tuple(args), dict(kwargs)))
         with self.lifecycle.rpc_admission(timeout_s):
-            return self.scheduler.submit(CALL, payload, timeout_s, all_ranks=all_ranks, bypass_queue=True)
+            return self.pipeline.send(CALL, payload, timeout_s, all_ranks=all_ranks)
 
-    def run_iteration(self, plan: Any) -> Future:
-        """Send one iteration's plan to every rank, after what is already dispatched; the future holds
-        the output rank's deltas. Only the iteration loop calls it, never while the replica is held.
-        A rank in this process runs it on the loop's own thread when nothing else is at the rank."""
-        ranks = self.ranks
-        future = self.scheduler.submit(ITERATE, ranks.prepare(plan), self._step_limit_s, bypass_queue=True,
-                                       here=ranks.runs_here)
-        if future.work.here:
-            ranks.run_here(future.work)
-        return future
-
-    # -- how requests are batched -------------------------------------------------------------
-    def enable_iterations(self, entry: Any, batching: Any, iterative: bool) -> None:
+    # -- the request queue, chosen once -----------------------------------------------------------
+    def _iteration_loop(self, entry: Any, batching: Any, iterative: bool) -> IterationLoop | None:
         """Batch per iteration when the plugin splits requests into sequences and every rank's model
         implements the iteration protocol (`phyai_ray.plugins.iteration`)."""
-        if batching is None or not entry.iterative:
-            return
+        if batching is None or entry is None or not entry.iterative:
+            return None
         if not iterative:
             logger.info("replica %d: plugin %s splits requests into sequences, but its per-rank model lacks the "
                         "iteration protocol (admit, drop, recompute, iterate); every request runs as a step of its "
                         "own", self.index, entry.display_name())
-            return
-        scheduler = self.scheduler
-        self.queue = IterationLoop(self.index, entry, batching, run_iteration=self.run_iteration,
-                                   delivery=scheduler.delivery, record=scheduler.record, on_failure=self.fail,
-                                   limit_s=self._step_limit_s, max_queued=scheduler.max_queued)
-        self.lifecycle.queue = self.queue
+            return None
+        self._batching = False
+        return IterationLoop(self.index, entry, batching, pipeline=self.pipeline, delivery=self.pipeline.delivery,
+                             on_failure=self.fail, limit_s=self._step_limit_s, max_queued=self.max_queued)
 
-    def enable_batching(self, batching: Any, batchable: bool) -> None:
-        """Turn on batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
+    def _step_queue(self, lock: Any, batching: Any, batchable: bool) -> StepQueue:
+        """Requests as steps; batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
+        queue = StepQueue(self.index, self.pipeline, self.ranks, lock=lock, clock=self.clock,
+                          limit_s=self._step_limit_s, max_queued=self.max_queued)
+        self._batching = False
         if batching is not None:
-            self.scheduler.edf = batching.scheduling == "deadline"
-            self.scheduler.default_deadline_s = batching.default_deadline_s
+            queue.edf = batching.scheduling == "deadline"
+            queue.default_deadline_s = batching.default_deadline_s
         if batching is None or not batching.enabled:
-            return
+            return queue
         if not batchable:
             logger.info("replica %d: max_batch_size=%d, but the plugin's per-rank model has no step_batch(requests); "
                         "every request runs as a step of its own", self.index, batching.max_batch_size)
-            return
-        self.scheduler.policy = BatchPolicy(batching.max_batch_size, batching.max_delay_s,
-                                            tuple(batching.preferred_batch_sizes), self.ranks.max_batch_weight)
+            return queue
+        queue.policy = BatchPolicy(batching.max_batch_size, batching.max_delay_s,
+                                   tuple(batching.preferred_batch_sizes), self.ranks.max_batch_weight)
+        self._batching = True
         logger.info("replica %d: batching up to %d samples per step (max_batch_delay_ms=%s)", self.index,
                     batching.max_batch_size, batching.max_batch_delay_ms)
+        return queue
 
     @property
     def batching(self) -> bool:
-        return self.scheduler.policy is not None
+        """Whether requests are batched per step."""
+        return self._batching
 
     @property
     def iterative(self) -> bool:
@@ -191,28 +191,24 @@ class ScheduledReplica:
 
     # -- what routing and status read -----------------------------------------------------------
     def counts(self) -> Counts:
-        mine, held = self.scheduler.counts(), self.queue.counts()
-        return Counts(mine.queued + held.queued, mine.dispatched + held.dispatched, mine.served + held.served,
-                      mine.errored + held.errored)
+        at_ranks, held = self.pipeline.counts(), self.queue.counts()
+        return Counts(held.queued, at_ranks.dispatched + held.dispatched, at_ranks.served + held.served,
+                      at_ranks.errored + held.errored)
 
     def has_room(self) -> bool:
         return self._failure is None and self.queue.has_room()
 
-    @property
-    def max_queued(self) -> int | None:
-        return self.scheduler.max_queued
-
     def carry_counts(self, replaced: Replica) -> None:
         """Continue the served / errored totals of the replica this one replaces."""
-        self.scheduler.tally.carry(replaced.counts())
+        self.pipeline.tally.carry(replaced.counts())
 
     def batch_stats(self) -> dict[str, Any]:
         """Histograms of samples per step and queue waits; the iteration loop's sequences and timings."""
-        return {**self.scheduler.batch_snapshot(), **self.queue.snapshot()}
+        return {**self.pipeline.batch_snapshot(), **self.queue.snapshot()}
 
     @property
     def transport(self) -> str:
-        """How requests reach the ranks: "inline", "torchrun", or the Ray lane ("ipc", "compiled",
+        """How requests reach the ranks (the executor's name): "inline", "torchrun", or the Ray lane ("ipc", "compiled",
         "actor_calls": actors/lane.py)."""
         return self.ranks.name
 
@@ -244,7 +240,7 @@ class ScheduledReplica:
 
     @property
     def weight_version(self) -> Any:
-        return self.scheduler.weight_version
+        return self.pipeline.weight_version
 
     @property
     def pending_version(self) -> Any:
@@ -257,7 +253,8 @@ class ScheduledReplica:
             return
         logger.error("%s", error)
         self.queue.stop(self.unavailable_error)
-        self.scheduler.stop(self.unavailable_error, cancel_queued=False)
+        self.pipeline.stop(self.unavailable_error)
+        self.clock.stop()
         self.ranks.abandon()
 
     def _on_hung(self, work: Work, running_s: float) -> None:
@@ -276,10 +273,11 @@ class ScheduledReplica:
                                                          replica=self.index))
         if first:
             self.queue.stop(self.unavailable_error, cancel_waiting=True)
-            self.scheduler.stop(self.unavailable_error, cancel_queued=True, fail_dispatched=False)
+            self.pipeline.stop(self.unavailable_error, fail_dispatched=False)
+            self.clock.stop()
         self.ranks.close(drain=first)
         if first:
-            self.scheduler.stop(self.unavailable_error, cancel_queued=True)
+            self.pipeline.stop(self.unavailable_error)
 
     @property
     def healthy(self) -> bool:

@@ -1,34 +1,46 @@
-"""The scheduler's clock: one timer thread per replica that fails expired requests and notices a hung head.
+"""`DeadlineClock`: one timer thread per replica that wakes the parts watching it when a deadline comes.
 
-    _arm(when)     make the thread wake by `when` (lock held); it starts on first need
-    _clock()       the thread: sleep until the earliest deadline (or a tick), flush a waiting batch,
-                   then `expire(now)`
-    expire(now)    fail queued and dispatched requests past their time (DeadlineMissedError when their
-                   own deadline passed before they started, else RequestTimeoutError), or report the
-                   head of the dispatched line hung (running past its limit) to `on_hung`, once
+    clock = DeadlineClock(index, lock)       the replica's lock, shared with the parts it serves
+    clock.watch(next_deadline, due)          a part registers: `next_deadline()` (lock held) is the
+                                             earliest time it needs waking at, `due(now)` (lock free)
+                                             does what is due: fail expired requests, flush a batch,
+                                             report a hung call
+    clock.arm(when)                          (lock held) make the thread wake by `when`; it starts on
+                                             first need
+    clock.stop()                             the thread ends (the replica failed or closed)
 
-The thread wakes only for the earliest deadline of any queued or dispatched request (limits may
-differ, so the queue's head need not hold the earliest), and at least every `_CLOCK_TICK_S`.
-A part of `ReplicaScheduler` (scheduler.py), whose lock, queues and callbacks it uses.
+The thread sleeps until the earliest deadline any part reports (limits may differ, so the head of a
+queue need not hold the earliest), and at least every `_CLOCK_TICK_S`, then calls each part's `due`
+in the order they registered. The replica's request queue (`StepQueue`, queues.py) and its rank
+pipeline (`RankPipeline`, pipeline.py) watch it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
-
-from phyai_ray.errors import RequestTimeoutError
-from phyai_ray.executors.ledger import deadline_missed, timed_out
-from phyai_ray.work import BATCH, CALL, Work
+from typing import Callable
 
 _CLOCK_TICK_S = 5.0  # the clock thread re-reads every deadline at least this often
 
 
 class DeadlineClock:
-    """The clock half of `ReplicaScheduler` (see the module docstring)."""
+    """The replica's timer thread (see the module docstring)."""
 
-    def _arm(self, when: float) -> None:
+    def __init__(self, index: int, lock: threading.RLock) -> None:
+        self.index, self._lock = index, lock
+        self._cond = threading.Condition(lock)
+        self._watchers: list[tuple[Callable[[], float], Callable[[float], None]]] = []
+        self._timer: threading.Thread | None = None
+        self._stopped = False
+        self._wake_at = float("inf")  # the earliest deadline the clock knows of
+        self._wakes_by = float("inf")  # when the thread wakes anyway (it re-reads every deadline then)
+
+    def watch(self, next_deadline: Callable[[], float], due: Callable[[float], None]) -> None:
+        """Register a part: `next_deadline()` is read with the lock held, `due(now)` called without it."""
+        self._watchers.append((next_deadline, due))
+
+    def arm(self, when: float) -> None:
         """Make the timer thread wake by `when` (lock held). No wake-up when it wakes earlier anyway:
         a request's default deadline is minutes away, and waking the clock on every submit would
         put a third thread on the request path."""
@@ -36,75 +48,30 @@ class DeadlineClock:
             return
         self._wake_at = when
         if self._timer is None:
-            self._timer = threading.Thread(target=self._clock, name=f"phyai-replica-{self.index}-clock", daemon=True)
+            self._timer = threading.Thread(target=self._run, name=f"phyai-replica-{self.index}-clock", daemon=True)
             self._timer.start()
         else:
             self._cond.notify_all()
 
-    def _clock(self) -> None:
+    def stop(self) -> None:
+        """End the thread at its next look (idempotent)."""
+        with self._lock:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
         while True:
             with self._lock:
-                if self._refusal is not None:
+                if self._stopped:
                     return
-                self._wake_at = self._next_deadline()
+                self._wake_at = min((next_deadline() for next_deadline, _ in self._watchers), default=float("inf"))
                 now = time.monotonic()
                 delay = self._wake_at - now
                 if delay > 0:
                     self._wakes_by = now + min(delay, _CLOCK_TICK_S)
                     self._cond.wait(timeout=min(delay, _CLOCK_TICK_S))
                     self._wakes_by = float("-inf")  # awake: it re-reads every deadline before it waits
-                    # again, so until then an _arm needs no notify (`when >= -inf`: it returns at once)
+                    # again, so until then an `arm` needs no notify (`when >= -inf`: it returns at once)
                     continue
-                if self._flush_at <= time.monotonic():  # a waiting batch head's delay is over
-                    self._flush_at = float("inf")
-                    self._pump()
-            self._send_launches()
-            self.expire(time.monotonic())
-
-    def expire(self, now: float) -> None:
-        """Fail the requests whose deadline is past `now`, or report the hung head (the clock's job)."""
-        with self._lock:
-            if self._refusal is not None:
-                return
-            expired, hung = self._expired(now)
-            running_s = now - self._head_since
-        for work in expired:
-            self.deliver(work, error=self._missed_error(work, now) if work.dispatched is None and work.missed(now)
-                         else self._timeout_error(work, now))
-        if hung is not None:
-            with self._lock:
-                self._reported_hung = hung
-            self._on_hung(hung, running_s)
-
-    def _expired(self, now: float) -> tuple[list[Work], Work | None]:
-        """Requests past their deadline (queued ones leave the queue), and the hung head if any."""
-        head = self._dispatched[0] if self._dispatched else None
-        if head is not None and head is not self._reported_hung and now - self._head_since >= head.limit_s:
-            return [], head
-        expired = [w for w in self._queued if w.expires <= now or w.missed(now)]
-        if expired:
-            self._queued = deque(w for w in self._queued if w.expires > now and not w.missed(now))
-        expired += [r for w in self._dispatched for r in (w.requests() if w.kind == BATCH else [w])
-                    if r.expires <= now and not r.future.done()]
-        return expired, None
-
-    def _next_deadline(self) -> float:
-        times = [r.expires for w in self._dispatched for r in (w.requests() if w.kind == BATCH else [w])
-                 if not r.future.done()]
-        times.append(self._flush_at)
-        times += [w.expires if w.deadline is None else min(w.expires, w.deadline) for w in self._queued]
-        if self._dispatched and self._dispatched[0] is not self._reported_hung:
-            times.append(self._head_since + self._dispatched[0].limit_s)
-        return min(times, default=float("inf"))
-
-    def _missed_error(self, work: Work, now: float) -> RequestTimeoutError:
-        """A request that was not run: its deadline passed, or comes before the recent step time."""
-        service_s = self.service.estimate() if work.deadline > now else 0.0
-        return deadline_missed(self.index, now - work.submitted, work.deadline - work.submitted, service_s)
-
-    def _timeout_error(self, work: Work, now: float) -> RequestTimeoutError:
-        where = ("it was still queued and never reached a rank" if work.dispatched is None else
-                 "it had been dispatched to the ranks, which finish it but its result is dropped")
-        what = "collective_rpc timeout" if work.kind == CALL else "execution_timeout_s"
-        return timed_out(self.index, now - work.submitted, work.limit_s, where, dispatched=work.dispatched is not None,
-                         what=what)
+            for _, due in self._watchers:
+                due(time.monotonic())

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, RequestAbortedError
+from phyai_ray.errors import EngineUnavailableError, ReplicaStateError
 from phyai_ray.executors.updates import DEFAULT_LEASE_S, WeightUpdates, _Update
 
 
@@ -91,24 +91,27 @@ class _Lifecycle:
     weights_dropped: bool = False  # slept at level 2; waking needs the weights refilled
 
 
-class ReplicaControl(WeightUpdates):
+class ReplicaControl:
     """The lifecycle of one replica: its state machine and control calls, a part the replica owns.
 
-    Its collaborators are given, never reached for: the replica's `scheduler` and request `queue`
-    (queues.py), `ranks(op, args, timeout_s) -> Future[list]` (run `op` on every rank's control
-    lane: the transport's `control`), `fail(error)` (the replica's one failure path), `failure()`
-    (None while healthy) and `unavailable_error()`.
+    Its collaborators are given, never reached for: the replica's rank `pipeline` (pipeline.py) and
+    request `queue` (queues.py), `ranks(op, args, timeout_s) -> Future[list]` (run `op` on every rank's control
+    lane: the executor's `control`), `fail(error)` (the replica's one failure path), `failure()`
+    (None while healthy) and `unavailable_error()`. Weight updates are its `updates` part (updates.py).
     """
 
-    def __init__(self, index: int, scheduler: Any, queue: Any, *, ranks: Callable[[str, tuple, float], Future],
+    def __init__(self, index: int, pipeline: Any, queue: Any, *, ranks: Callable[[str, tuple, float], Future],
                  fail: Callable[[EngineUnavailableError], None],
                  failure: Callable[[], EngineUnavailableError | None],
                  unavailable_error: Callable[[], EngineUnavailableError]) -> None:
-        self.index, self.scheduler, self.queue = index, scheduler, queue
+        self.index, self.pipeline, self.queue = index, pipeline, queue
         self._control_ranks, self._fail, self._failure_of = ranks, fail, failure
         self.unavailable_error = unavailable_error
         self._life = _Lifecycle()
         self._control_lock = threading.Lock()  # one control call at a time per replica
+        self.updates = WeightUpdates(index, self._life, fan_out=self._fan_out, fail=fail,
+                                     restore_dispatch=self._restore_dispatch, failure=failure,
+                                     weight_version=lambda: pipeline.weight_version, control_lock=self._control_lock)
 
     @property
     def failure(self) -> EngineUnavailableError | None:
@@ -125,7 +128,7 @@ class ReplicaControl(WeightUpdates):
 
     @property
     def weight_version(self) -> Any:
-        return self.scheduler.weight_version
+        return self.pipeline.weight_version
 
     @property
     def serving(self) -> bool:
@@ -138,10 +141,10 @@ class ReplicaControl(WeightUpdates):
         with self._exclusive(f"{op}()", timeout_s):
             self._check_transition(op)
             if op == "wake_up":
-                self._check_weights_loaded(args[0], deadline)
+                self.updates.check_weights_loaded(args[0], deadline)
             aborted = self._quiesce(op, mode, deadline)
             if op == "update_weights":
-                ranks = self._update_weights(args[0], deadline)
+                ranks = self.updates.update_weights(args[0], deadline)
             else:
                 ranks = self._fan_out(op, args[:1] if op == "start_weight_update" else args, deadline)
             update = self._life.update
@@ -192,21 +195,17 @@ class ReplicaControl(WeightUpdates):
                 f"replica {self.index} is {state}: {op}() is allowed only from {sorted(_ALLOWED[op])}; "
                 f"{_HINTS.get(state, 'check replica_status()')}", replica=self.index, state=state, op=op)
         if op == "finish_weight_update":
-            self._check_update_complete()
+            self.updates.check_complete()
 
     def _quiesce(self, op: str, mode: str, deadline: float) -> int:
         """Stop dispatch and drain the ranks as `op` needs; returns how many queued requests were aborted."""
         if op == "resume":
             return 0
-        aborted = self.queue.quiesce(op, mode, deadline)  # first: no iteration starts once the scheduler holds
-        self.scheduler.hold()
-        if op == "pause" and mode == "abort":
-            aborted += self.scheduler.abort_queued(lambda: RequestAbortedError(
-                f"replica {self.index} was paused with mode='abort'; the request was dropped before it reached "
-                "a rank: submit it again after resume()", replica=self.index))
+        aborted = self.queue.quiesce(op, mode, deadline)  # first: no iteration starts once the pipeline holds
+        self.pipeline.hold()  # (a step queue held it already, before it aborted its queued requests)
         if op == "pause" and mode == "keep":
             return aborted
-        if not self.scheduler.drain(max(deadline - time.monotonic(), 0.0)):
+        if not self.pipeline.drain(max(deadline - time.monotonic(), 0.0)):
             self._restore_dispatch()
             raise TimeoutError(f"replica {self.index}: {op}() waited for the requests at its ranks to finish "
                                "and ran out of time; nothing was changed (raise the timeout)")
@@ -247,15 +246,15 @@ class ReplicaControl(WeightUpdates):
         elif op == "start_weight_update":
             life.before.append(life.state)
             life.state, life.pending_version = ReplicaState.UPDATING, args[0]
-            self._start_lease(args[0], args[1] if len(args) > 1 and args[1] is not None else DEFAULT_LEASE_S)
+            self.updates.start_lease(args[0], args[1] if len(args) > 1 and args[1] is not None else DEFAULT_LEASE_S)
         elif op == "update_weights":
-            self._renew_lease()
+            self.updates.renew_lease()
         elif op == "finish_weight_update":
-            self.scheduler.weight_version = life.pending_version
-            self._end_update()
+            self.pipeline.weight_version = life.pending_version
+            self.updates.end_update()
         self._restore_dispatch()
 
     def _restore_dispatch(self) -> None:
         if self._life.state is ReplicaState.SERVING and self.failure is None:
-            self.scheduler.release()
-            self.queue.release(self.scheduler.weight_version)
+            self.pipeline.release()
+            self.queue.release(self.pipeline.weight_version)

@@ -1,4 +1,4 @@
-"""The torchrun transport: ranks started by a launcher such as torchrun.
+"""The external executor: ranks started by a launcher such as torchrun.
 
 Run one process per rank, e.g. `torchrun --nproc_per_node=2 examples/reference_torchrun.py`. Each
 process is one rank of ONE replica; the engine does not broadcast, so every rank must call
@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from phyai_ray.errors import DeploymentConfigError
-from phyai_ray.executors.inline import InlineTransport
+from phyai_ray.executors.inline import InlineExecutor
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.rank.runner import RankRunner, init_distributed, make_context
 from placement.topology import Topology
@@ -44,7 +44,7 @@ def check_world(topology: Topology, env: dict[str, str]) -> int:
     return rank
 
 
-class TorchrunTransport(InlineTransport):
+class ExternalExecutor(InlineExecutor):
     """One rank of a launcher-started replica, run on the engine's thread in this process.
 
     Every rank's engine must run the same requests in the same order, so nothing here may depend

@@ -130,7 +130,7 @@ def awaitable(future: Future) -> asyncio.Future:
 class EngineFuture(Future):
     """A `concurrent.futures.Future` of one engine request; see the module docstring.
 
-    `cancel()` is True only while the request waits in the engine queue; the scheduler then
+    `cancel()` is True only while the request waits in the engine queue; the queue then
     removes it, so nothing reaches a rank. `replica` is the replica it was queued on, and
     `weight_version` the weight version of that replica when the request was dispatched to its
     ranks (weights change only while nothing is dispatched, so it is the version that produced
@@ -201,7 +201,7 @@ class HereResult:
                  "started", "finished", "batch_size", "deadline", "__weakref__")
 
     def __init__(self, replica: int, lock: Any) -> None:
-        self._lock = lock  # the replica scheduler's (re-entrant): whoever sets the outcome holds it
+        self._lock = lock  # the replica's (re-entrant): whoever sets the outcome holds it
         self._done, self._value, self._error = False, None, None
         self.work: Any = None
         self.replica, self.weight_version, self.deadline = replica, None, None

@@ -1,4 +1,4 @@
-"""The inline transport: the plugin runs in the caller's process, on one thread, with no Ray.
+"""The inline executor: the plugin runs in the caller's process, on one thread, with no Ray.
 
 The same replica as a Ray replica group (queue, `max_queued_requests`, two clocks, exact
 accounting: base.py), dispatching ONE request at a time to the plugin's thread: a hand-off in one
@@ -8,7 +8,7 @@ can be cancelled. A plugin exception fails only its request. A request past its 
 fails the replica (a stuck plugin cannot be interrupted), and every later request then raises
 `EngineUnavailableError`.
 
-    replica = ScheduledReplica(InlineTransport(build_runner, startup_timeout_s=60), max_ongoing=1, ...)
+    replica = ScheduledReplica(InlineExecutor(build_runner, startup_timeout_s=60), max_ongoing=1, ...)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from phyai_ray.rank.runner import RankRunner
 logger = logging.getLogger(__name__)
 
 
-class InlineTransport:
+class InlineExecutor:
     """One rank in the caller's process, run on a `SerialWorker` thread (or the caller's own)."""
 
     name = "inline"
@@ -75,7 +75,7 @@ class InlineTransport:
         """On the caller's thread (nothing else at the rank): the hang clock still watches it, and other
         callers queue behind it; this thread is in the plugin and returns when it does. It was
         dispatched just now, so it cannot have expired: it runs at once. A request run here was
-        dispatched with batching off (the scheduler sets `here` only then): it is a plain step."""
+        dispatched with batching off (the request queue sets `here` only then): it is a plain step."""
         if self._device_guard is None:
             self._run_now(work, True)
         else:
@@ -83,7 +83,7 @@ class InlineTransport:
                 self._run_now(work, True)
 
     def step_here(self, request: Any) -> Any:
-        """One plain step on the caller's thread (`ReplicaScheduler.run_here`): nothing else is at the rank."""
+        """One plain step on the caller's thread (`RankPipeline.run_here`): nothing else is at the rank."""
         if self._link.failure() is not None:
             raise self._link.unavailable_error()
         if self._device_guard is None:

@@ -18,13 +18,12 @@ answered at once (sequences.py). The pace: an iteration's run plus the loop's wo
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
 next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
 `execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
-`dispatched`: some running). Control at iteration boundaries: iteration_control.py.
+`dispatched`: some running). Control at iteration boundaries: its `control` part (iteration_control.py).
 
-The loop is a part of its replica, with explicit collaborators: it never runs plugin code on the
-ranks itself. Each iteration goes through `run_iteration(plan)` (the replica's scheduler, whose
-hang clock, ordering with collective_rpc and failure path apply to iterations as to steps; the
-future it returns carries `weight_version`); futures deliver callbacks on `delivery`; `record(size,
-waits)` feeds the replica's histograms; `on_failure(error)` stops the replica if the loop breaks.
+A part of its replica, given its collaborators; it never runs plugin code on the ranks itself. Each
+iteration goes onto the `pipeline` (`run_iteration(plan)`: the replica's `RankPipeline`, whose hang
+clock, ordering and failure path apply to iterations as to steps; `record(size, waits)` feeds its
+histograms); callbacks run on `delivery`; `on_failure(error)` stops the replica if the loop breaks.
 """
 
 from __future__ import annotations
@@ -34,40 +33,37 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
-from phyai_ray.executors.iteration_control import GATHER, IterationControl
+from phyai_ray.executors.iteration_control import IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
-from phyai_ray.executors.sequences import (Candidates, Deadlines, LoopRequest, LoopSequence, finish_by_miss,
-                                           first_chunk_missed, planned_steps, stream_chunk)
+from phyai_ray.executors.sequences import (GATHER, Candidates, Deadlines, LoopRequest, LoopSequence, fail_closed,
+                                           finish_by_miss, first_chunk_missed, planned_steps, settle, stream_chunk)
 from phyai_ray.executors.service import ServiceTime
-from phyai_ray.outputs import merge_stream_chunks, version_order
+from phyai_ray.outputs import merge_stream_chunks
 from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
 
 _TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
-_REPLY_GRACE_S = 30.0  # past the step limit the scheduler's hang clock fails the replica first
+_REPLY_GRACE_S = 30.0  # past the step limit the pipeline's hang clock fails the replica first
 _IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
 _COMPACT_SLACK = 64  # left sequences `_waiting` may hold beyond twice the waiting ones
 
 
-class IterationLoop(IterationControl):
+class IterationLoop:
     """Waiting and running sequences of one replica, and the thread that iterates them (a request
-    queue of the replica: see queues.py)."""
+    queue of the replica: see queues.py) onto its `pipeline`."""
 
     iterative = True
 
-    def __init__(self, index: int, entry: Any, batching: Any, *, run_iteration: Callable[[IterationPlan], Future],
-                 delivery: Any, record: Callable[[int, list[float]], None],
+    def __init__(self, index: int, entry: Any, batching: Any, *, pipeline: Any, delivery: Any,
                  on_failure: Callable[[BaseException], None], limit_s: float, max_queued: int | None) -> None:
         self.index, self._entry = index, entry
-        self._run_iteration, self._delivery = run_iteration, delivery
-        self._record, self._on_failure = record, on_failure
+        self._pipeline, self._delivery, self._on_failure = pipeline, delivery, on_failure
         self.policy = entry.admission(batching)
         if not isinstance(self.policy, AdmissionPolicy):
             raise TypeError(f"plugin {entry.display_name()}: admission(batching) must return a policy with "
@@ -76,7 +72,8 @@ class IterationLoop(IterationControl):
         self.limit_s, self.max_queued = limit_s, max_queued
         self.default_deadline_s = batching.default_deadline_s  # orders a request without its own deadline
         self._cond = threading.Condition()
-        self._init_control(batching.cache_after_update == "recompute")
+        self.control = IterationControl(index, self._cond, self,
+                                        recompute_after_update=batching.cache_after_update == "recompute")
         self._waiting: deque[LoopSequence] = deque()  # in admission order (ledger.enqueue); left ones stay "done"
         self._n_waiting = 0  # sequences in `_waiting` still waiting
         self._running: dict[int, LoopSequence] = {}
@@ -109,15 +106,15 @@ class IterationLoop(IterationControl):
             steps = (planned_steps(sequences, self._entry.display_name()) or 0) + 1  # (it is never failed then)
             req.order = min(req.order, req.submitted + self.default_deadline_s - steps * self.service.estimate())
         future.work = req
-        if deadline is not None and self._refusal is None:  # finish-by: a hopeless request never waits
+        if deadline is not None and self.control.refusal is None:  # finish-by: a hopeless request never waits
             req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
             missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
             if missed is not None:
-                self._settle([(req, None, missed)])
+                self.settle([(req, None, missed)])
                 return future
         with self._cond:
-            if self._refusal is not None:
-                raise self._refusal()
+            if self.control.refusal is not None:
+                raise self.control.refusal()
             queued = self._queued
             if self.max_queued is not None and queued >= self.max_queued:
                 raise overloaded(self.index, queued, self.max_queued, f"{len(self._running)} running sequence(s) "
@@ -132,17 +129,15 @@ class IterationLoop(IterationControl):
             if deadline is not None:
                 self._deadlines.push(req)
             self._n_waiting += len(req.seqs)
-            self._wake()
+            self.wake()
         return future
 
     def submit_stream(self, request: Any, max_buffered: int, deadline: float | None = None
                       ) -> tuple[EngineFuture, LocalReader]:
         """A streamed request: one chunk per iteration that gave any of its sequences a token,
-        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}. `deadline`: its first
-        chunk must come by then (monotonic), else it is dropped and answered DeadlineMissedError. The loop never
-        waits for a reader: once `max_buffered` chunks wait unread, the next ones fold into the last
-        (a sequence's entry becomes the list of its tokens), so a slow reader holds up no other
-        sequence and the buffer stays `max_buffered` chunks long."""
+        {"index": k, "token_ids": [id or None per sequence], "log_probs": [...]}; its first chunk by
+        `deadline` (monotonic), else DeadlineMissedError. Past `max_buffered` unread chunks the next fold
+        into the last (a sequence's entry becomes its token list): a slow reader holds up no one."""
         sink = ChunkSink(max_buffered=max_buffered, merge=merge_stream_chunks)
         future = self.submit(request, sink, deadline=deadline)
         return future, LocalReader(sink, future)
@@ -153,7 +148,7 @@ class IterationLoop(IterationControl):
 
     def has_room(self) -> bool:
         with self._cond:
-            return self._refusal is None and (self.max_queued is None or self._queued < self.max_queued)
+            return self.control.refusal is None and (self.max_queued is None or self._queued < self.max_queued)
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
@@ -172,10 +167,10 @@ class IterationLoop(IterationControl):
         with self._cond:
             req = future.work
             if req in self._requests:
-                self._forget(req)
-                self._wake()
+                self.forget(req)
+                self.wake()
 
-    def _forget(self, req: LoopRequest) -> None:
+    def forget(self, req: LoopRequest) -> None:
         """Lock held: remove the request's sequences; running ones are dropped at the ranks next iteration."""
         if self._requests.pop(req, 0) is None and not req.admitted:
             self._queued -= 1
@@ -190,7 +185,7 @@ class IterationLoop(IterationControl):
         if len(self._waiting) > 2 * self._n_waiting + _COMPACT_SLACK:  # ...or until the left ones outnumber
             self._waiting = deque(s for s in self._waiting if s.state == "waiting")  # it (held: no planner)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Lock held: make the loop's thread look again (start it if it ended)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"phyai-iterations-{self.index}", daemon=True)
@@ -214,7 +209,7 @@ class IterationLoop(IterationControl):
         while True:
             settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
             with self._cond:
-                if self._refusal is not None:
+                if self.control.refusal is not None:
                     self._thread = None
                     return
                 now = time.monotonic()
@@ -229,20 +224,21 @@ class IterationLoop(IterationControl):
                     self._cond.wait(timeout=max(min(self._next_wake() - now, _TICK_S), 0.001))
                     continue
                 if plan is not None:
-                    self._in_flight = True
-            self._settle(settle)
+                    self.control.in_flight = True
+            self.settle(settle)
             if plan is not None:
                 self._iterate(plan)
                 idle_since = time.monotonic()
 
     def _can_iterate(self) -> bool:
-        return not self._held and bool(self._running or self._to_drop or (self._n_waiting and self._admitting))
+        control = self.control
+        return not control.held and bool(self._running or self._to_drop or (self._n_waiting and control.admitting))
 
     def _plan(self, settle: list) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
         """Lock held: this iteration's drops, rebuilds and admissions (refused requests go to `settle`)."""
         drop, self._to_drop = tuple(self._to_drop), []
         rebuild = [s for s in self._running.values() if s.stale]
-        admitted = self._admit(settle) if self._n_waiting and self._admitting else []
+        admitted = self._admit(settle) if self._n_waiting and self.control.admitting else []
         for seq in admitted:
             seq.request.future.batch_size = len(self._running)
         plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
@@ -264,7 +260,7 @@ class IterationLoop(IterationControl):
             if req.deadline is not None and not req.admitted:
                 missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
                 if missed is not None:
-                    self._forget(req)  # its sequences are "done" now: the next turns pop them
+                    self.forget(req)  # its sequences are "done" now: the next turns pop them
                     settle.append((req, None, missed))
                     continue
             if not self.policy.admit(seq.candidate()):
@@ -286,14 +282,14 @@ class IterationLoop(IterationControl):
         plan, admitted, rebuild = formed
         now = time.monotonic()
         try:
-            future = self._run_iteration(plan)
+            future = self._pipeline.run_iteration(plan)
             deltas = future.result(timeout=self.limit_s + _REPLY_GRACE_S)
             error = None
         except BaseException as exc:  # the replica failed (its error), or the plugin raised (inline)
             deltas, error, future = None, exc, None
         settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
         with self._cond:
-            self._in_flight = False
+            self.control.in_flight = False
             self.iterations += 1
             end = time.monotonic()
             prev, self._last_end = self._last_end, end
@@ -307,9 +303,9 @@ class IterationLoop(IterationControl):
                     seq.cache_version, seq.stale = version, False
                 size = len(self._running)
                 settle = self._apply(deltas or {}, version)
-                self._record(size, [now - s.request.submitted for s in admitted])
+                self._pipeline.record(size, [now - s.request.submitted for s in admitted])
             self._cond.notify_all()
-        self._settle(settle)
+        self.settle(settle)
 
     def _apply(self, deltas: dict[int, Delta], version: Any) -> list:
         """Lock held: add every sequence's new tokens or value; the requests that ended, to settle."""
@@ -337,23 +333,14 @@ class IterationLoop(IterationControl):
 
     def _ended(self, req: LoopRequest) -> tuple:
         """A request whose sequences all ended: its gathered result, or the missed error (fail closed)."""
-        return (req, *self._fail_closed(req, GATHER, None))
-
-    def _fail_closed(self, req: LoopRequest, value: Any, error: BaseException | None) -> tuple:
-        """late="drop": a result gathered past its deadline is replaced by the missed error, decided as
-        it is delivered (a deadline that falls while `gather` runs is not met)."""
-        now = time.monotonic()
-        if error is None and req.late == "drop" and req.deadline is not None and req.deadline <= now:
-            return None, deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
-                                         late_result=True)
-        return value, error
+        return (req, *fail_closed(self.index, req, GATHER, None))
 
     def _fail_running(self, error: BaseException) -> list:
         """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
         drop them all at the next iteration (their state after a failed iteration is unknown)."""
         failed = {id(s.request): s.request for s in self._running.values()}
         for req in failed.values():
-            self._forget(req)
+            self.forget(req)
         return [(req, None, error) for req in failed.values()]
 
     def _expire(self, now: float) -> list:
@@ -362,14 +349,14 @@ class IterationLoop(IterationControl):
         missed = []
         for req in self._deadlines.due(now):  # only requests still owing what their deadline asks for
             if req in self._requests:
-                self._forget(req)  # a running one (late="drop", a stream): its sequences leave next iteration
+                self.forget(req)  # a running one (late="drop", a stream): its sequences leave next iteration
                 error = first_chunk_missed(self.index, req, now) if req.admitted and req.until == "chunk" else \
                     deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
                                     late_result=req.admitted)
                 missed.append((req, None, error))
         expired = list(itertools.takewhile(lambda r: r.expires <= now, self._requests))
         for req in expired:
-            self._forget(req)
+            self.forget(req)
         return missed + [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
                                                "its sequences were dropped at the next iteration" if req.admitted
                                                else "it never got a sequence slot", dispatched=req.admitted))
@@ -379,21 +366,35 @@ class IterationLoop(IterationControl):
         """When the next request expires or reaches its own deadline (monotonic)."""
         return min(next((r.expires for r in self._requests), float("inf")), self._deadlines.next())
 
-    def _settle(self, items: list) -> None:
-        """Resolve futures and close streams, outside the lock (callbacks go to the delivery thread);
-        a GATHER value is the request's result, gathered here (Entry.gather is plugin code)."""
-        for req, value, error in items:
-            if value is GATHER:
-                try:
-                    value = self._entry.gather(req.payload, [s.output() for s in req.seqs])
-                except Exception as exc:  # the plugin's gather failed: this request fails with it
-                    value, error = None, exc
-                value, error = self._fail_closed(req, value, error)
-            if value is not None:  # before the result: a waiter reads it as soon as it wakes
-                req.future.weight_version = max((s.version for s in req.seqs if s.tokens or s.value is not None),
-                                                default=None, key=version_order)
-            self.tally.settle(req.future, value, error)
-            if req.sink is not None:
-                if value is not None and req.chunks and not any(s.tokens for s in req.seqs):
-                    req.sink.put_last(value)  # a value stream that reported progress ends with its result
-                req.sink.close()
+    # -- what its control part asks (iteration_control.LoopBooks) -----------------------------
+    def settle(self, items: list) -> None:
+        """Resolve (request, value, error) items outside the lock (sequences.settle)."""
+        settle(self.index, self._entry, self.tally, items)
+
+    def requests(self) -> list[LoopRequest]:
+        return list(self._requests)
+
+    def running_sequences(self) -> Collection[LoopSequence]:
+        return self._running.values()
+
+    def has_work(self) -> bool:
+        return bool(self._requests or self._to_drop)
+
+    def clear(self) -> list[LoopRequest]:
+        """Lock held: empty the books (the replica stopped); the requests they held."""
+        left = list(self._requests)
+        self._requests.clear()
+        self._queued = self._n_waiting = 0
+        self._waiting.clear()
+        self._running.clear()
+        self._deadlines.clear()
+        return left
+
+    def quiesce(self, op: str, mode: str, deadline: float) -> int:
+        return self.control.quiesce(op, mode, deadline)
+
+    def release(self, version: Any) -> None:
+        self.control.release(version)
+
+    def stop(self, refusal: Callable[[], BaseException], *, cancel_waiting: bool = False) -> None:
+        self.control.stop(refusal, cancel_waiting=cancel_waiting)

@@ -1,14 +1,16 @@
 """What both request queues of a replica share: outcomes, exact tallies, and the errors of a full
 queue and of a passed deadline.
 
-    ReplicaScheduler  (scheduler.py)   requests as steps or batches of steps
-    IterationLoop     (iterations.py)  requests as sequences of the continuous-batching loop
+    StepQueue + RankPipeline (queues.py, pipeline.py)   requests as steps or batches of steps
+    IterationLoop            (iterations.py)            requests as sequences of the continuous-batching loop
 
     Counts                               queued / dispatched / served / errored of one replica
     tally.settle(future, value, error)   resolve once; a request counts as served or errored once
     overloaded(index, queued, limit, behind)          EngineOverloadedError naming the bounds
     timed_out(index, waited_s, limit, where, ...)     RequestTimeoutError saying where it was
     deadline_missed(index, waited_s, given_s)         DeadlineMissedError: its own deadline passed first
+    missed_error(index, work, now, service_s)         the same, for a `Work` that was not run
+    timeout_error(index, work, now)                   RequestTimeoutError of a `Work`, queued or dispatched
     enqueue(queue, item, edf)                         arrival order, or earliest deadline first
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phyai_ray.errors import DeadlineMissedError, EngineOverloadedError, RequestTimeoutError
+from phyai_ray.work import CALL
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,21 @@ def deadline_missed(index: int, waited_s: float, given_s: float | None, service_
                 "Give it a later deadline, or add replicas or lower the load")
     return DeadlineMissedError(f"replica {index}: the request's deadline ({given}) {what}",
                                replica=index, waited_s=waited_s, deadline_s=given_s)
+
+
+def missed_error(index: int, work: Any, now: float, service_s: float) -> DeadlineMissedError:
+    """A request that was not run: its deadline passed, or comes before the recent step time `service_s`."""
+    return deadline_missed(index, now - work.submitted, work.deadline - work.submitted,
+                           service_s if work.deadline > now else 0.0)
+
+
+def timeout_error(index: int, work: Any, now: float) -> RequestTimeoutError:
+    """A request (or collective_rpc) past its limit, queued or dispatched."""
+    where = ("it was still queued and never reached a rank" if work.dispatched is None else
+             "it had been dispatched to the ranks, which finish it but its result is dropped")
+    what = "collective_rpc timeout" if work.kind == CALL else "execution_timeout_s"
+    return timed_out(index, now - work.submitted, work.limit_s, where, dispatched=work.dispatched is not None,
+                     what=what)
 
 
 def enqueue(queue: deque, item: Any, edf: bool) -> None:

@@ -1,16 +1,19 @@
-"""The two narrow contracts of a replica: what the engine uses (`Replica`) and what a replica asks of its
-ranks (`RankTransport`).
+"""The two narrow contracts of a replica: what the engine uses (`Replica`) and what a replica asks of the
+executor that runs its ranks (`Executor`).
 
-    Engine / RequestDispatcher --Replica--> ScheduledReplica (base.py) --RankTransport--> the ranks
-                                            owns: queue (StepQueue or IterationLoop),    inline:   this process
-                                                  scheduler, lifecycle (control.py),      torchrun: launcher ranks
-                                                  a RankTransport                         ray:      actors/transport.py
+    Engine / RequestDispatcher --Replica--> ScheduledReplica (base.py) --Executor--> the ranks
+                                            owns: request queue (StepQueue or        InlineExecutor:   this process
+                                                  IterationLoop), rank pipeline,      ExternalExecutor: launcher ranks
+                                                  deadline clock, lifecycle,          RayExecutor:      Ray actors
+                                                  an Executor                         (actors/ray_executor.py)
 
-`Engine` and the dispatcher touch a replica only through `Replica` (tests/test_replica_contract.py
-reads their source to hold them to it), so a replica that schedules itself, with no scheduler and
-no queue of ours, plugs in as any object with these members (a backend returns it: backends.py).
+The vocabulary is the seed's and vLLM's: the thing that runs a replica's ranks is an executor
+(inline.py, external.py, and the Ray one in actors/). `Engine` and the dispatcher touch a replica
+only through `Replica` (tests/test_replica_contract.py reads their source to hold them to it), so a
+replica that schedules itself, with no queue or pipeline of ours, plugs in as any object with these
+members (a backend returns it: backends.py).
 
-A transport never calls up into a base class: the replica hands it a `ReplicaLink` (where replies
+An executor never calls up into the replica: the replica hands it a `ReplicaLink` (where replies
 go, how to fail the replica) once, and calls it for everything else.
 """
 
@@ -111,12 +114,12 @@ class Replica(Protocol):
 
 @dataclass(frozen=True)
 class ReplicaLink:
-    """What a transport may call on its replica: where replies go and how a dead rank fails it.
+    """What an executor may call on its replica: where replies go and how a dead rank fails it.
 
     `deliver(work, value=None, error=None)` resolves a work's future, `finished(work)` frees its slot
     (every rank is done), `complete` is both at once (one rank); `fail(error)` is the replica's one
     failure path; `failure()` is None while the replica is healthy; `batching()` says whether requests
-    are batched (a transport that runs steps itself then runs a lone step as a batch of one)."""
+    are batched (an executor that runs steps itself then runs a lone step as a batch of one)."""
 
     deliver: Callable[..., None]
     finished: Callable[[Work], None]
@@ -127,8 +130,8 @@ class ReplicaLink:
     batching: Callable[[], bool]
 
 
-class RankTransport(Protocol):
-    """How a `ScheduledReplica` reaches its ranks: one object per replica, called in one direction.
+class Executor(Protocol):
+    """What runs a `ScheduledReplica`'s ranks: one object per replica, called in one direction.
 
     Attributes: `name` ("inline", "torchrun", or the Ray lane: "ipc", "compiled", "actor_calls"),
     `world_size`, `batchable` / `iterative` (every rank's model has step_batch / the iteration
@@ -146,7 +149,7 @@ class RankTransport(Protocol):
     lockstep: bool
 
     def bind(self, link: ReplicaLink) -> None:
-        """Once, before any work: where replies go. A transport may start its health checks here."""
+        """Once, before any work: where replies go. An executor may start its health checks here."""
 
     def prepare(self, payload: Any) -> Any:
         """Serialize once, in the caller's thread, before a slot is taken (a bad payload loses nothing)."""

@@ -9,6 +9,7 @@
     Deadlines       the heap of the requests' own deadlines; a request leaves it when its deadline is
                     no longer owed (it got a slot, its first chunk, or it ended), so it stays small
     finish_by_miss  the DeadlineMissedError of a request whose estimate says it cannot meet its deadline
+    settle          resolve ended requests outside the loop's lock: gather (GATHER), fail closed, close streams
 
 What a request's own deadline asks for (`LoopRequest.until`) and the estimate admission checks
 (`LoopRequest.steps` iterations x the loop's recent iteration time, from now):
@@ -29,11 +30,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from phyai_ray.errors import DeadlineMissedError
+from phyai_ray.executors.ledger import Tally, deadline_missed
 from phyai_ray.executors.futures import EngineFuture
-from phyai_ray.outputs import TokenOutput, token_chunk
+from phyai_ray.outputs import TokenOutput, token_chunk, version_order
 from phyai_ray.plugins.iteration import Candidate, Delta
 from phyai_ray.streams import ChunkSink
 
+GATHER = object()  # a settled request whose result is still to be gathered (outside the lock)
 _HEAP_SLACK = 64  # left entries the deadline heap may hold beyond its live ones
 _candidate = tuple.__new__  # Candidate(*fields) without the keyword handling: the loop makes one per running
 #                             sequence per plan while a sequence waits (0.2 us instead of 0.6 us each)
@@ -248,3 +251,32 @@ def first_chunk_missed(index: int, req: LoopRequest, now: float) -> DeadlineMiss
         f"replica {index}: the stream's deadline ({given * 1e3:.1f} ms) passed after {waited * 1e3:.1f} ms, before "
         "its first chunk; the stream was dropped. Give it a later deadline, or add replicas or lower the load",
         replica=index, waited_s=waited, deadline_s=given)
+
+
+def fail_closed(index: int, req: LoopRequest, value: Any, error: BaseException | None) -> tuple:
+    """late="drop": a result gathered past its deadline is replaced by the missed error, decided as
+    it is delivered (a deadline that falls while `gather` runs is not met)."""
+    now = time.monotonic()
+    if error is None and req.late == "drop" and req.deadline is not None and req.deadline <= now:
+        return None, deadline_missed(index, now - req.submitted, req.deadline - req.submitted, late_result=True)
+    return value, error
+
+
+def settle(index: int, entry: Any, tally: Tally, items: list) -> None:
+    """Resolve futures and close streams, outside the loop's lock (callbacks go to the delivery thread);
+    a GATHER value is the request's result, gathered here (`entry.gather` is plugin code)."""
+    for req, value, error in items:
+        if value is GATHER:
+            try:
+                value = entry.gather(req.payload, [s.output() for s in req.seqs])
+            except Exception as exc:  # the plugin's gather failed: this request fails with it
+                value, error = None, exc
+            value, error = fail_closed(index, req, value, error)
+        if value is not None:  # before the result: a waiter reads it as soon as it wakes
+            req.future.weight_version = max((s.version for s in req.seqs if s.tokens or s.value is not None),
+                                            default=None, key=version_order)
+        tally.settle(req.future, value, error)
+        if req.sink is not None:
+            if value is not None and req.chunks and not any(s.tokens for s in req.seqs):
+                req.sink.put_last(value)  # a value stream that reported progress ends with its result
+            req.sink.close()

@@ -8,7 +8,7 @@
 forms, so the median is taken when asked (and kept until the next record), never per step.
 
 A request with its own deadline starts only if `now + estimate()` is before that deadline
-(scheduler.py, iterations.py): work that cannot finish in time is answered DeadlineMissedError at
+(queues.py, iterations.py): work that cannot finish in time is answered DeadlineMissedError at
 once instead of taking a slot that a request able to finish needs. The median of a short recent
 window follows a change of load (batch sizes, a weight update) within a few steps, and one slow
 outlier (a garbage collection, a first compile) does not move it. Pure: no threads, no clock.

@@ -16,7 +16,8 @@
     wake_up() after sleep(level=2)    refused (`ReplicaStateError`) until an update refilled every
                                       weight the sleep dropped: "load weights first"
 
-Mixed into `ReplicaControl`, which calls these under its control lock.
+A collaborator of `ReplicaControl` (control.py), which builds it with what it uses and calls it
+under its control lock.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, WeightUpdateRefusedError
 
@@ -49,9 +50,22 @@ class _Update:
 
 
 class WeightUpdates:
-    """The weight-update half of a replica's state machine (see the module docstring)."""
+    """The weight-update phases of one replica's state machine (see the module docstring).
 
-    def _update_weights(self, buckets: tuple, deadline: float) -> list:
+    Given by its `ReplicaControl`: the replica's `life` (its `_Lifecycle` record: state, the states to
+    return to, the update in progress), `fan_out(op, args, deadline)` (a control op on every rank;
+    fails the replica if a rank fails), `fail(error)`, `restore_dispatch()` (serve again when back in
+    SERVING), `failure()`, `weight_version()` and the control lock (the lease's timer takes it)."""
+
+    def __init__(self, index: int, life: Any, *, fan_out: Callable[[str, tuple, float], list],
+                 fail: Callable[[EngineUnavailableError], None], restore_dispatch: Callable[[], None],
+                 failure: Callable[[], EngineUnavailableError | None], weight_version: Callable[[], Any],
+                 control_lock: threading.Lock) -> None:
+        self.index, self._life, self._fan_out, self._fail = index, life, fan_out, fail
+        self._restore_dispatch, self._failure, self._weight_version = restore_dispatch, failure, weight_version
+        self._control_lock = control_lock
+
+    def update_weights(self, buckets: tuple, deadline: float) -> list:
         """Check on every rank, then load, or refuse with nothing changed."""
         update = self._life.update
         if not buckets:
@@ -80,16 +94,16 @@ class WeightUpdates:
                 "mixed weights", reason="exception", replica=self.index)
             self._fail(error)
             raise error
-        self._end_update()
+        self.end_update()
         self._restore_dispatch()
         raise WeightUpdateRefusedError(
             f"replica {self.index} refused the weight update to version {update.version!r}: {listed}. Nothing was "
-            f"changed: it serves version {self.weight_version!r} with its previous weights ({self._life.state.value}); "
+            f"changed: it serves version {self._weight_version()!r} with its previous weights ({self._life.state.value}); "
             "send tensors named and shaped as the model's weights, in its dtypes, in a new update",
-            replica=self.index, version=update.version, serving_version=self.weight_version,
+            replica=self.index, version=update.version, serving_version=self._weight_version(),
             problems=tuple(problems))
 
-    def _check_update_complete(self) -> None:
+    def check_complete(self) -> None:
         update = self._life.update
         if update is None or not update.complete:
             raise ReplicaStateError(
@@ -98,7 +112,7 @@ class WeightUpdates:
                 "the replica to its previous state and version if none arrive)", replica=self.index,
                 state=self._life.state.value, op="finish_weight_update")
 
-    def _check_weights_loaded(self, tags: Any, deadline: float) -> None:
+    def check_weights_loaded(self, tags: Any, deadline: float) -> None:
         """wake_up after sleep(level=2): every dropped weight must have been loaded again."""
         if not self._life.weights_dropped or (tags is not None and "weights" not in tags):
             return
@@ -112,11 +126,11 @@ class WeightUpdates:
         self._life.weights_dropped = False
 
     # -- the lease -----------------------------------------------------------------------------------
-    def _start_lease(self, version: Any, lease_s: float) -> None:
+    def start_lease(self, version: Any, lease_s: float) -> None:
         self._life.update = _Update(version, float(lease_s))
-        self._renew_lease()
+        self.renew_lease()
 
-    def _renew_lease(self) -> None:
+    def renew_lease(self) -> None:
         update = self._life.update
         if update.timer is not None:
             update.timer.cancel()
@@ -125,7 +139,7 @@ class WeightUpdates:
         update.timer.name, update.timer.daemon = f"phyai-replica-{self.index}-lease", True
         update.timer.start()
 
-    def _end_update(self) -> None:
+    def end_update(self) -> None:
         """The update is over (finished, refused, or its lease returned the replica): leave UPDATING."""
         life = self._life
         if life.update is not None and life.update.timer is not None:
@@ -139,15 +153,15 @@ class WeightUpdates:
             self._fail(self._lease_error(update, "and a control call held the replica past it"))
             return
         try:
-            if self._life.update is not update or self.failure is not None or time.monotonic() < update.expires:
+            if self._life.update is not update or self._failure() is not None or time.monotonic() < update.expires:
                 return  # finished, refused, renewed or failed meanwhile
             if update.touched:
                 self._fail(self._lease_error(update, "after part of it was sent"))
                 return
             logger.warning("replica %d: the weight update to version %r received nothing within its lease of %.1fs; "
                            "back to %s at version %r", self.index, update.version, update.lease_s,
-                           self._life.before[-1].value, self.weight_version)
-            self._end_update()
+                           self._life.before[-1].value, self._weight_version())
+            self.end_update()
             self._restore_dispatch()
         finally:
             self._control_lock.release()
