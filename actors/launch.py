@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from actors.placement_groups import alive_nodes, node_targets
-from actors.replica import RayTransport
+from actors.ray_executor import RayExecutor
 from actors.startup import ensure_ray
 from phyai_ray.errors import DeploymentConfigError
 from phyai_ray.executors.base import ScheduledReplica
@@ -49,16 +49,16 @@ def _plan(mode: str, args: Any, deployment: Any) -> tuple[str, list, list]:
 
 def _replica(plan: Any, *, entry: Any, args: Any, deployment: Any, device_type: str, target_node: str | None,
              deadline: float) -> ScheduledReplica:
-    """One replica: its Ray ranks, started, then the queue, scheduler and lifecycle around them."""
-    ranks = RayTransport(plan, entry=entry, args=args, deployment=deployment, device_type=device_type,
-                         target_node=target_node, deadline=deadline)
+    """One replica: its Ray executor (ranks started), then the queue, scheduler and lifecycle around it."""
+    executor = RayExecutor(plan, entry=entry, args=args, deployment=deployment, device_type=device_type,
+                           target_node=target_node, deadline=deadline)
     proc = deployment.process_config
     try:
-        return ScheduledReplica(ranks, index=plan.index, max_ongoing=proc.max_ongoing_requests,
+        return ScheduledReplica(executor, index=plan.index, max_ongoing=proc.max_ongoing_requests,
                                 max_queued=proc.max_queued_requests, step_limit_s=proc.execution_timeout_s,
                                 batching=deployment.batching, entry=entry)
     except BaseException:
-        ranks.close(drain=False)
+        executor.close(drain=False)
         raise
 
 
@@ -78,8 +78,8 @@ def start_replicas(mode: str, entry: Any, args: Any, deployment: Any) -> list[Sc
         except BaseException as exc:
             errors.append(exc)
     if errors:
-        for executor in started:
-            executor.close()
+        for replica in started:
+            replica.close()
         raise errors[0]
     return started
 
@@ -89,7 +89,7 @@ def start_replica(index: int, mode: str, entry: Any, args: Any, deployment: Any)
     device_type, plans, targets = _plan(mode, args, deployment)
     deadline = time.monotonic() + deployment.process_config.startup_timeout_s
     return _replica(plans[index], entry=entry, args=args, deployment=deployment, device_type=device_type,
-                              target_node=targets[index], deadline=deadline)
+                    target_node=targets[index], deadline=deadline)
 
 
 def register() -> None:

@@ -39,7 +39,7 @@ CONCURRENCY_GROUPS = {CONTROL: 4}
 
 
 class RankActor:
-    """A rank worker; made remote by `actors.replica` with placement and resource options."""
+    """A rank worker; made remote by `actors.rank_group` with placement and resource options."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phyai-rank")

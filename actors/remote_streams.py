@@ -18,7 +18,7 @@ class RemoteReader:
 
     def __init__(self, executor: Any, work: Any) -> None:
         self.executor, self.work = executor, work
-        self._sink = executor.actor(executor._output_rank)
+        self._sink = executor.actor(executor.output_rank)
 
     def read(self, timeout_s: float) -> tuple[list, bool]:
         if self.work.future.cancelled():

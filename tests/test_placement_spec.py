@@ -54,7 +54,7 @@ def test_replica_runs_in_the_owners_bundles_and_leaves_the_group(ray_session):
         with Engine(_args(2), deployment) as engine:
             x = torch.randn(3, 8)
             torch.testing.assert_close(engine.step({"x": x}), reference(x))
-            assert {i.placement_group_id for i in engine._executors[0].ranks._infos} == {pg.id.hex()}
+            assert {i.placement_group_id for i in engine._executors[0].ranks.group.infos} == {pg.id.hex()}
         state = ray.util.placement_group_table(pg)["state"]
         assert state == "CREATED"  # the owner's group stays; only our ranks are gone
         assert not [a for a in live_actors() if "Rank" in (a.get("ActorClassName") or "")]

@@ -22,7 +22,7 @@ def test_a_stream_left_early_leaves_no_buffer_on_the_output_rank(ray_session):
                       config=EngineConfig(device=DeviceConfig(target="cpu"), parallel=parallel))
     with Engine(args, DeploymentConfig(mode="local", cpus_per_rank=0.5)) as engine:
         executor = engine._executors[0]
-        output = executor.ranks.actor(executor.ranks._output_rank)
+        output = executor.ranks.actor(executor.ranks.output_rank)
         held = lambda: ray.get(output.__ray_call__.remote(lambda rank: len(rank._streams)), timeout=10)  # noqa: E731
         for _ in range(3):
             chunks = engine.stream({"prompts": [[1, 2, 3]], "max_tokens": 200})

@@ -1,6 +1,13 @@
-"""`RayTransport`: a replica's ranks as one placement group of rank actors forming a process group.
+"""`RayExecutor`: a replica's ranks as one placement group of rank actors forming a process group.
 
-    replica = ScheduledReplica(RayTransport(plan, ...), index=plan.index, ...)   (actors/launch.py)
+    replica = ScheduledReplica(RayExecutor(plan, ...), index=plan.index, ...)   (actors/launch.py)
+
+The executor of a Ray replica (vLLM's and the design's word: what runs a replica's ranks; the inline
+and external ones live in phyai_ray/executors/). It is three parts, each given what it uses:
+
+    RankGroup   actors/rank_group.py    the placement group and rank actors; how they start; the lane
+    RankHealth  actors/rank_health.py   dead and stuck ranks, the errors that name them
+    RayExecutor here                    sending work, reading replies, control ops, teardown
 
 Request path (`WorkerSupervisorConfig.request_transport`). Same-node sockets (`auto` picks them
 where every rank is on the engine's node): `actors.ipc.IpcLane` writes each dispatched request,
@@ -20,17 +27,15 @@ Fail-fast: a rank that dies (noticed by its pending replies or a ping on the con
 `liveness_interval_s`), raises, replies malformed, runs one request past its limit, or cannot be
 sent a request fails the whole replica: it is marked unavailable first, every queued and
 dispatched request fails with `EngineUnavailableError` naming the cause, then every rank is killed
-and the placement group removed. Nothing is retried or restarted here.
+and the placement group removed. Nothing is retried or restarted here. Every part reports a failure
+through `_fail`, the one failure path.
 
-The transport owns its ranks; the replica (phyai_ray/executors/base.py) owns the queue, the scheduler
-and the lifecycle, and hears back only through the `ReplicaLink` it binds. Here: sending work and
-reading replies. How the ranks start: `replica_start.py`; how a dead or stuck rank is noticed and
-named: `replica_health.py` (both parts of this transport); the lanes: `lane.py`.
+The executor owns its ranks; the replica (phyai_ray/executors/base.py) owns the queue, the scheduler
+and the lifecycle, and hears back only through the `ReplicaLink` it binds.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,18 +47,15 @@ from actors import fetch
 from actors.compiled import CompiledLane
 from actors.ipc import IpcLane
 from actors.lane import ActorCallLane
-from actors.placement_groups import remove_group
 from actors.protocol import ERROR, MISSING, LaneRequest, RankReply
+from actors.rank_group import LaneReplies, RankGroup, open_lane, start_group
+from actors.rank_health import RankHealth
 from actors.remote_streams import RemoteReader
-from actors.replica_health import ReplicaHealth
-from actors.replica_start import ReplicaStartup
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.work import BATCH, CALL, Work
 from placement.bundles import ReplicaPlan
 from placement.topology import Topology
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,37 +67,46 @@ class _Sent:
     replies: dict[int, RankReply] = field(default_factory=dict)
 
 
-class RayTransport(ReplicaStartup, ReplicaHealth):
-    """The ranks of one replica as Ray actors in one placement group (a `RankTransport`)."""
+class RayExecutor:
+    """The ranks of one replica as Ray actors in one placement group (an `Executor`)."""
 
     runs_here = False
     lockstep = False
 
     def __init__(self, plan: ReplicaPlan, *, entry: Any, args: Any, deployment: Any, device_type: str,
                  target_node: str | None, deadline: float) -> None:
-        self._proc = deployment.process_config
+        proc = deployment.process_config
         self.index, self.world_size = plan.index, plan.world_size
+        self.output_rank = Topology.from_parallel(args.config.parallel).output_rank
         self._link: ReplicaLink | None = None
-        self._output_rank = Topology.from_parallel(args.config.parallel).output_rank
+        self.group = RankGroup(plan.index)  # filled in as the ranks start: a failed start releases what is there
+        self.health = RankHealth(self.group, interval_s=proc.liveness_interval_s, fail=self._fail,
+                                 failed=lambda: self._failure is not None)
         self._teardown_lock = threading.Lock()
         self._seq = 0
-        self._pg, self._actors, self._infos = None, [], []
-        self._owned_pg = True  # False when the ranks run in a placement group someone else owns
         self._torn_down = False
-        self._stop = threading.Event()
         self._lane: IpcLane | CompiledLane | ActorCallLane | None = None  # set once the ranks are up
         try:
-            self._start(plan, entry, args, deployment, device_type, target_node, deadline)
-            self._lane = self._request_lane(deadline)
+            start_group(self.group, plan, entry=entry, args=args, deployment=deployment, device_type=device_type,
+                        target_node=target_node, deadline=deadline)
+            self._lane = open_lane(self.group, proc, deadline, self._lane_replies())
         except BaseException:
             self._teardown()
             raise
-        self.batchable, self.iterative = self._batchable, self._iterative
+        self.batchable, self.iterative = self.group.batchable, self.group.iterative
+
+    def _lane_replies(self) -> LaneReplies:
+        """Where the lane hands replies (here) and broken ranks (to health, which names them)."""
+        return LaneReplies(
+            on_reply=self._on_lane_reply, on_replies=self._on_compiled_replies, on_unsent=self._on_unsent,
+            on_socket_broken=self.health.on_socket_broken, on_lane_broken=self.health.on_lane_broken,
+            on_rank_error=lambda rank, exc: self._fail(self.health.rank_error(rank, exc)),
+            on_send_failed=lambda rank, exc: self._fail(self.health.send_error(rank, exc)))
 
     def bind(self, link: ReplicaLink) -> None:
         """Where replies go; the liveness pings start now."""
         self._link = link
-        threading.Thread(target=self._liveness_loop, name=f"phyai-replica-{self.index}-liveness", daemon=True).start()
+        self.health.watch()
 
     @property
     def name(self) -> str:
@@ -113,7 +124,7 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
         return self._failure is None
 
     def _fail(self, error: Any) -> None:
-        """Fail the replica (its one failure path); before it is bound, only release the ranks."""
+        """Fail the replica (the one failure path of every part); before it is bound, only release the ranks."""
         if self._link is not None:
             self._link.fail(error)
         else:
@@ -144,7 +155,7 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
         if work.launched is not None:  # a stream's reader waits for it (see stream)
             work.launched.set()
         reply_ranks = frozenset(range(self.world_size)) if work.kind == CALL and work.all_ranks else \
-            frozenset((self._output_rank,))
+            frozenset((self.output_rank,))
         window = min(self._lane.in_flight + 1, self._lane.capacity)
         self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
 
@@ -182,16 +193,16 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
     def _on_envelope(self, work: Work, rank: int, envelope: Any) -> None:
         sent: _Sent = work.state
         if isinstance(envelope, RankReply) and envelope.status == ERROR and envelope.matches(sent.seq, rank):
-            self._fail(self._rank_error(rank, envelope.value))
+            self._fail(self.health.rank_error(rank, envelope.value))
             return
         if not isinstance(envelope, RankReply) or not envelope.matches(sent.seq, rank):
             self._fail(EngineUnavailableError(
                 f"replica {self.index} rank {rank} sent a malformed reply to request {sent.seq}: {envelope!r:.200}",
-                reason="malformed", replica=self.index, rank=rank, node=self._node(rank)))
+                reason="malformed", replica=self.index, rank=rank, node=self.group.node(rank)))
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind != CALL and rank == self._output_rank:
+        if work.kind != CALL and rank == self.output_rank:
             self._link.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == CALL:
@@ -206,19 +217,20 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
         elif work.all_ranks:
             self._link.deliver(work, [sent.replies[r].value for r in ranks])
         else:
-            self._link.deliver(work, sent.replies[self._output_rank].value)
+            self._link.deliver(work, sent.replies[self.output_rank].value)
 
     def control(self, op: str, args: tuple, timeout_s: float) -> Future:
         """Run control op `op` on every rank's control lane (a thread gathers the replies)."""
         refs = [actor.control.remote(op, rank_args(op, args, rank, self.world_size))
-                for rank, actor in enumerate(self._actors)]
+                for rank, actor in enumerate(self.group.actors)]
         future: Future = Future()
 
         def gather() -> None:
             try:
                 future.set_result(fetch.get(refs, timeout=timeout_s))
             except ray.exceptions.GetTimeoutError:
-                future.set_exception(TimeoutError(f"control op {op!r} got no reply from every rank in {timeout_s:.1f}s"))
+                future.set_exception(TimeoutError(
+                    f"control op {op!r} got no reply from every rank in {timeout_s:.1f}s"))
             except BaseException as exc:
                 future.set_exception(exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause else exc)
         threading.Thread(target=gather, name=f"phyai-replica-{self.index}-control", daemon=True).start()
@@ -234,30 +246,26 @@ class RayTransport(ReplicaStartup, ReplicaHealth):
         self._teardown()
 
     def _teardown(self) -> None:
-        """Kill every rank (never rely on cancel: a rank may sit in a collective), remove the group."""
+        """Stop the pings, kill every rank (never rely on cancel: a rank may sit in a collective), close the
+        lane, remove the group."""
         with self._teardown_lock:
             if self._torn_down:
                 return
             self._torn_down = True
-        self._stop.set()
-        for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as exc:
-                logger.debug("kill rank actor: %s", exc)
+        self.health.stop()
+        self.group.kill()
         if self._lane is not None:
             self._lane.close()  # after the kills: a rank stuck in a step cannot hold the teardown up
-        if self._owned_pg:
-            remove_group(self._pg)
+        self.group.remove()
+
+    def hang_detail(self, work: Work) -> tuple[int | None, str | None, str]:
+        return self.health.hang_detail(work)
 
     def nodes(self) -> tuple[str, ...]:
-        return tuple(i.node_id for i in self._infos)
+        return tuple(i.node_id for i in self.group.infos)
 
     def pids(self) -> tuple[int, ...]:
-        return tuple(i.pid for i in self._infos)
+        return tuple(i.pid for i in self.group.infos)
 
     def actor(self, rank: int) -> Any:
-        return self._actors[rank]
-
-    def _node(self, rank: int) -> str:
-        return self._infos[rank].node_id if rank < len(self._infos) else "?"
+        return self.group.actors[rank]
