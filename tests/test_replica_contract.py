@@ -63,7 +63,7 @@ def test_the_checker_catches_a_reach_inside(tmp_path: Path):
 
 
 class FakeSelfScheduledReplica:
-    """A replica that schedules itself: no ReplicaScheduler, no queue of ours. It answers each request
+    """A replica that schedules itself: no queue or pipeline of ours. It answers each request
     with (its index, the request) when the test calls `serve()`, and holds at most `limit` at once."""
 
     world_size = 1

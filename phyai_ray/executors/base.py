@@ -74,7 +74,7 @@ class ScheduledReplica:
         self._step_limit_s = step_limit_s
         self._failure: EngineUnavailableError | None = None
         self._failure_lock = threading.Lock()
-        lock = threading.RLock()
+        self._lock = lock = threading.RLock()  # shared by the queue, the pipeline and the clock
         self.clock = DeadlineClock(index, lock)
         self.pipeline = RankPipeline(index, ranks, max_ongoing=max_ongoing, lock=lock, clock=self.clock,
                                      on_hung=self._on_hung, limit_s=step_limit_s,
@@ -155,7 +155,8 @@ class ScheduledReplica:
                         "iteration protocol (admit, drop, recompute, iterate); every request runs as a step of its "
                         "own", self.index, entry.display_name())
             return None
-        self._batching = False
+        self._batching = bool(batching.enabled and self.ranks.batchable)  # as reported (batch_stats); steps
+        # never run here: every request is the loop's
         return IterationLoop(self.index, entry, batching, pipeline=self.pipeline, delivery=self.pipeline.delivery,
                              on_failure=self.fail, limit_s=self._step_limit_s, max_queued=self.max_queued)
 
@@ -191,7 +192,11 @@ class ScheduledReplica:
 
     # -- what routing and status read -----------------------------------------------------------
     def counts(self) -> Counts:
-        at_ranks, held = self.pipeline.counts(), self.queue.counts()
+        if self.queue.iterative:  # the loop's lock is taken before the pipeline's (never the other way)
+            at_ranks, held = self.pipeline.counts(), self.queue.counts()
+        else:
+            with self._lock:  # one reading: a request moving onto the pipeline is counted once
+                at_ranks, held = self.pipeline.counts(), self.queue.counts()
         return Counts(held.queued, at_ranks.dispatched + held.dispatched, at_ranks.served + held.served,
                       at_ranks.errored + held.errored)
 
