@@ -22,11 +22,11 @@ from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, Engine
 from phyai_ray.config.parallel import (AttentionParallelConfig as A, DenseParallelConfig as D,  # noqa: E402
                                        MoeParallelConfig as M, OuterParallelConfig as O, ParallelConfig)
 from phyai_ray.errors import ParallelConfigError  # noqa: E402
-from phyai_ray.models.diffusers_pipeline.wan_attention import (ParallelSelfAttention, SequenceSplit,  # noqa: E402
-                                                               rotate)
-from phyai_ray.models.diffusers_pipeline.wan_layers import (HeadShardedRMSNorm, heads_received,  # noqa: E402
-                                                            heads_send_buffer, tokens_received,
-                                                            tokens_send_buffer, token_ranges)
+from phyai_ray.models.diffusers_pipeline.wan_attention import ParallelSelfAttention  # noqa: E402
+from phyai_ray.nn.norm import HeadShardedRMSNorm  # noqa: E402
+from phyai_ray.nn.rotary import rotate_pairs  # noqa: E402
+from phyai_ray.nn.sequence import (SequenceSplit, heads_received, heads_send_buffer, tokens_received,  # noqa: E402
+                                   tokens_send_buffer, token_ranges)
 from phyai_ray.models.diffusers_pipeline.wan_parallel import (shard_wan, tp_shard_dim,  # noqa: E402
                                                               validate_wan_parallel)
 from tests.plugins.wan_shard import I2V, sample_inputs, tiny_wan, tiny_wan_config  # noqa: E402
@@ -82,12 +82,12 @@ def test_rotary_of_a_token_range_is_the_range_of_the_rotary():
     x = sample_inputs(frames=3, height=6, width=6)["hidden_states"]
     cos, sin = model.rope(x)  # [1, 27, 1, 12]
     q = torch.randn(2, cos.shape[1], 4, 12, generator=torch.Generator().manual_seed(3))
-    whole = rotate(q, cos, sin)
+    whole = rotate_pairs(q, cos, sin)
     split = SequenceSplit("attention_cp", 1, 2)
     split.start(cos.shape[1])
     start, stop = split.ranges[1]
     assert (start, stop) == (14, 27)
-    assert torch.equal(rotate(split.take(q, 1), split.take(cos, 1), split.take(sin, 1)), whole[:, start:stop])
+    assert torch.equal(rotate_pairs(split.take(q, 1), split.take(cos, 1), split.take(sin, 1)), whole[:, start:stop])
 
 
 @torch.no_grad()

@@ -20,8 +20,10 @@ dense=DenseParallelConfig(tp_size=2, dp_size=2))`; ranks 0,1 share tokens 0..S/2
 
 Sequence parallel is four hooks on the unchanged diffusers forward (`_install_sequence_split`):
 the forward's inputs fix the token count (and a per-token timestep, Wan 2.2 TI2V, is cut to the
-rank's range), the rotary table and the first block's input are cut to the rank's range, and
-`proj_out`'s output is gathered. Every block's `attn1` gets `ParallelSelfAttention`.
+rank's range), the angle table of `transformer.rope` and the first block's input are cut to the
+rank's range, and `proj_out`'s output is gathered. Every block's `attn1` gets `ParallelSelfAttention`.
+The layers themselves (token ranges, the Ulysses exchange, column / row linears, the head-sharded
+q/k norm) are `phyai_ray.nn`'s: this module only says which of diffusers' modules each one replaces.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from typing import Any, Mapping
 import torch
 
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.models.diffusers_pipeline.wan_attention import ParallelSelfAttention, SequenceSplit
-from phyai_ray.models.diffusers_pipeline.wan_layers import HeadShardedRMSNorm, column_linear, row_linear
+from phyai_ray.models.diffusers_pipeline.wan_attention import ParallelSelfAttention
+from phyai_ray.nn.linear import column_linear, row_linear
+from phyai_ray.nn.norm import HeadShardedRMSNorm
+from phyai_ray.nn.sequence import SequenceSplit
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +166,8 @@ def _install_sequence_split(transformer: Any, split: SequenceSplit) -> None:
             args = (args[0], split.take(args[1], 1), *args[2:])
         return args, kwargs
 
-    def cut_rotary(module: Any, args: tuple, out: tuple) -> tuple:
-        return tuple(split.take(t, 1) for t in out)
+    def cut_angles(module: Any, args: tuple, out: tuple) -> tuple:
+        return tuple(split.take(t, 1) for t in out)  # (cos, sin) per token -> this rank's tokens
 
     def cut_tokens(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "hidden_states" in kwargs:
@@ -174,6 +178,6 @@ def _install_sequence_split(transformer: Any, split: SequenceSplit) -> None:
         return split.gather(out, 1)
 
     transformer.register_forward_pre_hook(start, with_kwargs=True)
-    transformer.rope.register_forward_hook(cut_rotary)
+    transformer.rope.register_forward_hook(cut_angles)
     transformer.blocks[0].register_forward_pre_hook(cut_tokens, with_kwargs=True)
     transformer.proj_out.register_forward_hook(gather)
