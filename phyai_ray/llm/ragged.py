@@ -18,9 +18,10 @@ prompt's keys once instead of n times. Rows that share nothing take the plain pa
 (a prompt, part of one, or a rebuild) attends alone: its n queries see its cached columns and
 the causal part of its own, an [n, cached + n] mask. Nothing is B x S x T.
 
-Grouped-query attention as in the slot path: the G = heads / kv_heads queries that read one
-key/value head are stacked, so the blocks hold kv heads only. Attention is
-`torch.nn.functional.scaled_dot_product_attention` with a boolean mask (True: may attend).
+Grouped-query attention: the G = heads / kv_heads queries that read one key/value head are
+stacked, so the blocks hold kv heads only. This module prepares the tables, masks and gathers;
+the kernels are `phyai_ray.nn.attention`'s `decode_attention`, `cascade_attention` and
+`chunk_attention` (the attention entry's backends, boolean masks: True may attend).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from phyai_ray.llm.paged import Chunk
 from phyai_ray.llm.sequence import tensor_of as _tensor
+from phyai_ray.nn.attention import cascade_attention, chunk_attention, decode_attention
 
 
 @dataclass(frozen=True)
@@ -97,53 +98,23 @@ class RaggedBatch:
         values[self.write_blocks, self.write_rows] = v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention of the new queries q [N, heads, d] over their sequences' cached keys: [N, heads, d]."""
-        n, heads, d = q.shape
-        kv = keys.shape[2]
-        group = heads // kv
-        out = q.new_empty(n, heads, d)
+        """Attention of the new queries q [N, heads, d] over their sequences' cached keys: [N, heads, d].
+
+        The keys are gathered here through the block tables; the kernels are `phyai_ray.nn.attention`'s."""
+        out = q.new_empty(q.shape)
         if self.decodes:
-            dq = q[:self.decodes].view(self.decodes, kv, group, d)
-            k, v = _gather(keys, self.table), _gather(values, self.table)
+            dq, k, v = q[:self.decodes], _gather(keys, self.table), _gather(values, self.table)
             if self.shared:
-                o = self._cascade(dq, k, v, keys, values)
+                prefixes = ((s.rows, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]))
+                            for s in self.shared)  # gathered one group at a time
+                out[:self.decodes] = cascade_attention(dq, k, v, self.visible, prefixes)
             else:
-                o = F.scaled_dot_product_attention(dq, k, v, attn_mask=self.visible)
-            out[:self.decodes] = o.reshape(self.decodes, heads, d)
+                out[:self.decodes] = decode_attention(dq, k, v, self.visible)
         for p in self.prefills:
-            pq = q[p.start:p.start + p.n].view(p.n, kv, group, d).permute(1, 2, 0, 3).reshape(1, kv, group * p.n, d)
             k = _gather(keys, p.blocks[None])[:, :, :p.length]
             v = _gather(values, p.blocks[None])[:, :, :p.length]
-            o = F.scaled_dot_product_attention(pq, k, v, attn_mask=p.mask.repeat(group, 1))
-            out[p.start:p.start + p.n] = o.view(kv, group, p.n, d).permute(2, 0, 1, 3).reshape(p.n, heads, d)
+            out[p.start:p.start + p.n] = chunk_attention(q[p.start:p.start + p.n], k, v, p.mask)
         return out
-
-
-    def _cascade(self, dq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor) -> torch.Tensor:
-        """Decode attention [D, kv, G, d] with each group's shared prefix read once (module docstring)."""
-        o, lse = _attention_lse(dq, k, v, self.visible)  # every row over its own (suffix) columns
-        _, kv, group, d = dq.shape
-        for s in self.shared:
-            m = s.rows.numel()
-            gq = dq[s.rows].permute(1, 0, 2, 3).reshape(1, kv, m * group, d)  # the group's queries, per kv head
-            po, plse = _attention_lse(gq, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]), None)
-            po = po.view(kv, m, group, d).transpose(0, 1)
-            plse = plse.view(kv, m, group, 1).transpose(0, 1)
-            slse = lse[s.rows]
-            total = torch.logaddexp(slse, plse)
-            o[s.rows] = o[s.rows] * torch.exp(slse - total) + po * torch.exp(plse - total)
-        return o
-
-
-def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(d)) v over the visible columns, and each query's log-sum-exp [..., 1]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    return torch.matmul(torch.exp(scores - lse), v), lse
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

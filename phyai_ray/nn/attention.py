@@ -13,6 +13,10 @@
     attention_lse(q, k, v, visible)             output AND each query's log-sum-exp, for merging partial
     merge_lse(o1, lse1, o2, lse2)               softmaxes over disjoint keys (cascade attention: a shared
                                                 prefix read once, each row's own suffix apart)
+    over a paged KV cache (keys gathered per row from its blocks by `phyai_ray.llm.ragged`):
+    decode_attention(q, k, v, visible)          one new query per row over its own keys
+    chunk_attention(q, k, v, mask)              a prompt chunk's queries over its sequence's keys
+    cascade_attention(q, k, v, visible, prefixes)   decode rows whose groups share a prefix, read once
 
 A new kernel is one `register_backend(name, fn)` call and reaches every model at once.
 
@@ -24,7 +28,7 @@ pi0's PaliGemma has 8 query heads on 1 key/value head: repeating the keys 8 time
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +61,9 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def group_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
-    """A mask [.., S, T] for grouped rows [.., G * S, T] (row g * S + i is query i of group member g)."""
-    if mask is None or groups == 1:
+    """A mask [.., S, T] for grouped rows [.., G * S, T] (row g * S + i is query i of group member g);
+    a mask of one row [.., 1, T] (the same for every query) broadcasts as it is."""
+    if mask is None or groups == 1 or mask.dim() < 2 or mask.shape[-2] == 1:
         return mask
     return mask.repeat(*([1] * (mask.dim() - 2)), groups, 1)
 
@@ -120,3 +125,48 @@ def merge_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torc
     """The attention over the union of two disjoint key sets from each set's output and log-sum-exp."""
     total = torch.logaddexp(lse1, lse2)
     return o1 * torch.exp(lse1 - total) + o2 * torch.exp(lse2 - total)
+
+
+# -- over a paged KV cache: each row's keys gathered from its blocks (`phyai_ray.llm.ragged`) ----------
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
+                     backend: str = "sdpa") -> torch.Tensor:
+    """One new query per row over that row's own keys -> [R, H, D].
+
+    q [R, H, D]; k / v [R, KV, T, D], every row's columns in order, padded to the longest row;
+    visible [R, 1, 1, T] hides a row's columns past its own length. Memory R x T: no query axis."""
+    return attention(q[:, :, None], k, v, visible, backend=backend).reshape(q.shape)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                    backend: str = "sdpa") -> torch.Tensor:
+    """The n new queries of ONE sequence over its keys -> [n, H, D] (a prompt, part of one, a rebuild).
+
+    q [n, H, D]; k / v [1, KV, T, D], its cached columns then its own; mask [n, T] (True: may attend),
+    e.g. query i at position c + i sees columns 0 .. c + i."""
+    rows = q.transpose(0, 1).contiguous()[None]  # [1, H, n, D]
+    return attention(rows, k, v, mask, backend=backend)[0].transpose(0, 1)
+
+
+def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                      prefixes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """`decode_attention` where groups of rows share leading keys, each group's read ONCE -> [R, H, D].
+
+    q, k, v, visible as in `decode_attention`, but k / v hold each row's OWN columns only (after its
+    group's prefix). `prefixes` yields (rows [m], keys [1, KV, P, D], values): the prefix of rows `rows`.
+    Every row attends to its own columns; a group's m rows attend to their prefix together (m * G
+    queries per key/value head); the two partial softmaxes are merged by their log-sum-exp. With the n
+    samples of one prompt, the prompt's keys are read once instead of n times."""
+    r, h, d = q.shape
+    kv = k.shape[1]
+    groups = h // kv
+    dq = q.view(r, kv, groups, d)
+    out, lse = attention_lse(dq, k, v, visible)
+    for rows, keys, values in prefixes:
+        m = rows.numel()
+        gq = dq[rows].permute(1, 0, 2, 3).reshape(1, kv, m * groups, d)  # the group's queries, per kv head
+        po, plse = attention_lse(gq, keys, values, None)
+        po = po.view(kv, m, groups, d).transpose(0, 1)
+        plse = plse.view(kv, m, groups, 1).transpose(0, 1)
+        out[rows] = merge_lse(out[rows], lse[rows], po, plse)
+    return out.view(r, h, d)

@@ -14,49 +14,21 @@ the slice it keeps: rows of a column-parallel projection, columns of a row-paral
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from phyai_ray.nn.rotary import Rope, RopeConfigError, rope_from_config
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "MistralForCausalLM": "mistral"}
-ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MAX_LEN = 4096  # max_model_len when plugin_args leave it unset: min(max_position_embeddings, this)
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder this plugin cannot serve; the message names the file, field or tensor."""
-
-
-@dataclass(frozen=True)
-class Rope:
-    """Rotary embedding: base `theta`, `kind` in ROPE_TYPES and that kind's scaling parameters."""
-
-    theta: float = 10000.0
-    kind: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
-        """[head_dim / 2] float32: theta^(-2i/d), scaled as the kind says (llama3: by wavelength band)."""
-        inv = 1.0 / self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        if self.kind == "linear":
-            return inv / self.factor
-        if self.kind == "llama3":
-            wavelen = 2 * math.pi / inv
-            old = self.original_max_position
-            low, high = old / self.low_freq_factor, old / self.high_freq_factor
-            scaled = torch.where(wavelen > low, inv / self.factor, inv)
-            smooth = (old / wavelen - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor)
-            medium = (wavelen >= high) & (wavelen <= low)
-            return torch.where(medium, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
-        return inv
 
 
 @dataclass(frozen=True)
@@ -105,7 +77,7 @@ class Architecture:
             layers=_int(raw, "num_hidden_layers", path), heads=heads,
             kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads), vocab=_int(raw, "vocab_size", path),
-            eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_rope(raw, path), max_position=max_position,
+            eps=float(raw.get("rms_norm_eps", 1e-6)), rope=_position_encoding(raw, path), max_position=max_position,
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=family == "qwen3",
@@ -145,18 +117,12 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
-def _rope(raw: dict[str, Any], path: Path) -> Rope:
-    """transformers 5 writes `rope_parameters` (with rope_theta); earlier checkpoints `rope_theta` + `rope_scaling`."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{path}: rope type {kind!r} (rope_parameters / rope_scaling) is not supported; "
-                              f"supported: {list(ROPE_TYPES)}")
-    theta = float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
-    fields = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-              "original_max_position": "original_max_position_embeddings"}
-    return Rope(theta=theta, kind=kind, **{k: type(getattr(Rope, k))(params[v]) for k, v in fields.items()
-                                           if v in params})
+def _position_encoding(raw: dict[str, Any], path: Path) -> Rope:
+    """The rotary settings (`nn.rotary.rope_from_config`); an unsupported kind names this config.json."""
+    try:
+        return rope_from_config(raw, path)
+    except RopeConfigError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _check_unsupported(raw: dict[str, Any], path: Path, max_model_len: int) -> None:

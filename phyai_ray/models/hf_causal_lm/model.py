@@ -5,8 +5,9 @@
                 x += down(silu(gate(rms(x))) * up(rms(x)))                      hidden units over dense_tp
     logits = gather(rms(x_last) @ lm_head_shard.T)      every rank samples the same token from the full row
 
-RMSNorm, rotary embeddings (`checkpoint.Rope`), grouped-query attention, SwiGLU; Qwen2's q/k/v
-biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head. Grouped-query attention reads the
+RMSNorm, rotary embeddings (`nn.rotary.Rope`), grouped-query attention, SwiGLU; Qwen2's q/k/v
+biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head: each built from `phyai_ray.nn`
+(norm, rotary, linear; the attention kernels through `llm.ragged`). Grouped-query attention reads the
 cache once per key/value head: the G = heads / kv_heads queries that share it are stacked, so the
 cache holds kv heads only. Every rank reads only its slices from the safetensors files (`shards`).
 Every generation runs on the paged KV cache (`phyai_ray.llm.paged_decoder`: a block pool sized
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from phyai_ray.collectives import P
 from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint
 from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
@@ -33,24 +33,13 @@ from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.paged_decoder import PagedDecoder
 from phyai_ray.llm.ragged import RaggedBatch
 from phyai_ray.llm.stops import StopScan
+from phyai_ray.nn.linear import gather_columns, row_parallel, vocab_embedding
+from phyai_ray.nn.norm import rms_norm as rms
+from phyai_ray.nn.rotary import rope_cos_sin, rotate_half
 from phyai_ray.rank.loading import dtype_name
 
 logger = logging.getLogger(__name__)
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout: x [N, heads, d], cos/sin [N, 1, d]."""
-    half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + turned * sin
 
 
 class HFCausalLM(PagedDecoder):
@@ -194,27 +183,22 @@ class HFCausalLM(PagedDecoder):
         """Logits [R, vocab] (float32) at `batch.last`: the last token of each chunk that samples."""
         a = self.arch
         x = self._embed(batch.tokens)
-        angles = batch.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         for i in range(a.layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(rms_norm(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
+            x = x + self._attention(rms(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
                                     cache.layer(i), batch)
-            x = x + self._mlp(rms_norm(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
+            x = x + self._mlp(rms(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
         if batch.last.numel() == 0:  # only prompt chunks that sample nothing (every rank alike)
             return x.new_zeros(0, a.vocab, dtype=torch.float32)
-        h = rms_norm(x[batch.last], self.w["model.norm.weight"], a.eps)
+        h = rms(x[batch.last], self.w["model.norm.weight"], a.eps)
         local = (h @ self.w["lm_head.weight"].T).float()
-        return P.all_gather(local, "dense_tp", dim=-1)[:, : a.vocab]
+        return gather_columns(local, "dense_tp", a.vocab)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.plan.dense_size == 1:
             return F.embedding(tokens, self.w["model.embed_tokens.weight"])
-        local = tokens - self.plan.vocab_start
-        outside = (local < 0) | (local >= self.plan.vocab_rows)
-        x = F.embedding(local.masked_fill(outside, 0), self.w["model.embed_tokens.weight"])
-        return P.all_reduce(x.masked_fill(outside[:, None], 0.0), "dense_tp")
+        return vocab_embedding(tokens, self.w["model.embed_tokens.weight"], self.plan.vocab_start, "dense_tp")
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         bias = self.w.get(name + ".bias")
@@ -227,20 +211,18 @@ class HFCausalLM(PagedDecoder):
         k = self._linear(h, p + "self_attn.k_proj").view(-1, kv, a.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(-1, kv, a.head_dim)
         if a.qk_norm:
-            q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
-            k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q = rms(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
+            k = rms(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         batch.write(*cache, k, v)
         attended = batch.attend(q, *cache).view(q.shape[0], -1)
-        attended = P.all_reduce(F.linear(attended, self.w[p + "self_attn.o_proj.weight"]), "attention_tp")
-        bias = self.w.get(p + "self_attn.o_proj.bias")
-        return attended if bias is None else attended + bias
+        o_proj = p + "self_attn.o_proj"
+        return row_parallel(attended, self.w[o_proj + ".weight"], self.w.get(o_proj + ".bias"), "attention_tp")
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         hidden = F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj")
-        out = P.all_reduce(F.linear(hidden, self.w[p + "mlp.down_proj.weight"]), "dense_tp")
-        bias = self.w.get(p + "mlp.down_proj.bias")
-        return out if bias is None else out + bias
+        down = p + "mlp.down_proj"
+        return row_parallel(hidden, self.w[down + ".weight"], self.w.get(down + ".bias"), "dense_tp")
 
 
 def _return_freed_memory() -> None:

@@ -23,32 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from phyai_ray.models.hf_causal_lm.checkpoint import Architecture
 from phyai_ray.llm.topology import decoder_rules, refuse
-
-
-@dataclass(frozen=True)
-class Cut:
-    """A rank's slice of one tensor: `dim` None keeps it whole; rows padded to `pad_to` (vocab shards)."""
-
-    dim: int | None = None
-    start: int = 0
-    stop: int = 0
-    pad_to: int = 0
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a FULL tensor (a trainer's update), as a contiguous copy."""
-        if self.dim is None:
-            return full.clone()
-        part = full.narrow(self.dim, self.start, self.stop - self.start)
-        return self.padded(part)
-
-    def padded(self, part: torch.Tensor) -> torch.Tensor:
-        if self.pad_to and part.shape[0] < self.pad_to:
-            part = torch.cat([part, part.new_zeros(self.pad_to - part.shape[0], *part.shape[1:])])
-        return part.contiguous()
+from phyai_ray.nn.linear import Cut
 
 
 @dataclass(frozen=True)
