@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.collectives import P
+from phyai_ray.nn.attention import attention
+from phyai_ray.nn.norm import layer_norm
 from phyai_ray.nn.shape import TransformerShape
 from phyai_ray.nn.weights import Weights, shard
 
@@ -59,7 +61,8 @@ def batch_split(ctx: Any, domain: str) -> Split:
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, x.shape[-1:])
+    """LayerNorm over the last dimension, without weight or bias (the reference models' pre-norm)."""
+    return layer_norm(x)
 
 
 class Attention:
@@ -77,8 +80,7 @@ class Attention:
         h = norm(self.cp.take(self.dp.take(x, 0), 1))  # [b, s, dim]: my batch rows, my sequence chunk
         q, k, v = (self._heads(h @ w.T) for w in (self.wq, self.wk, self.wv))
         k, v = self.cp.gather(k, 2), self.cp.gather(v, 2)  # every query sees the whole sequence
-        scores = (q @ k.transpose(-1, -2)) / self.head_dim ** 0.5
-        a = (scores.softmax(-1) @ v).transpose(1, 2).flatten(2)  # [b, s, local_heads * head_dim]
+        a = attention(q, k, v).transpose(1, 2).flatten(2)  # [b, s, local_heads * head_dim]
         out = self.tp.reduce(a @ self.wo.T) + self.bo
         return x + self.dp.gather(self.cp.gather(out, 1), 0)
 

@@ -11,7 +11,8 @@ With T=2: rank 0 holds heads 0-5 and intermediate units 0-767, rank 1 heads 6-11
 The heads' outputs are concatenated in head order, so the output projection's input columns split
 the same way. Row-parallel biases are added once, after the reduction; embeddings, LayerNorms,
 mean pooling and L2 normalisation are replicated, so every rank ends with the same embeddings.
-At T=1 the groups are the identity and this is exactly BERT.
+At T=1 the groups are the identity and this is exactly BERT. The LayerNorm, the attention entry
+(backend "sdpa") and the row-parallel reductions are `phyai_ray.nn`'s.
 """
 
 from __future__ import annotations
@@ -20,24 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phyai_ray.collectives import P
 from phyai_ray.models.minilm.assets import MiniLMConfig, ShardReader
+from phyai_ray.nn.attention import attention
+from phyai_ray.nn.linear import row_parallel
+from phyai_ray.nn.norm import LayerNorm
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the hidden size with the checkpoint's weight, bias and eps."""
-
-    def __init__(self, reader: ShardReader, prefix: str, eps: float) -> None:
-        super().__init__()
-        self.weight, self.bias = _param(reader.full(f"{prefix}.weight")), _param(reader.full(f"{prefix}.bias"))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+def _checkpoint_ln(reader: ShardReader, prefix: str, eps: float) -> LayerNorm:
+    """nn's LayerNorm with the checkpoint's `{prefix}.weight`, `{prefix}.bias` and eps."""
+    return LayerNorm(reader.full(f"{prefix}.weight"), reader.full(f"{prefix}.bias"), eps)
 
 
 class Embeddings(nn.Module):
@@ -48,7 +44,7 @@ class Embeddings(nn.Module):
         self.word = _param(reader.full("embeddings.word_embeddings.weight"))
         self.position = _param(reader.full("embeddings.position_embeddings.weight"))
         self.token_type = _param(reader.full("embeddings.token_type_embeddings.weight"))
-        self.norm = LayerNorm(reader, "embeddings.LayerNorm", cfg.layer_norm_eps)
+        self.norm = _checkpoint_ln(reader, "embeddings.LayerNorm", cfg.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -68,17 +64,16 @@ class ParallelSelfAttention(nn.Module):
         self.qkv_bias = _param(torch.cat([reader.shard(f"{n}.bias", 0, rank, size) for n in names]))
         self.out_weight = _param(reader.shard(f"{prefix}.output.dense.weight", 1, rank, size))
         self.out_bias = _param(reader.full(f"{prefix}.output.dense.bias"))
-        self.norm = LayerNorm(reader, f"{prefix}.output.LayerNorm", cfg.layer_norm_eps)
+        self.norm = _checkpoint_ln(reader, f"{prefix}.output.LayerNorm", cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """x: [B, L, D]; keep: [B, 1, 1, L] bool, True on real tokens (padding keys are masked out)."""
         batch, length, _ = x.shape
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.view(batch, length, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        heads = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [B, H/T, L, d]
-        partial = F.linear(heads.transpose(1, 2).reshape(batch, length, -1), self.out_weight)
-        out = P.all_reduce(partial, group="attention_tp") + self.out_bias
-        return self.norm(out + x)
+        heads = attention(q, k, v, keep, backend="sdpa")  # [B, H/T, L, d]
+        joined = heads.transpose(1, 2).reshape(batch, length, -1)
+        return self.norm(row_parallel(joined, self.out_weight, self.out_bias, "attention_tp") + x)
 
 
 class ParallelMLP(nn.Module):
@@ -90,12 +85,11 @@ class ParallelMLP(nn.Module):
         self.up_bias = _param(reader.shard(f"{prefix}.intermediate.dense.bias", 0, rank, size))
         self.down_weight = _param(reader.shard(f"{prefix}.output.dense.weight", 1, rank, size))
         self.down_bias = _param(reader.full(f"{prefix}.output.dense.bias"))
-        self.norm = LayerNorm(reader, f"{prefix}.output.LayerNorm", cfg.layer_norm_eps)
+        self.norm = _checkpoint_ln(reader, f"{prefix}.output.LayerNorm", cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(F.linear(x, self.up_weight, self.up_bias))
-        out = P.all_reduce(F.linear(hidden, self.down_weight), group="dense_tp") + self.down_bias
-        return self.norm(out + x)
+        return self.norm(row_parallel(hidden, self.down_weight, self.down_bias, "dense_tp") + x)
 
 
 class EncoderLayer(nn.Module):

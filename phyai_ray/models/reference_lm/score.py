@@ -4,8 +4,9 @@
     lp = score(weights, prompt=[1, 2, 3], completion=[7, 9])     # [log p(7 | 1 2 3), log p(9 | 1 2 3 7)]
 
 `score` runs the whole sequence at once (no KV cache, no tensor parallelism) with the same math as
-the engine's ranks, so a rollout's `TokenOutput.log_probs` must equal it; it is differentiable in
-the weights (a policy-gradient loss can be built on it).
+the engine's ranks (`phyai_ray.nn`'s norm and attention entry), so a rollout's
+`TokenOutput.log_probs` must equal it; it is differentiable in the weights (a policy-gradient loss
+can be built on it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.nn import weights as W
+from phyai_ray.nn.attention import attention
+from phyai_ray.nn.layers import norm
 from phyai_ray.models.reference_lm.config import ReferenceLMConfig
 
 Weights = dict[str, torch.Tensor]
@@ -30,10 +33,6 @@ def full_weights(cfg: ReferenceLMConfig) -> Weights:
     return out
 
 
-def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, x.shape[-1:])
-
-
 def logits(weights: Weights, cfg: ReferenceLMConfig, tokens: list[int]) -> torch.Tensor:
     """Next-token logits [len(tokens), vocab] of one sequence."""
     ids = torch.tensor(tokens)
@@ -44,8 +43,7 @@ def logits(weights: Weights, cfg: ReferenceLMConfig, tokens: list[int]) -> torch
         w = {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"blocks.{i}.")}
         h = norm(x)
         q, k, v = ((h @ w[n].T).view(s, cfg.heads, hd).transpose(0, 1) for n in ("wq", "wk", "wv"))
-        scores = (q @ k.transpose(-1, -2)) / hd ** 0.5
-        a = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        a = attention(q[None], k[None], v[None], causal)[0]  # [heads, s, hd]
         x = x + a.transpose(0, 1).reshape(s, cfg.dim) @ w["wo"].T + w["bo"]
         x = x + F.gelu(norm(x) @ w["w1"].T + w["b1"]) @ w["w2"].T + w["b2"]
     return norm(x) @ weights["head.w"].T + weights["head.b"]
