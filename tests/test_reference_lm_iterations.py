@@ -44,7 +44,7 @@ def drive(model, admits: dict[int, list], drops: dict[int, list] | None = None,
           before: dict[int, object] | None = None) -> dict[int, dict]:
     """Iterate until nothing runs; before iteration t: `before[t](model)`, drop `drops[t]`, admit `admits[t]`.
 
-    Returns per sequence its tokens, log-probs, stop reason and the iteration it ended in.
+    Returns per sequence its tokens, log-probs, stop reason, the iteration it ended in and its preemptions.
     """
     drops, before, out, t = drops or {}, before or {}, {}, 0
     while t <= max([*admits, *drops, *before]) or model.paged:
@@ -55,8 +55,9 @@ def drive(model, admits: dict[int, list], drops: dict[int, list] | None = None,
         for seq_id, payload in admits.get(t, ()):
             model.admit(seq_id, payload)
         for seq_id, delta in model.iterate().items():
-            got = out.setdefault(seq_id, {"tokens": [], "log_probs": [], "stop": None, "ended": None})
+            got = out.setdefault(seq_id, {"tokens": [], "log_probs": [], "stop": None, "ended": None, "preempted": 0})
             got["tokens"] += delta.token_ids
+            got["preempted"] += delta.preempted
             got["log_probs"] += delta.log_probs
             got["stop"], got["ended"] = delta.stop_reason, t
         t += 1
@@ -226,7 +227,7 @@ def test_a_step_that_needs_the_blocks_the_protocol_holds_takes_them_and_both_equ
 
     beside = drive(small, {0: [(1, traffic)]}, before={2: step})
     [[out]] = stepped
-    assert preempted == [1] and small.paged.pool.free_count == 16
+    assert preempted == [1] and beside[1]["preempted"] == 1 and small.paged.pool.free_count == 16
     assert out.token_ids == model.step(request)[0].token_ids and out.stop_reason == "length"
     assert beside[1]["tokens"] == alone(model, traffic)["tokens"]
     assert_scored(beside[1], traffic["prompt"])

@@ -129,7 +129,7 @@ class PagedDecoder:
         whether any chunk ran)."""
         seqs.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
         chunks = seqs.schedule()
-        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in seqs.by_id.values()}  # none preempted in chunks
+        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in seqs.by_id.values()}
         if not chunks:
             return deltas, False
         try:
@@ -139,7 +139,9 @@ class PagedDecoder:
             raise
         sampling = [c.seq for c in chunks if c.samples]
         chosen, log_probs, tops = draw(logits, sampling) if sampling else ([], [], None)  # one copy to the host
-        deltas.update(seqs.finish(chunks, chosen, log_probs, tops))
+        for seq_id, delta in seqs.finish(chunks, chosen, log_probs, tops).items():
+            delta.preempted = deltas[seq_id].preempted  # preempted before (by a whole request), started now
+            deltas[seq_id] = delta
         return deltas, True
 
     # -- the cache -------------------------------------------------------------------------------
