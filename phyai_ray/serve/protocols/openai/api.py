@@ -17,7 +17,9 @@ with server-sent events, one chunk per generated token and choice, then `data: [
 that disconnects stops the generation on every rank. Errors use OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with the statuses of `serve/protocols/error_map.py`
 (`common.py`); the API key (bearer) is the app's own. The request is validated once, by
-the plugin's validator here, and runs in the form it returned.
+the plugin's validator here, and runs in the form it returned. What the routes read of the plugin
+(its Entry, tokenizer, results) is declared in `phyai_ray.plugins.tokens`, and checked when they
+are mounted.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
+from phyai_ray.plugins.tokens import TokenResult, Tokenizer, has_codec, token_plugin
 from phyai_ray.serve.protocols.openai.chat import add_chat_route
-from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
-                                           openai_error, sse)
-from phyai_ray.serve.protocols.openai.text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists, text_codec,
-                                        usable)
-from phyai_ray.serve.runtime.options import ServeOptions
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason,
+                                                    generation_request, openai_error, sse)
+from phyai_ray.serve.protocols.openai.text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists,
+                                                  text_codec, usable)
 from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
+from phyai_ray.serve.runtime.options import ServeOptions
 from phyai_ray.validation import Validated, validate
 
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
@@ -85,7 +88,7 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
     stop_ids, stop_strings = stop_lists(body.stop)
     if stop_strings:
         require(codec, "a stop string")
-    return generation_request([list(p) for p in _prompts(body)], n=body.n, max_tokens=body.max_tokens,
+    return generation_request(_prompts(body), n=body.n, max_tokens=body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
                               top_logprobs=body.logprobs or 0, stop_strings=stop_strings)
 
@@ -93,9 +96,11 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
 def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
     """Mount /v1/completions and /v1/models for a token plugin on `api` (behind its key and limits);
     `options` (ServeOptions; None: the defaults) gives the model name, `overload_status` and
-    `stream_interval` (streamed completions write at most one event per that many token steps)."""
+    `stream_interval` (streamed completions write at most one event per that many token steps).
+    The plugin must keep `phyai_ray.plugins.tokens.TokenPlugin` (TypeError naming what it lacks)."""
     options = options if options is not None else ServeOptions()
-    name = options.model_name or runner.entry.served_name()
+    entry = token_plugin(runner.entry)
+    name = options.model_name or entry.served_name()
     stream_interval, overloaded = options.stream_interval, options.overload_status
 
     @api.get("/v1/models", tags=["openai"], summary="The served model (OpenAI-compatible)")
@@ -117,7 +122,7 @@ def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
         except Exception as exc:  # a bad body, engine errors: OpenAI's shape, the failure table's status
             return openai_error(exc, overload_status=overloaded).response()
 
-    if hasattr(type(runner.entry), "codec"):  # a plugin with a tokenizer and chat template
+    if has_codec(entry):  # a plugin with a tokenizer and chat template
         add_chat_route(api, runner, name, stream_interval=stream_interval, overload_status=overloaded)
 
 
@@ -131,29 +136,32 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRe
     codec = text_codec(runner.entry)
     if any(isinstance(p, str) for p in _prompts(request)):
         request = request.model_copy(update={"prompt": encode_prompts(codec, _prompts(request))})
-    check_sizes(request, runner.entry.max_sequence_tokens())
+    check_sizes(request, token_plugin(runner.entry).max_sequence_tokens())
     plugin = plugin_request(request, codec)
     return request, validate(runner.entry, plugin), len(plugin["prompts"])
 
 
-def _choice(index: int, out: Any, want_logprobs: bool, codec: Any, stops: list[str]) -> dict[str, Any]:
+def _choice(index: int, out: TokenResult, want_logprobs: bool, codec: Tokenizer | None,
+            stops: list[str]) -> dict[str, Any]:
     text, stopped = cut_at_stop(codec.decode(out.token_ids), stops) if codec is not None else ("", False)
     return {"index": index, "text": text, "token_ids": out.token_ids, "finish_reason": finish_reason(out, stopped),
             "logprobs": _logprobs(out.token_ids, out.log_probs, codec, out.top_logprobs) if want_logprobs else None}
 
 
-def token_text(codec: Any, token: int) -> str:
+def token_text(codec: Tokenizer | None, token: int) -> str:
     """A token as OpenAI's logprobs name it: its text with a tokenizer, else "token_id:<id>" (vLLM's convention)."""
     return codec.decode([token]) if codec is not None else f"token_id:{token}"
 
 
-def _logprobs(ids: list[int], lps: list[float], codec: Any = None, tops: list | None = None) -> dict[str, Any]:
+def _logprobs(ids: list[int], lps: list[float], codec: Tokenizer | None = None,
+              tops: list | None = None) -> dict[str, Any]:
     top = [{token_text(codec, t): lp for t, lp in alt.items()} for alt in tops] if tops else None
     return {"tokens": [token_text(codec, t) for t in ids], "token_logprobs": list(lps), "top_logprobs": top,
             "text_offset": [0] * len(ids)}
 
 
-def _completion(outputs: list, request: CompletionRequest, name: str, codec: Any = None) -> dict[str, Any]:
+def _completion(outputs: list[TokenResult], request: CompletionRequest, name: str,
+                codec: Tokenizer | None = None) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in _prompts(request)) * request.n
     completion_tokens = sum(len(o.token_ids) for o in outputs)
     stops = stop_lists(request.stop)[1]
@@ -167,7 +175,7 @@ def _completion(outputs: list, request: CompletionRequest, name: str, codec: Any
 class CompletionChunks:
     """The events of a streamed completion: one chunk per choice with new tokens, then the finish chunk."""
 
-    def __init__(self, request: CompletionRequest, name: str, codec: Any, choices: int) -> None:
+    def __init__(self, request: CompletionRequest, name: str, codec: Tokenizer | None, choices: int) -> None:
         self.head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                      "model": name}
         self.want_lp, self.codec = request.logprobs is not None, codec
@@ -189,7 +197,7 @@ class CompletionChunks:
                             "logprobs": _logprobs(ids, lps, self.codec, tops) if self.want_lp else None})
         return [{**self.head, "choices": choices}] if choices else []
 
-    def end(self, outputs: list) -> list[dict[str, Any]]:
+    def end(self, outputs: list[TokenResult]) -> list[dict[str, Any]]:
         choices = []
         for b, out in enumerate(outputs):
             rest = self.texts[b].push([], final=True) if self.texts is not None else ""

@@ -31,10 +31,11 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
-from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason, generation_request,
-                                           openai_error, sse)
-from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
+from phyai_ray.plugins.tokens import TokenResult, Tokenizer, token_plugin
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason,
+                                                    generation_request, openai_error, sse)
 from phyai_ray.serve.protocols.openai.text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
+from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
 from phyai_ray.validation import Validated, validate
 
 MAX_N = 16
@@ -100,7 +101,7 @@ def add_chat_route(api: FastAPI, runner: Any, name: str, *, stream_interval: int
             return openai_error(exc, overload_status=overload_status).response()
 
 
-def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, Validated, Any, int]:
+def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest, Validated, Tokenizer, int]:
     """The chat request, the plugin's request for it (validated), the codec and the prompt's length in tokens."""
     request = ChatRequest.model_validate(body)
     if request.model not in (None, name):
@@ -117,7 +118,7 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
         raise OpenAIError(400, f"chat_template_kwargs may not set {sorted(reserved)}; the request's own fields do",
                           param="chat_template_kwargs")
     codec = require(text_codec(runner.entry), "a chat")
-    limit = runner.entry.max_sequence_tokens()
+    limit = token_plugin(runner.entry).max_sequence_tokens()
     chars = sum(len(json.dumps(m.get("content"), ensure_ascii=False)) for m in request.messages
                 if isinstance(m, dict))
     if chars > limit * CHARS_PER_TOKEN:
@@ -141,18 +142,19 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
     return request, validate(runner.entry, plugin), codec, len(prompt)
 
 
-def _entry(codec: Any, token: int, lp: float) -> dict[str, Any]:
+def _entry(codec: Tokenizer, token: int, lp: float) -> dict[str, Any]:
     text = codec.decode([token])
     return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
 
-def _token_logprobs(codec: Any, ids: list[int], lps: list[float], tops: list | None = None) -> dict[str, Any]:
+def _token_logprobs(codec: Tokenizer, ids: list[int], lps: list[float], tops: list | None = None) -> dict[str, Any]:
     tops = tops or [{}] * len(ids)
     return {"content": [{**_entry(codec, t, lp), "top_logprobs": [_entry(codec, a, alp) for a, alp in top.items()]}
                         for t, lp, top in zip(ids, lps, tops)]}
 
 
-def _response(outputs: list, request: ChatRequest, name: str, codec: Any, prompt_tokens: int) -> dict[str, Any]:
+def _response(outputs: list[TokenResult], request: ChatRequest, name: str, codec: Tokenizer,
+              prompt_tokens: int) -> dict[str, Any]:
     stops = stop_lists(request.stop)[1]
     choices = []
     for i, out in enumerate(outputs):
@@ -171,7 +173,7 @@ def _response(outputs: list, request: ChatRequest, name: str, codec: Any, prompt
 class ChatChunks:
     """`chat.completion.chunk` events: the role first, then content deltas, then each choice's finish."""
 
-    def __init__(self, request: ChatRequest, name: str, codec: Any, choices: int) -> None:
+    def __init__(self, request: ChatRequest, name: str, codec: Tokenizer, choices: int) -> None:
         self.head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
                      "created": int(time.time()), "model": name}
         self.codec, self.want_lp = codec, request.logprobs
@@ -196,7 +198,7 @@ class ChatChunks:
                                                      "finish_reason": None}]})
         return events
 
-    def end(self, outputs: list) -> list[dict[str, Any]]:
+    def end(self, outputs: list[TokenResult]) -> list[dict[str, Any]]:
         events = []
         for b, out in enumerate(outputs):
             rest = self.texts[b].push([], final=True)

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from phyai_ray.outputs import entry_values
+from phyai_ray.plugins.tokens import GenerationRequest, TokenResult
 from phyai_ray.serve.protocols.error_map import classify
 from phyai_ray.serve.protocols.timing import deadline_ms
 
@@ -143,18 +144,16 @@ def openai_error(exc: Exception, *, overload_status: int = 503) -> OpenAIError:
     return OpenAIError(failure.status, failure.message, type=kind, param=failure.param, headers=failure.headers)
 
 
-def finish_reason(out: Any, stopped: bool = False) -> str:
+def finish_reason(out: TokenResult, stopped: bool = False) -> str:
     return "stop" if stopped else {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
 
 
 def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
                        seed: int | None, stop_ids: list[int], top_logprobs: int = 0,
                        stop_strings: list[str] | None = None) -> dict[str, Any]:
-    """The token plugins' request: every prompt n times (n sequences), one seed for all (each differs by index);
-    stop strings go to the plugin (`stop`), which ends a sequence at the token completing one."""
-    out = {"prompts": [p for p in prompts for _ in range(n)], "max_tokens": max_tokens, "temperature": temperature,
-           "top_p": top_p, "stop_token_ids": list(stop_ids),
-           "seed": seed if seed is not None else random.randrange(2 ** 31)}
-    if stop_strings:
-        out["stop"] = list(stop_strings)
-    return {**out, "top_logprobs": top_logprobs} if top_logprobs else out
+    """The token plugins' request (`phyai_ray.plugins.tokens.GenerationRequest`) as it travels: every
+    prompt n times (n sequences), one seed for all (each differs by index; a fresh one when not given)."""
+    return GenerationRequest(
+        prompts=tuple(map(tuple, prompts)), n=n, max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, seed=seed if seed is not None else random.randrange(2 ** 31), stop_token_ids=tuple(stop_ids),
+        stop=tuple(stop_strings or ()), top_logprobs=top_logprobs).as_dict()

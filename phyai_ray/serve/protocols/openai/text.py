@@ -1,6 +1,6 @@
 """Text for the OpenAI routes: prompts tokenized, completions decoded, stop strings, incremental streams.
 
-    codec = text_codec(runner.entry)               # the plugin's tokenizer (hf_causal_lm), or None
+    codec = text_codec(runner.entry)               # the plugin's Tokenizer (hf_causal_lm), or None
     ids = encode_prompts(codec, ["Hello", [1, 2]])  # strings with the tokenizer's BOS rule; id lists as they are
     text, stopped = cut_at_stop(codec.decode(out.token_ids), ["\\n\\n"])
 
@@ -9,13 +9,15 @@ finish_reason is "stop" (OpenAI's rule). A streamed choice is decoded incrementa
 a few tokens per push, never half of a multi-byte character), holds back the last len(stop) - 1
 characters while they could still begin a stop string and scans only those and the new text;
 once every choice of a streamed request has stopped, the generation is cancelled. Without a
-tokenizer, text is refused with a 400 that says to send ids.
+tokenizer, text is refused with a 400 that says to send ids. What a plugin's tokenizer provides is
+declared in `phyai_ray.plugins.tokens` (`Tokenizer`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from phyai_ray.plugins.tokens import Tokenizer, has_codec, tokenizer
 from phyai_ray.serve.protocols.openai.common import BAD_REQUEST, OpenAIError
 
 
@@ -23,17 +25,19 @@ def _error(message: str, param: str) -> OpenAIError:
     return OpenAIError(BAD_REQUEST, message, param=param)
 
 
-def text_codec(entry: Any) -> Any:
-    """The plugin's `TextCodec` when it offers one (an entry with a `codec` property), else None."""
-    if not hasattr(type(entry), "codec"):
+def text_codec(entry: Any) -> Tokenizer | _Missing | None:
+    """The plugin's `Tokenizer` when it offers one (a `codec` property), `_Missing` (why it could not be
+    loaded), else None. A codec that is no `Tokenizer` is the plugin's fault: TypeError naming what it lacks."""
+    if not has_codec(entry):
         return None
     try:
-        return entry.codec
+        codec = entry.codec
     except Exception as exc:  # a checkpoint without tokenizer.json: text is refused with this reason
         return _Missing(str(exc))
+    return tokenizer(codec, entry)
 
 
-def usable(codec: Any) -> Any:
+def usable(codec: Any) -> Tokenizer | None:
     """`codec` when it can decode, else None (no tokenizer: choices carry token ids and empty text)."""
     return None if codec is None or isinstance(codec, _Missing) else codec
 
@@ -43,7 +47,7 @@ class _Missing:
         self.why = why
 
 
-def require(codec: Any, what: str) -> Any:
+def require(codec: Any, what: str) -> Tokenizer:
     if codec is None or isinstance(codec, _Missing):
         why = codec.why if isinstance(codec, _Missing) else "this model has no tokenizer"
         raise _error(f"{what} needs a tokenizer: {why}; send token ids instead, e.g. prompt=[1, 2, 3]",
@@ -83,7 +87,7 @@ class ChoiceText:
     all that is scanned. A choice of n tokens costs O(n) however long it grows.
     """
 
-    def __init__(self, codec: Any, stops: list[str]) -> None:
+    def __init__(self, codec: Tokenizer, stops: list[str]) -> None:
         from phyai_ray.llm.tokenizer import TextStream
 
         self.stream, self.stops = TextStream(codec), [s for s in stops if s]
