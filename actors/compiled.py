@@ -9,13 +9,14 @@ comes back through its own channel; the lane's reader thread takes the replies i
 them to `on_replies`. Ray runs each rank's side on the actor's "_ray_system" thread, so the
 actor's event loop and its "control" concurrency group (liveness pings) stay free.
 
-Bounded: the graph holds `capacity` messages (one shared-memory buffer each); a message sent
-beyond it waits in the lane's backlog, in order, until a reply frees a slot, so a write never
-blocks the caller. Thread use: `send` runs under the scheduler's lock and writes; the reader thread
-reads, and writes the backlog under the lane's lock; callbacks run outside the lane's lock. (Ray
-calls a graph's `execute` "not thread-safe": it is only ever called under the lane's lock here,
-and every reply is read, in order, by the one reader, so the graph's release of unread buffers,
-the one path where writing touches the reader's state, never runs.)
+Bounded: the graph holds `capacity` messages (one shared-memory buffer each); a message sent beyond
+it waits in the lane's backlog, in order, until a reply frees a slot, so a write never blocks the
+caller. Thread use: `send` is called by one thread at a time, in dispatch order (the rank pipeline's
+`send_launches`, outside the replica's lock), and writes; the reader thread reads, and writes the
+backlog under the lane's lock; callbacks run outside the lane's lock. (Ray calls a graph's `execute`
+"not thread-safe": it is only ever called under the lane's lock here, and every reply is read, in
+order, by the one reader, so the graph's release of unread buffers, the one path where writing
+touches the reader's state, never runs.)
 
 Failure: a write that fails before anything was written (the payload does not serialize) fails
 that request alone; a closed channel or a failed graph ends the reader with `on_broken(exc)`; the

@@ -16,12 +16,12 @@ map request tensors copy-on-write, so a plugin that writes into its request chan
 view. A message body larger than `BODY_IN_MEMFD_BYTES` travels the same way, so a socket write
 never waits for long.
 
-Threads: `send` runs under the replica scheduler's lock and never blocks: it writes with
-MSG_DONTWAIT and leaves what did not fit to the lane's writer thread, in order. The writer never
-blocks on one rank either: a rank busy in a collective reads its next message only after its
-peers got theirs. One reader thread
-per lane waits on every rank's socket; replies come back per rank in the order sent. A rank whose
-socket closes (its process exited) ends the lane with `on_broken(rank, exc)`.
+Threads: `send` is called by one thread at a time, in dispatch order (the rank pipeline's
+`send_launches`, outside the replica's lock), and never blocks: it writes with MSG_DONTWAIT and
+leaves what did not fit to the lane's writer thread, in order. The writer never blocks on one rank
+either: a rank busy in a collective reads its next message only after its peers got theirs. One
+reader thread per lane waits on every rank's socket; replies come back per rank in the order sent. A
+rank whose socket closes (its process exited) ends the lane with `on_broken(rank, exc)`.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ One protocol, three lanes, chosen once when the replica starts (`request_transpo
     lane.weight(payload)            what a prepared payload costs against max_batch_weight (descriptors)
     lane.max_batch_weight           the most one batch message may carry (None: no bound)
     lane.batch(payloads)            a batch's prepared payloads as one message
-    lane.send(tag, LaneRequest)     to every rank, in order; never blocks (it runs under the scheduler's lock)
+    lane.send(tag, LaneRequest)     to every rank, in order; never blocks (the executor's launch calls it)
     lane.in_flight, lane.capacity   messages at the ranks, and how many may be
     lane.close()
 
-Replies go back to the replica through the callbacks each lane takes; the replica never asks
-which lane it has.
+Replies go back to the executor (actors/ray_executor.py) through the callbacks each lane takes
+(`LaneReplies`, actors/rank_group.py); the executor never asks which lane it has.
 
 `BoundedLane`: what the socket and compiled lanes share on the sending side.
 
@@ -97,7 +97,7 @@ class ActorCallLane:
 
     name = "actor_calls"
     max_batch_weight = None
-    capacity = 1 << 30  # bounded by the scheduler's max_ongoing_requests, not here
+    capacity = 1 << 30  # bounded by the rank pipeline's max_ongoing_requests, not here
 
     def __init__(self, actors: Sequence[Any], *, name: str, on_reply: Callable[[Any, int, Any], None],
                  on_rank_error: Callable[[int, BaseException], None],

@@ -49,7 +49,8 @@ def _plan(mode: str, args: Any, deployment: Any) -> tuple[str, list, list]:
 
 def _replica(plan: Any, *, entry: Any, args: Any, deployment: Any, device_type: str, target_node: str | None,
              deadline: float) -> ScheduledReplica:
-    """One replica: its Ray executor (ranks started), then the queue, scheduler and lifecycle around it."""
+    """One replica: its Ray executor (ranks started), then the ScheduledReplica around it (queue, rank
+    pipeline, clock, lifecycle)."""
     executor = RayExecutor(plan, entry=entry, args=args, deployment=deployment, device_type=device_type,
                            target_node=target_node, deadline=deadline)
     proc = deployment.process_config
