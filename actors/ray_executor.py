@@ -19,7 +19,7 @@ same reference goes to every rank with the next sequence number; every rank runs
 sequence order; replies are handed from Ray's threads to that lane's reply thread. Compiled
 (only when asked for): one Ray Compiled Graph per replica (`actors.compiled.CompiledLane`), whose
 channel readers poll, a core each. Either way the request waits in the replica's engine-side
-scheduler until a slot is free, the output rank's reply resolves the future, and no thread of the
+queue until the rank pipeline has a slot, the output rank's reply resolves the future, and no thread of the
 request path runs user code (done-callbacks run on the engine's callback thread), so a callback
 may call the engine again. Liveness pings always use normal actor calls on the ranks' control lane.
 
@@ -30,7 +30,7 @@ dispatched request fails with `EngineUnavailableError` naming the cause, then ev
 and the placement group removed. Nothing is retried or restarted here. Every part reports a failure
 through `_fail`, the one failure path.
 
-The executor owns its ranks; the replica (phyai_ray/executors/base.py) owns the queue, the scheduler
+The executor owns its ranks; the replica (phyai_ray/executors/base.py) owns the queue, the rank pipeline
 and the lifecycle, and hears back only through the `ReplicaLink` it binds.
 """
 
