@@ -24,7 +24,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """nn's attention entry on this family's layout: q [B, S, H, D], k / v [B, T, KV, D], mask [B, S, T]
     (True: attend) -> [B, S, H * D]. The "eager" backend is LeRobot's arithmetic (float32 scores, masked
     with float32's min, float32 softmax); its grouped queries read their shared key head without copies."""
-    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], backend="eager")
+    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask.unsqueeze(1), backend="eager")
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
