@@ -34,7 +34,7 @@ from phyai_ray.llm.paged_decoder import PagedDecoder
 from phyai_ray.llm.ragged import RaggedBatch
 from phyai_ray.llm.stops import StopScan
 from phyai_ray.nn.linear import gather_columns, row_parallel, vocab_embedding
-from phyai_ray.nn.norm import rms_norm as rms
+from phyai_ray.nn.norm import rms_norm
 from phyai_ray.nn.rotary import rope_cos_sin, rotate_half
 from phyai_ray.rank.loading import dtype_name
 
@@ -186,12 +186,12 @@ class HFCausalLM(PagedDecoder):
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
         for i in range(a.layers):
             p = f"model.layers.{i}."
-            x = x + self._attention(rms(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
+            x = x + self._attention(rms_norm(x, self.w[p + "input_layernorm.weight"], a.eps), p, cos, sin,
                                     cache.layer(i), batch)
-            x = x + self._mlp(rms(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
+            x = x + self._mlp(rms_norm(x, self.w[p + "post_attention_layernorm.weight"], a.eps), p)
         if batch.last.numel() == 0:  # only prompt chunks that sample nothing (every rank alike)
             return x.new_zeros(0, a.vocab, dtype=torch.float32)
-        h = rms(x[batch.last], self.w["model.norm.weight"], a.eps)
+        h = rms_norm(x[batch.last], self.w["model.norm.weight"], a.eps)
         local = (h @ self.w["lm_head.weight"].T).float()
         return gather_columns(local, "dense_tp", a.vocab)
 
@@ -211,8 +211,8 @@ class HFCausalLM(PagedDecoder):
         k = self._linear(h, p + "self_attn.k_proj").view(-1, kv, a.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(-1, kv, a.head_dim)
         if a.qk_norm:
-            q = rms(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
-            k = rms(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
+            q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], a.eps)
+            k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         batch.write(*cache, k, v)
         attended = batch.attend(q, *cache).view(q.shape[0], -1)
