@@ -21,7 +21,8 @@ from ray import serve
 
 from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, EngineArgs,
                        EngineConfig, ParallelConfig)
-from phyai_ray.serve.protocols import codec, create_app
+from phyai_ray.serve import create_app
+from phyai_ray.serve.protocols import codec
 
 APP_NAME = "phyai"
 
