@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phyai_ray.collectives import P
+from phyai_ray.nn.linear import shard_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -80,8 +81,6 @@ class HeadShardedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.RMSNorm, index: int, count: int, group: str) -> None:
         super().__init__()
-        from phyai_ray.nn.linear import shard_rows
-
         (self.full_width,) = norm.normalized_shape
         self.eps, self.group = norm.eps, group
         weight = None if norm.weight is None else shard_rows(norm.weight.data, 0, index, count)
