@@ -141,7 +141,8 @@ def test_dtype_auto_reads_the_checkpoint(llama) -> None:
     half = Architecture.read(llama).__class__(**{**arch.__dict__, "dtype": "float16"})
     assert cfg.resolved_dtype(half, "cuda") == "float16" and cfg.resolved_dtype(half, "cpu") == "float32"
     assert HFCausalLMConfig(model=str(llama), dtype="bfloat16").resolved_dtype(arch, "cpu") == "bfloat16"
-    assert HFCausalLMConfig(model=str(llama)).resolved_dtype(arch, "cpu") is None  # the engine's params_dtype
+    assert HFCausalLMConfig(model=str(llama)).resolved_dtype(arch, "cuda") == "bfloat16"  # "auto" by default
+    assert HFCausalLMConfig(model=str(llama), dtype="engine").resolved_dtype(arch, "cpu") is None  # params_dtype
     with engine(llama, dtype="auto") as eng:
         [out] = eng.step({"prompts": [PROMPTS[0]], "max_tokens": 4})
     assert out.token_ids

@@ -3,9 +3,10 @@
     plugin_args  {"model": "/models/Qwen2.5-0.5B-Instruct", "dtype": "auto", "max_model_len": 4096,
                   "kv_cache_bytes": 268435456, "max_num_batched_tokens": 2048, "enable_prefix_caching": true}
 
-`model` is a local folder (never a hub name: nothing is downloaded). `dtype` defaults to the
-engine's `DeviceConfig.params_dtype`; "auto" is the checkpoint's `torch_dtype`, except bfloat16 for
-a float32 checkpoint on CUDA and float32 on CPU. `max_model_len` (the longest prompt + completion)
+`model` is a local folder (never a hub name: nothing is downloaded). `dtype` "auto" (the default)
+is the checkpoint's `torch_dtype`, except bfloat16 for a float32 checkpoint on CUDA and float32 on
+CPU (Qwen3-8B loads in 16 GB of bfloat16 on a GPU, not 33 GB of float32); "engine" takes the
+engine's `DeviceConfig.params_dtype`; a dtype name is used as given. `max_model_len` (the longest prompt + completion)
 defaults to the checkpoint's `max_position_embeddings`, capped at DEFAULT_MAX_LEN.
 
 The KV cache is a pool of blocks of `block_size` tokens (`phyai_ray.llm.blocks`), sized at load:
@@ -36,9 +37,9 @@ class HFCausalLMConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="Local checkpoint folder: config.json, *.safetensors, tokenizer.")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
-        None, description="Weights and activations; default: the engine's DeviceConfig.params_dtype; 'auto': the "
-                          "checkpoint's torch_dtype (bfloat16 for a float32 checkpoint on CUDA, float32 on CPU).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto", "engine"] = Field(
+        "auto", description="Weights and activations; 'auto': the checkpoint's torch_dtype (bfloat16 for a float32 "
+                            "checkpoint on CUDA, float32 on CPU); 'engine': the engine's DeviceConfig.params_dtype.")
     max_model_len: int | None = Field(None, ge=2, le=1 << 20,
                                       description="Longest prompt + completion; default min(max_position, 4096).")
     kv_cache_bytes: int | None = Field(None, ge=1 << 12, description="Bytes of the KV block pool (every layer, "
@@ -65,11 +66,13 @@ class HFCausalLMConfig(BaseModel):
         return self.max_model_len or min(arch.max_position, DEFAULT_MAX_LEN)
 
     def resolved_dtype(self, arch: Architecture, device_type: str) -> str | None:
-        """The dtype name to load in; None: the engine's params_dtype.
+        """The dtype name to load in; None: the engine's params_dtype (dtype="engine").
 
             dtype="auto", checkpoint bfloat16: "bfloat16" on CUDA, "float32" on CPU;
             checkpoint float32: "bfloat16" on CUDA, "float32" on CPU
         """
+        if self.dtype == "engine":
+            return None
         if self.dtype != "auto":
             return self.dtype
         if device_type != "cuda":

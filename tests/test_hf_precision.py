@@ -1,0 +1,65 @@
+"""Cascade attention keeps float32 accumulation under bfloat16 weights.
+
+The cascade path (decode rows that share a prompt's blocks: GRPO's n samples) computes scores, their
+log-sum-exp and the merge of the two partial softmaxes in float32, and rounds once. In bfloat16 at
+2,048 keys its output is within 1.5x SDPA's own error against float64 on the same inputs; eight
+samples of one prompt give the log-probs of the same prompt run without sharing within bfloat16's
+own error (bfloat16 against float32 of the same model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phyai_ray.llm.ragged as ragged
+from phyai_ray.nn.attention import cascade_attention
+from tests.test_hf_paged import SHARED, engine, submit_all, write_checkpoint
+
+pytest.importorskip("transformers")
+
+
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((out.double() - exact).norm() / exact.norm()).item()
+
+
+def test_cascade_in_bfloat16_at_2048_keys_is_within_1_5x_sdpa_error() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv, d, prefix, own = 8, 4, 2, 128, 2016, 32
+    q = torch.randn(rows, heads, d, generator=g).bfloat16()
+    pk, pv = (torch.randn(1, kv, prefix, d, generator=g).bfloat16() for _ in range(2))
+    ok, ov = (torch.randn(rows, kv, own, d, generator=g).bfloat16() for _ in range(2))
+    visible = torch.ones(rows, 1, 1, own, dtype=torch.bool)
+    out = cascade_attention(q, ok, ov, visible, [(torch.arange(rows), pk, pv)])
+    keys = torch.cat([pk.expand(rows, -1, -1, -1), ok], 2).repeat_interleave(heads // kv, 1)
+    values = torch.cat([pv.expand(rows, -1, -1, -1), ov], 2).repeat_interleave(heads // kv, 1)
+
+    def sdpa(dtype: torch.dtype) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.to(dtype)[:, :, None], keys.to(dtype), values.to(dtype))[:, :, 0]
+
+    exact = sdpa(torch.float64)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, exact) <= 1.5 * relative_error(sdpa(torch.bfloat16), exact)
+
+
+def run(folder, dtype: str, caching: bool) -> list[list[float]]:
+    """Greedy log-probs of eight copies of SHARED; with caching, seven of them decode by cascade."""
+    with engine(folder, dtype=dtype, enable_prefix_caching=caching) as eng:
+        submit_all(eng, [SHARED])  # its blocks cached: the eight below share them
+        outs = submit_all(eng, [SHARED] * 8)
+    return [o.log_probs for o in outs]
+
+
+def test_eight_samples_sharing_a_prompt_in_bfloat16_match_unshared_within_bfloat16_error(tmp_path,
+                                                                                       monkeypatch) -> None:
+    folder = write_checkpoint(tmp_path / "llama", "llama")
+    calls = []
+    kernel = ragged.cascade_attention
+    monkeypatch.setattr(ragged, "cascade_attention", lambda *a: calls.append(1) or kernel(*a))
+    shared = torch.tensor(run(folder, "bfloat16", True))
+    assert calls  # the cascade path served the shared rows
+    plain = torch.tensor(run(folder, "bfloat16", False))
+    exact = torch.tensor(run(folder, "float32", False))
+    own = (plain - exact).abs().max()
+    assert own > 0 and (shared - plain).abs().max() <= own
