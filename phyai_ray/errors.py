@@ -8,6 +8,7 @@ like, so callers may catch either:
     ├── DeploymentConfigError(ValueError) deployment settings that cannot work
     ├── PluginError(LookupError)          a plugin name or import path that does not resolve
     ├── RequestRejectedError(ValueError)  the plugin's validator refused a request; nothing ran
+    │   └── GuardrailError                a safety checker refused a request's prompt or its output
     ├── StartupError(RuntimeError)        workers failed or timed out while starting
     ├── EngineUnavailableError(RuntimeError)
     │                                     the backend can no longer serve
@@ -19,6 +20,10 @@ like, so callers may catch either:
     │   └── DeadlineMissedError           its own deadline (submit(deadline_s=)) passed before it
     │                                     started: answered at once, never run
     ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
+    ├── OutOfMemoryRequestError(MemoryError)
+    │                                     one request did not fit in memory; it alone failed
+    ├── SleepUnsupportedError(RuntimeError)
+    │                                     sleep() of a plugin whose ranks cannot free anything
     ├── StreamNotSupportedError(TypeError) a stream of a plugin whose model has no stream(); use step()
     ├── ReplicaStateError(RuntimeError)   a control call not allowed in the replica's state
     └── WeightUpdateRefusedError(ValueError)
@@ -72,6 +77,56 @@ class RequestRejectedError(PhyAIError, ValueError):
 
 def _rebuild_rejected(message, plugin, field) -> RequestRejectedError:
     return RequestRejectedError(message, plugin=plugin, field=field)
+
+
+class GuardrailError(RequestRejectedError):
+    """A safety checker refused one request (its prompt before any rank, or its output after decode).
+
+    Only that request fails (400 `guardrail`); the message names the checker and why, never the
+    prompt or the frames, so it can be logged and returned as it is."""
+
+    def __reduce__(self):
+        return (_rebuild_guardrail, (str(self), self.plugin, self.field))
+
+
+def _rebuild_guardrail(message, plugin, field) -> GuardrailError:
+    return GuardrailError(message, plugin=plugin, field=field)
+
+
+class OutOfMemoryRequestError(PhyAIError, MemoryError):
+    """One request ran out of device memory while it was admitted (or, on one rank, in the iteration
+    that admitted it): it alone failed, what it took was freed, and the replica keeps serving.
+
+    Answered 503 with reason "out_of_memory": the same request may fit later, beside less work;
+    a smaller one (fewer frames, a lower resolution, a shorter prompt) fits sooner. `replica` and
+    `request_id` name it when known."""
+
+    def __init__(self, message: str, *, replica: int | None = None, request_id: Any = None) -> None:
+        super().__init__(message)
+        self.replica, self.request_id = replica, request_id
+
+    def __reduce__(self):
+        return (_rebuild_oom, (str(self), self.replica, self.request_id))
+
+
+def _rebuild_oom(message, replica, request_id) -> OutOfMemoryRequestError:
+    return OutOfMemoryRequestError(message, replica=replica, request_id=request_id)
+
+
+class SleepUnsupportedError(PhyAIError, RuntimeError):
+    """`sleep(level)` of a plugin whose per-rank model defines no `sleep(level) -> int` and holds no
+    torch module to fall back on: nothing could be freed, so no level is reported. `plugin` names it."""
+
+    def __init__(self, message: str, *, plugin: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+
+    def __reduce__(self):
+        return (_rebuild_sleep_unsupported, (str(self), self.plugin))
+
+
+def _rebuild_sleep_unsupported(message, plugin) -> SleepUnsupportedError:
+    return SleepUnsupportedError(message, plugin=plugin)
 
 
 class StartupError(PhyAIError, RuntimeError):

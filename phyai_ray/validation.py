@@ -12,12 +12,21 @@ only what does not arrive as `Validated`. Whatever the validator returned is wha
 
 Any exception of the validator becomes `RequestRejectedError` (a ValueError) with the plugin's
 message and the validator's exception as its cause: the request is at fault, and every edge
-answers it with its protocol's bad-request status (`serve/protocols/error_map.py`).
+answers it with its protocol's bad-request status (`serve/protocols/error_map.py`). It is also an
+instance of the validator's own exception class (as Ray's `RayTaskError.as_instanceof_cause()`
+does), so a caller's `except MyPluginError` catches it:
+
+    try:
+        engine.step(bad)
+    except BadPayload as exc:           # the plugin's own class ...
+        assert isinstance(exc, RequestRejectedError) and isinstance(exc.__cause__, BadPayload)
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from pydantic import ValidationError
@@ -56,7 +65,49 @@ def rejection(entry: Any, exc: BaseException) -> RequestRejectedError:
     text = " ".join(str(exc).split())
     shown = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     name = entry.display_name()
-    return RequestRejectedError(f"plugin {name} rejected the request: {shown}", plugin=name, field=_field(exc))
+    cls = RequestRejectedError if isinstance(exc, RequestRejectedError) else rejected_as(type(exc))
+    return cls(f"plugin {name} rejected the request: {shown}", plugin=name, field=_field(exc))
+
+
+@lru_cache(maxsize=256)
+def rejected_as(cause: type) -> type[RequestRejectedError]:
+    """A subclass of both `RequestRejectedError` and `cause` (one per cause class), so a refusal is
+    caught as either. A class that cannot be mixed in (its instance layout is a builtin's other than
+    Exception's, or it forbids subclasses) gives `RequestRejectedError` itself."""
+    if not issubclass(cause, Exception) or issubclass(cause, RequestRejectedError):
+        return RequestRejectedError
+    try:
+        cls = type(f"RequestRejected[{cause.__name__}]", (RequestRejectedError, cause), {
+            "__new__": _new_rejected, "__init__": _init_rejected, "__str__": BaseException.__str__,
+            "__reduce__": _reduce_rejected, "__module__": __name__,
+            "__qualname__": f"RequestRejected[{cause.__qualname__}]", "cause_class": cause})
+        cls("probe", plugin=None, field=None)  # a layout that only its own __new__ can build fails here
+    except TypeError:
+        return RequestRejectedError
+    return cls
+
+
+def _new_rejected(cls, message: str = "", **_: Any):
+    return BaseException.__new__(cls, message)
+
+
+def _init_rejected(self, message: str, *, plugin: str | None = None, field: str | None = None) -> None:
+    """The cause class's own `__init__` may take other arguments: set the message as Exception does."""
+    Exception.__init__(self, message)
+    self.plugin, self.field = plugin, field
+
+
+def _reduce_rejected(self):
+    """Pickled by its cause class (by reference) when that class pickles, else as RequestRejectedError."""
+    try:
+        pickle.dumps(self.cause_class)
+    except Exception:
+        return (RequestRejectedError.__reduce__(self))
+    return (_rebuild_rejected_as, (self.cause_class, str(self), self.plugin, self.field))
+
+
+def _rebuild_rejected_as(cause: type, message: str, plugin: str | None, field: str | None) -> RequestRejectedError:
+    return rejected_as(cause)(message, plugin=plugin, field=field)
 
 
 def _field(exc: BaseException) -> str | None:
