@@ -22,8 +22,9 @@ import torch
 
 from phyai_ray import Engine, EngineArgs, EngineConfig, WeightSender
 from phyai_ray.config.engine import DeviceConfig
-from phyai_ray.errors import WeightUpdateRefusedError
+from phyai_ray.errors import RequestRejectedError, WeightUpdateRefusedError
 from phyai_ray.models.hf_causal_lm import CheckpointError
+from phyai_ray.models.hf_causal_lm.request import MaxModelLenError
 from phyai_ray.llm.tokenizer import TextCodec, TextStream
 from tests.hf_checkpoints import FAMILIES, load_reference, write_checkpoint
 
@@ -246,11 +247,15 @@ def test_sharded_checkpoints_with_an_index_load_the_same_model(checkpoints, tmp_
 def test_bad_requests_are_refused_in_the_dispatcher(checkpoints) -> None:
     with engine(checkpoints["llama"]) as eng:
         for request, why in [({"prompts": [[1, 99999]]}, r"out-of-range ids \[99999\]"),
-                             ({"prompts": [[1] * 250], "max_tokens": 10}, r"= 260 exceeds max_model_len=256"),
+                             ({"prompts": [[1] * 250], "max_tokens": 10},
+                              r"max_model_len=256 tokens; the request asks for 260 .*plugin_args 'max_model_len'"),
                              ({"prompts": [[1]], "text": ["x"]}, "exactly one of"),
                              ({"text": ["x"], "temperature": -1}, "temperature")]:
             with pytest.raises(ValueError, match=why):
                 eng.submit(request)
+        with pytest.raises(RequestRejectedError) as refused:
+            eng.submit({"prompts": [[1] * 200], "max_tokens": 57})
+        assert refused.value.field == "max_tokens" and isinstance(refused.value.__cause__, MaxModelLenError)
         assert eng.step({"prompts": [[1, 2]], "max_tokens": 2})[0].token_ids  # nothing else disturbed
 
 

@@ -222,3 +222,25 @@ def test_sleep_level1_frees_the_cache_and_running_sequences_resume_unchanged(lla
         out = future.result(timeout=120)[0]
         [again] = submit_all(eng, [LONG], 40)
     assert out.token_ids == again.token_ids and len(out.token_ids) == 40
+
+
+def one_rank(folder: Path, **plugin_args):
+    """An `HFCausalLM` built on one CPU rank, outside any engine."""
+    from phyai_ray.models.hf_causal_lm.model import HFCausalLM
+    from phyai_ray.process_groups import GroupSet
+    from placement.topology import Topology
+    from phyai_ray.plugins.context import RankContext
+
+    parallel = ParallelConfig()
+    ctx = RankContext(rank=0, world_size=1, replica_index=0, device=torch.device("cpu"), dtype=torch.float32,
+                      parallel=parallel, groups=GroupSet(Topology.from_parallel(parallel), 0))
+    return HFCausalLM(HFCausalLMConfig(model=str(folder), **plugin_args), ctx)
+
+
+def test_sleep_returns_the_bytes_it_freed(llama, model) -> None:
+    kv_bytes = 1 << 20
+    rank = one_rank(llama, kv_cache_bytes=kv_bytes)
+    weights = sum(p.numel() * 4 for name, p in model.named_parameters())
+    assert rank.sleep(1) == kv_bytes  # on CPU level 1 frees the cache only (the weights stay where they are)
+    assert rank.sleep(1) == 0
+    assert rank.sleep(2) == weights  # then the weights, counted once

@@ -145,6 +145,11 @@ class PagedDecoder:
         return deltas, True
 
     # -- the cache -------------------------------------------------------------------------------
+    def cache_bytes(self) -> int:
+        """Bytes the KV pool's tensors hold now (0 once released)."""
+        pool = self.paged.pool
+        return sum(t.numel() * t.element_size() for t in pool.keys + pool.values)
+
     def release_cache(self) -> None:
         """Free the KV blocks' memory (sleep): running sequences wait again, to recompute their history."""
         self.paged.evict_all()

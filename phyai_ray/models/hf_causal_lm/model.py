@@ -136,19 +136,25 @@ class HFCausalLM(PagedDecoder):
 
     # -- sleep / wake (phyai_ray.rank.control) -----------------------------------------------------
     @torch.inference_mode()
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int) -> int:
         """Level 1: the weights to the host (where they are already on CPU) and the KV blocks freed;
         level 2: both dropped (the next weight update refills the weights). Running sequences wait
-        again and recompute their history once awake."""
+        again and recompute their history once awake. Returns the bytes freed on this rank: the KV
+        pool's, plus the weights' when dropped (level 2) or moved off the device (level 1 on CUDA)."""
+        freed = self.cache_bytes()
         self.release_cache()
+        on_device = getattr(self.ctx.device, "type", "cpu") != "cpu"
+        if level >= 2 or on_device:
+            freed += _unique_bytes(self.w.values())
         if level >= 2:
             self.w = {name: t.new_empty(0) for name, t in self.w.items()}
-        elif getattr(self.ctx.device, "type", "cpu") != "cpu":
+        elif on_device:
             self.w = {name: t.to("cpu") for name, t in self.w.items()}
         self._tie()
         if getattr(self.ctx.device, "type", "cpu") == "cuda":
             torch.cuda.empty_cache()
         _return_freed_memory()
+        return freed
 
     @torch.inference_mode()
     def wake_up(self, tags: list[str]) -> None:
@@ -223,6 +229,12 @@ class HFCausalLM(PagedDecoder):
         hidden = F.silu(self._linear(h, p + "mlp.gate_proj")) * self._linear(h, p + "mlp.up_proj")
         down = p + "mlp.down_proj"
         return row_parallel(hidden, self.w[down + ".weight"], self.w.get(down + ".bias"), "dense_tp")
+
+
+def _unique_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages among `tensors` (a tied head shares the embedding's)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(seen.values())
 
 
 def _return_freed_memory() -> None:

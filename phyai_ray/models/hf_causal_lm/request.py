@@ -22,8 +22,25 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints, ValidationError, model_validator
 
+from phyai_ray.errors import RequestRejectedError
 from phyai_ray.llm.sampling import Sampling, sequence_seed
 from phyai_ray.llm.stops import MAX_STOP_CHARS
+
+
+class MaxModelLenError(RequestRejectedError):
+    """A prompt + max_tokens longer than the served length (plugin_args `max_model_len`): refused in the
+    dispatcher, before any rank, as vLLM answers it (a 400 at the edges)."""
+
+    def __init__(self, prompt: int, max_tokens: int, max_len: int) -> None:
+        super().__init__(f"this model's maximum context length is max_model_len={max_len} tokens; the request "
+                         f"asks for {prompt + max_tokens} ({prompt} in the longest prompt, {max_tokens} in "
+                         "max_tokens): shorten the prompt, lower max_tokens, or serve with a larger plugin_args "
+                         "'max_model_len' (up to the checkpoint's max_position_embeddings)",
+                         plugin="hf_causal_lm", field="max_tokens")
+        self.prompt, self.max_tokens, self.max_len = prompt, max_tokens, max_len
+
+    def __reduce__(self):
+        return (MaxModelLenError, (self.prompt, self.max_tokens, self.max_len))
 
 
 class TextRequest(Sampling):
@@ -63,11 +80,9 @@ class TextRequest(Sampling):
         if bad or any(not p for p in prompts):
             raise ValueError(f"hf_causal_lm request: prompts must be non-empty and every id in [0, {vocab}); got "
                              f"{'an empty prompt' if not bad else f'out-of-range ids {bad[:5]}'}")
-        longest = max(len(p) for p in prompts) + req.max_tokens
-        if longest > max_len:
-            raise ValueError(f"hf_causal_lm request: longest prompt ({max(len(p) for p in prompts)} tokens) + "
-                             f"max_tokens ({req.max_tokens}) = {longest} exceeds max_model_len={max_len}; shorten "
-                             "the prompt or lower max_tokens")
+        longest = max(len(p) for p in prompts)
+        if longest + req.max_tokens > max_len:
+            raise MaxModelLenError(longest, req.max_tokens, max_len)
         return Parsed(req, [list(p) for p in prompts], () if req.ignore_eos else eos)
 
 
