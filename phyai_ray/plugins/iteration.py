@@ -34,6 +34,10 @@ latent shapes, per iteration).
 Every plan reaches every rank of the replica in the same order, so ranks that share collectives
 run the same iterations; only the output rank's deltas are read. `RankRunner.iterate(plan)` applies
 a plan: drops, then recomputes, then admits, then one `iterate()`.
+
+A request's failure is its own: an `admit` that raises (the model keeps nothing of that sequence),
+a `Delta(stop_reason="error", error=exc)` or a `SequenceError` naming sequences fails only those
+requests, and the replica keeps its ranks (docs/concepts/replicas.md has the failure table).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ class SequenceSpec:
 class Delta:
     """What one iteration produced for one sequence: its new tokens or its value, and whether it ended.
 
-    `stop_reason` is None while the sequence runs, else "completed" or "length" (its slot is free).
+    `stop_reason` is None while the sequence runs, else "completed" or "length" (its slot is free),
+    or "error" with `error` set: the sequence failed alone (its decode, its guardrail check, its own
+    input, out of memory in its own stage) and the model has already freed it; the loop fails only
+    its request with `error` (a `RequestRejectedError` subclass is the client's fault, a 4xx) and
+    drops it on every rank at the next plan (so `drop` must ignore an id it no longer holds).
     An iteration may return an empty delta (a chunked prefill, a denoising step with nothing to show).
     Token sequences: `token_ids`, their `log_probs`, and `top_logprobs` (when the sequence asked for
     k of them: per token its k most likely tokens {token id: log-prob}; empty otherwise).
@@ -87,6 +95,39 @@ class Delta:
     value: Any = None
     progress: Any = None
     preempted: int = 0
+    error: BaseException | None = None
+
+
+class SequenceError(Exception):
+    """Raised by a per-rank model's `iterate()` to name the sequences that failed in it, {seq_id: error}.
+
+    Those requests fail with their errors; the model must have freed them (the loop drops them on
+    every rank at the next plan too), and the rank runs `iterate()` once more for the others. On a
+    replica of several ranks every rank must raise it for the same sequences, as for `admit`: ranks
+    that name different sequences have diverged, and the replica is failed."""
+
+    def __init__(self, errors: dict[int, BaseException]) -> None:
+        named = ", ".join(f"{ident}: {type(exc).__name__}" for ident, exc in sorted(errors.items()))
+        super().__init__(f"sequence(s) failed in iterate(): {{{named}}}")
+        self.errors = dict(errors)
+
+    def __reduce__(self):
+        return (SequenceError, (self.errors,))
+
+
+@dataclass
+class RankIteration:
+    """What one rank answers for one iteration (`RankRunner.iterate`): the output rank its `deltas`,
+    every rank the sequences that failed alone on it (their `admit` raised, or `SequenceError`).
+
+    `errors` holds the exceptions themselves on the output rank (the requests fail with them);
+    `kinds` {seq_id: exception type name} is what ranks compare: only when every rank of the replica
+    failed the same sequences with the same types do those requests fail alone. A non-output rank
+    with nothing failed answers None, so nothing travels back from it."""
+
+    deltas: dict[int, Delta] | None = None
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    kinds: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
