@@ -159,8 +159,8 @@ def test_text_parts_are_joined_into_the_string_content(served):
 
 @pytest.mark.parametrize("extra,field", [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
 ])
 def test_fields_that_change_generation_and_are_not_implemented_are_400_naming_the_field(served, extra, field):
     client, _, _ = served
@@ -168,6 +168,30 @@ def test_fields_that_change_generation_and_are_not_implemented_are_400_naming_th
         client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2, **extra)
     assert info.value.body["param"] == field
     client.chat.completions.create(model="tiny-qwen2", messages=CHAT, max_tokens=2, presence_penalty=0.0)
+
+
+def test_prompt_logprobs_on_completions_is_400_naming_it(served):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not supported") as info:
+        client.completions.create(model="tiny-qwen2", prompt=[1, 2], max_tokens=2, extra_body={"prompt_logprobs": 2})
+    assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_logit_bias_and_penalties_change_the_reply_on_both_routes(served):
+    client, _, _ = served
+    chat = dict(model="tiny-qwen2", messages=CHAT, max_tokens=6, temperature=0)
+    biased = client.chat.completions.create(**chat, logit_bias={"14": 100}, logprobs=True)
+    assert [t.token for t in biased.choices[0].logprobs.content] == [biased.choices[0].logprobs.content[0].token] * 6
+    prompt = dict(model="tiny-qwen2", prompt=[1, 17, 23, 17, 42], max_tokens=8, temperature=0)
+    assert client.completions.create(**prompt, logit_bias={"14": 100}).choices[0].token_ids == [14] * 8
+    plain = client.completions.create(**prompt).choices[0].token_ids
+    penalized = client.completions.create(**prompt, frequency_penalty=2.0).choices[0].token_ids
+    repeated = client.completions.create(**prompt, extra_body={"repetition_penalty": 1.5}).choices[0].token_ids
+    assert penalized != plain and repeated != plain
+    assert len(set(penalized)) == len(penalized)  # 2.0 per use outweighs this tiny model's margins
+    with pytest.raises(openai.BadRequestError, match="logit_bias maps token ids") as info:
+        client.completions.create(**prompt, logit_bias={"fourteen": 1})
+    assert info.value.body["param"] == "logit_bias"
 
 
 def test_chat_template_kwargs_and_the_character_bound(served):

@@ -4,8 +4,9 @@
     tokens, log_probs = sample(logits, seqs)         # the same without alternatives
     tops = alternatives(logits, seqs)                # per row {id: log-prob} of its top_logprobs, or None
 
-Greedy rows (temperature 0) take the argmax. A sampled row keeps the tokens its `top_k` and `top_p`
-allow (`kept_mass`) and draws one of them by inverse CDF: with u in [0, 1) from the row's seed,
+A request's logit bias and penalties are applied first (`phyai_ray.llm.logits.processed`); the
+log-probs reported are the raw logits'. Greedy rows (temperature 0) take the argmax. A sampled row
+keeps the tokens its `min_p`, `top_k` and `top_p` allow (`kept_mass`) and draws one of them by inverse CDF: with u in [0, 1) from the row's seed,
 the token where the running sum of the kept masses passes u * their total.
 
 The masses are whole numbers, floor(softmax(logits / temperature) * 2**40), summed in float64
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 
+from phyai_ray.llm.logits import processed
+
 FIXED = 2.0 ** 40  # masses are probabilities in units of 2**-40: whole numbers whose sums stay exact in float64
 LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the float32 bits resolved per radix level
 MASK64 = (1 << 64) - 1
@@ -42,13 +45,15 @@ def draw(logits: torch.Tensor, seqs: list[Any]) -> tuple[list[int], list[float],
     if rows != len(seqs):
         raise ValueError(f"sampling: logits have {rows} rows but {len(seqs)} sequences were given; "
                          "pass one sequence per row")
-    log_probs = x.log_softmax(-1)
+    log_probs = x.log_softmax(-1)  # the raw logits' (vLLM's default), whatever the processors change
+    x = processed(x, seqs)
     chosen = x.argmax(-1)
     drawn = [i for i, s in enumerate(seqs) if s.temperature > 0.0]
     if drawn:
         params = _params([seqs[i] for i in drawn], drawn, x.device)
         index = params[:, 4].long()
-        knobs = {"largest_k": max(seqs[i].top_k for i in drawn), "nucleus": any(seqs[i].top_p < 1.0 for i in drawn)}
+        knobs = {"largest_k": max(seqs[i].top_k for i in drawn), "nucleus": any(seqs[i].top_p < 1.0 for i in drawn),
+                 "floor": any(getattr(seqs[i], "min_p", 0.0) > 0.0 for i in drawn)}
         chosen = chosen.index_copy(0, index, _draw_rows(x.index_select(0, index), params, **knobs))
     parts = [chosen.double(), log_probs.gather(1, chosen[:, None]).squeeze(1).double()]
     wanted = [min(int(s.top_logprobs or 0), vocab) for s in seqs]
@@ -80,16 +85,20 @@ def alternatives(logits: torch.Tensor, seqs: list[Any]) -> list[dict[int, float]
 
 
 def kept_mass(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              largest_k: int | None = None, nucleus: bool | None = None) -> torch.Tensor:
+              largest_k: int | None = None, nucleus: bool | None = None, min_p: torch.Tensor | None = None,
+              floor: bool = True) -> torch.Tensor:
     """[b, vocab] float32 whole numbers: each token's mass floor(softmax(x / temperature) * 2**40) where
-    top_k and top_p keep it, else 0 (exact in float64 sums, whatever their order).
+    min_p, top_k and top_p keep it, else 0 (exact in float64 sums, whatever their order).
 
-    top_k keeps the tokens at least as likely as the k-th (ties kept; 0: all). top_p then keeps a
+    min_p (vLLM's, transformers' `MinPLogitsWarper`) keeps the tokens at least min_p x the most
+    likely one's probability (`floor`: whether any row has one). top_k keeps the tokens at least as likely as the k-th (ties kept; 0: all). top_p then keeps a
     token when the mass of the kept tokens strictly more likely than it is below top_p of the kept
     total (so a tie at the boundary stays whole); the most likely token always stays. `largest_k`
     (max of top_k) and `nucleus` (any top_p < 1), when the caller knows them, spare a wait for the device."""
     p = (x.float() / temperature.float()[:, None]).softmax(-1)  # float32: its bits order like its values
     mass = (p * FIXED).floor_()
+    if min_p is not None and floor:
+        mass.masked_fill_(p < min_p.float()[:, None] * p.amax(-1, keepdim=True), 0.0)
     k = min(int(top_k.max()) if largest_k is None else largest_k, p.shape[-1])
     if k:
         kth = p.topk(k, dim=-1).values.gather(1, (top_k.long() - 1).clamp(0, k - 1)[:, None])
@@ -126,7 +135,7 @@ def _nucleus_floor(bits: torch.Tensor, mass: torch.Tensor, need: torch.Tensor) -
 
 def _draw_rows(x: torch.Tensor, params: torch.Tensor, **knobs: Any) -> torch.Tensor:
     """[b] token ids drawn from rows `x` [b, vocab] by inverse CDF over their kept masses."""
-    mass = kept_mass(x, params[:, 0].float(), params[:, 2], params[:, 1], **knobs)
+    mass = kept_mass(x, params[:, 0].float(), params[:, 2], params[:, 1], min_p=params[:, 5], **knobs)
     running = mass.cumsum(-1, dtype=torch.float64)
     total = running[:, -1]
     target = torch.minimum((params[:, 3] * total).floor(), total - 1.0)
@@ -135,10 +144,11 @@ def _draw_rows(x: torch.Tensor, params: torch.Tensor, **knobs: Any) -> torch.Ten
 
 
 def _params(seqs: list[Any], rows: list[int], device: Any) -> torch.Tensor:
-    """[b, 5] float64 on `device` in one copy: temperature, top_p, top_k, u, row index."""
+    """[b, 6] float64 on `device` in one copy: temperature, top_p, top_k, u, row index, min_p."""
     values = [v for s, r in zip(seqs, rows)
-              for v in (s.temperature, s.top_p, float(s.top_k), uniform(_seed(s), len(s.tokens)), float(r))]
-    return torch.frombuffer(array("d", values), dtype=torch.float64).view(-1, 5).to(device)
+              for v in (s.temperature, s.top_p, float(s.top_k), uniform(_seed(s), len(s.tokens)), float(r),
+                        float(getattr(s, "min_p", 0.0)))]
+    return torch.frombuffer(array("d", values), dtype=torch.float64).view(-1, 6).to(device)
 
 
 def _seed(seq: Any) -> int:

@@ -18,7 +18,11 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# what a sequence payload carries only when a request changes it (the processors of `phyai_ray.llm.logits`)
+PROCESSOR_DEFAULTS = {"logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                      "repetition_penalty": 1.0, "min_p": 0.0}
 
 
 class Sampling(BaseModel):
@@ -34,6 +38,24 @@ class Sampling(BaseModel):
                                                        "Unset: a fresh random seed per request.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Generation of a prompt ends at any of these.")
     top_logprobs: int = Field(0, ge=0, le=20, description="Per token, report its k most likely tokens' log-probs.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024,
+                                         description="Added to these token ids' logits before sampling (-100..100).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from every token generated "
+                                                                      "so far (vLLM / OpenAI).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence among the "
+                                                                       "tokens generated so far.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Tokens of the prompt or output: positive "
+                                                                        "logits divided by it, negative multiplied.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens at least min_p x the most likely one's "
+                                                          "probability (after temperature).")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float]) -> dict[int, float]:
+        bad = {k: v for k, v in bias.items() if not -100.0 <= v <= 100.0 or k < 0}
+        if bad:
+            raise ValueError(f"logit_bias values must lie in [-100, 100] for ids >= 0; got {dict(list(bad.items())[:4])}")
+        return bias
 
     def seeded(self) -> "Sampling":
         """This request with its seed fixed: itself when it gave one, else a copy with a fresh random seed.
@@ -43,8 +65,9 @@ class Sampling(BaseModel):
 
     def shared_payload(self, stop: list[int]) -> dict[str, Any]:
         """The part of every sequence payload (`PagedSequences.admit`) shared by all prompts of a request."""
+        changed = {k: getattr(self, k) for k, default in PROCESSOR_DEFAULTS.items() if getattr(self, k) != default}
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "stop_token_ids": stop, "top_logprobs": self.top_logprobs}
+                "top_p": self.top_p, "stop_token_ids": stop, "top_logprobs": self.top_logprobs, **changed}
 
 
 def fresh_seed() -> int:

@@ -43,6 +43,11 @@ class Running:
     top_logprobs: int = 0  # how many alternatives each token reports (0: none)
     tops: list[dict[int, float]] = field(default_factory=list)
     scan: Any = None  # a `StopScan` when the payload gave stop_strings: the token completing one ends it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # the processors of `phyai_ray.llm.logits`
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     @classmethod
     def from_payload(cls, seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> "Running":
@@ -51,7 +56,12 @@ class Running:
         generator = torch.Generator().manual_seed(int(payload["seed"]))
         return cls(seq_id, prompt, int(payload["max_tokens"]), float(payload["temperature"]), int(payload["top_k"]),
                    float(payload["top_p"]), frozenset(payload["stop_token_ids"]), generator, pending=list(prompt),
-                   top_logprobs=int(payload.get("top_logprobs") or 0))
+                   top_logprobs=int(payload.get("top_logprobs") or 0),
+                   logit_bias={int(k): float(v) for k, v in (payload.get("logit_bias") or {}).items()},
+                   presence_penalty=float(payload.get("presence_penalty", 0.0)),
+                   frequency_penalty=float(payload.get("frequency_penalty", 0.0)),
+                   repetition_penalty=float(payload.get("repetition_penalty", 1.0)),
+                   min_p=float(payload.get("min_p", 0.0)))
 
     @classmethod
     def admitted(cls, seq_id: int, payload: dict[str, Any], *, max_seq: int, vocab: int, running: Any,

@@ -21,7 +21,10 @@ An `Entry` with `generates_tokens = True` gets /v1/completions and /v1/models. T
 
 `GenerationRequest.as_dict()` holds every prompt `n` times (n sequences of one request, one seed
 for all: each sequence differs by its index); stop strings travel as `stop`, and the plugin ends a sequence
-at the token that completes one.
+at the token that completes one. The logits processors (`logit_bias`, the penalties, `min_p`:
+vLLM's definitions, `phyai_ray.llm.logits`) travel only when a request changes them, so a plugin
+whose validator does not know them refuses such a request (a 400 naming the field) instead of
+ignoring it.
 """
 
 from __future__ import annotations
@@ -82,15 +85,30 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: only for a plugin with a `codec`
     top_logprobs: int = 0  # the k most likely alternatives of each token; 0: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    def processors(self) -> dict[str, Any]:
+        """The logits processors this request changes from their defaults (what `as_dict` adds)."""
+        given = {"logit_bias": dict(self.logit_bias), "presence_penalty": self.presence_penalty,
+                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                 "min_p": self.min_p}
+        defaults = {"logit_bias": {}, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_p": 0.0}
+        return {k: v for k, v in given.items() if v != defaults[k]}
 
     def as_dict(self) -> dict[str, Any]:
-        """`stop` and `top_logprobs` appear only when given, so a plugin without them sees none."""
+        """`stop`, `top_logprobs` and the processors appear only when given, so a plugin without them sees none."""
         copies = [ids for ids in map(list, self.prompts) for _ in range(self.n)]  # n references, one copy
         out: dict[str, Any] = {"prompts": copies, "max_tokens": self.max_tokens,
                                "temperature": self.temperature, "top_p": self.top_p,
                                "stop_token_ids": list(self.stop_token_ids), "seed": self.seed}
         if self.stop:
             out["stop"] = list(self.stop)
+        out.update(self.processors())
         return {**out, "top_logprobs": self.top_logprobs} if self.top_logprobs else out
 
 

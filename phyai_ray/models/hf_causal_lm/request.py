@@ -6,7 +6,9 @@
     knobs: temperature, top_k, top_p, seed (unset: a fresh random one per request), stop_token_ids,
            stop (strings: the token completing one is the last; the text omits it),
            ignore_eos (vLLM's name: keep going past EOS),
-           top_logprobs (k: each token's k most likely alternatives in TokenOutput.top_logprobs)
+           top_logprobs (k: each token's k most likely alternatives in TokenOutput.top_logprobs),
+           logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_p (vLLM's
+           definitions: `phyai_ray.llm.logits`, `phyai_ray.llm.sampler`)
 
 Generation of a prompt ends at the checkpoint's end-of-sequence ids (generation_config.json, else
 config.json; a list allowed) unless `ignore_eos`, at any of `stop_token_ids`, at the token that
@@ -76,7 +78,8 @@ class TextRequest(Sampling):
                              "and `stop_token_ids`")
         prompts = req.prompts if req.texts is None else [codec.encode(t) for t in req.texts]
         bad = [t for p in prompts for t in p if not 0 <= t < vocab] + \
-              [t for t in req.stop_token_ids if not 0 <= t < vocab]
+              [t for t in req.stop_token_ids if not 0 <= t < vocab] + \
+              [t for t in req.logit_bias if not 0 <= t < vocab]
         if bad or any(not p for p in prompts):
             raise ValueError(f"hf_causal_lm request: prompts must be non-empty and every id in [0, {vocab}); got "
                              f"{'an empty prompt' if not bad else f'out-of-range ids {bad[:5]}'}")

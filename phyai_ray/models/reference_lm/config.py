@@ -89,7 +89,8 @@ class GenerateRequest(Sampling):
         except ValidationError as exc:
             raise ValueError(f"reference_lm request: {exc}") from None
         bad = [t for p in req.prompts for t in p if not 0 <= t < cfg.vocab] + \
-              [t for t in req.stop_token_ids if not 0 <= t < cfg.vocab]
+              [t for t in req.stop_token_ids if not 0 <= t < cfg.vocab] + \
+              [t for t in req.logit_bias if not 0 <= t < cfg.vocab]
         if bad or any(not p for p in req.prompts):
             raise ValueError(f"reference_lm request: prompts must be non-empty and every id in [0, {cfg.vocab}); "
                              f"got out-of-range ids {bad[:5]}")

@@ -30,12 +30,12 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
 from phyai_ray.plugins.tokens import TokenResult, Tokenizer, has_codec, token_plugin
 from phyai_ray.serve.protocols.openai.chat import add_chat_route
-from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason,
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, ProcessorFields, RequestDeadline, finish_reason,
                                                     generation_request, openai_error, sse)
 from phyai_ray.serve.protocols.openai.text import (ChoiceText, cut_at_stop, encode_prompts, require, stop_lists,
                                                   text_codec, usable)
@@ -46,7 +46,7 @@ from phyai_ray.validation import Validated, validate
 MAX_COPIED_TOKENS = 1 << 22  # prompt ids x n one request may expand to (the plugin request holds n copies)
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(ProcessorFields):
     """The fields of OpenAI's completions request this server honours (others are ignored)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -90,7 +90,7 @@ def plugin_request(body: CompletionRequest, codec: Any = None) -> dict[str, Any]
         require(codec, "a stop string")
     return generation_request(_prompts(body), n=body.n, max_tokens=body.max_tokens,
                               temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop_ids=stop_ids,
-                              top_logprobs=body.logprobs or 0, stop_strings=stop_strings)
+                              top_logprobs=body.logprobs or 0, stop_strings=stop_strings, **body.processors())
 
 
 def add_openai_routes(api: FastAPI, runner: Any, options: Any = None) -> None:
@@ -136,6 +136,10 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[CompletionRe
     codec = text_codec(runner.entry)
     if any(isinstance(p, str) for p in _prompts(request)):
         request = request.model_copy(update={"prompt": encode_prompts(codec, _prompts(request))})
+    field = request.unsupported_sampling()
+    if field is not None:
+        raise OpenAIError(400, f"{field} is not supported by this server (it would change what is returned); "
+                               "leave it out", param=field)
     check_sizes(request, token_plugin(runner.entry).max_sequence_tokens())
     plugin = plugin_request(request, codec)
     return request, validate(runner.entry, plugin), len(plugin["prompts"])

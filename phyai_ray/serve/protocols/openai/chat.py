@@ -11,12 +11,13 @@ The messages go through the checkpoint's chat template with `add_generation_prom
 tokenized without adding special tokens again, and run as `n` sequences of one request. Honoured:
 max_tokens / max_completion_tokens, temperature, top_p, seed, stop (strings), n (at most MAX_N),
 logprobs with top_logprobs (each token's log-probability and its k most likely alternatives),
+logit_bias, presence / frequency / repetition penalties and min_p (`common.ProcessorFields`),
 stream, chat_template_kwargs (more template variables), deadline_ms (an extension; or the
 X-Request-Deadline-Ms header: see common.py). Content as text parts is joined into one
 string. Bad input (no messages, an unknown role, a message without content, a template that refuses
 the chat, messages over max_model_len x CHARS_PER_TOKEN characters, a prompt longer than the model
 takes) is a 400 in OpenAI's error shape, and so is any of tools, tool_choice, functions,
-response_format, logit_bias, nonzero penalties or min_p: not implemented, so never ignored.
+response_format or prompt_logprobs: not implemented, so never ignored.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from starlette.responses import JSONResponse, StreamingResponse
 
 from phyai_ray.plugins.tokens import TokenResult, Tokenizer, token_plugin
-from phyai_ray.serve.protocols.openai.common import (OpenAIError, RequestDeadline, finish_reason,
+from phyai_ray.serve.protocols.openai.common import (OpenAIError, ProcessorFields, RequestDeadline, finish_reason,
                                                     generation_request, openai_error, sse)
 from phyai_ray.serve.protocols.openai.text import ChoiceText, cut_at_stop, require, stop_lists, text_codec
 from phyai_ray.serve.protocols.timing import DEADLINE_HEADER
@@ -42,7 +43,7 @@ MAX_N = 16
 CHARS_PER_TOKEN = 32  # messages longer than max_model_len * this are refused before tokenizing
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(ProcessorFields):
     """The fields of OpenAI's chat completions request this server honours (others are ignored)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -65,19 +66,13 @@ class ChatRequest(BaseModel):
     tool_choice: Any = None
     functions: Any = None
     response_format: Any = None
-    logit_bias: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
 
     def unsupported(self) -> str | None:
         """The first field given that this server does not implement (None: all honoured)."""
-        for field in ("tools", "tool_choice", "functions", "response_format", "logit_bias"):
+        for field in ("tools", "tool_choice", "functions", "response_format"):
             if getattr(self, field) not in (None, [], {}):
                 return field
-        defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-        return next((k for k, v in defaults.items() if getattr(self, k) != v), None)
+        return self.unsupported_sampling()
 
     def limit(self, room: int) -> int:
         """max_completion_tokens, else max_tokens, else what the model has room for (at most 4096)."""
@@ -138,7 +133,8 @@ def _prepare(runner: Any, body: dict[str, Any], name: str) -> tuple[ChatRequest,
                                f"{limit} tokens; lower max_tokens", param="max_tokens")
     plugin = generation_request([prompt], n=request.n, max_tokens=max_tokens, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, stop_ids=[],
-                                top_logprobs=request.top_logprobs or 0, stop_strings=stop_lists(request.stop)[1])
+                                top_logprobs=request.top_logprobs or 0, stop_strings=stop_lists(request.stop)[1],
+                                **request.processors())
     return request, validate(runner.entry, plugin), codec, len(prompt)
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import json
 import random
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, ClassVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse
 
 from phyai_ray.outputs import entry_values
@@ -148,12 +148,45 @@ def finish_reason(out: TokenResult, stopped: bool = False) -> str:
     return "stop" if stopped else {"completed": "stop", "length": "length"}.get(out.stop_reason, "stop")
 
 
+class ProcessorFields(BaseModel):
+    """The sampling fields both routes share beyond temperature / top_p, as vLLM defines them: logit
+    bias ({"14": 100}: token id as a string, -100..100), presence / frequency penalties (-2..2, the
+    output so far), repetition penalty (> 0, prompt and output), min_p. Those that are not
+    implemented (`UNSUPPORTED`) are a 400 naming the field, never ignored."""
+
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    prompt_logprobs: Any = None  # vLLM's extension; not implemented: refused
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
+    def unsupported_sampling(self) -> str | None:
+        """The first sampling field given that this server does not implement (None: all honoured)."""
+        return next((f for f in self.UNSUPPORTED if getattr(self, f) not in (None, 0, False)), None)
+
+    def processors(self) -> dict[str, Any]:
+        """`generation_request`'s processor arguments; a logit_bias key that is no token id is a 400."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not str(key).lstrip("-").isdigit() or not -100.0 <= value <= 100.0:
+                raise OpenAIError(BAD_REQUEST, f"logit_bias maps token ids (as strings) to values in [-100, 100]; "
+                                               f"got {key!r}: {value!r}", param="logit_bias")
+            bias.append((int(key), float(value)))
+        return {"logit_bias": tuple(bias), "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "min_p": self.min_p}
+
+
 def generation_request(prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
                        seed: int | None, stop_ids: list[int], top_logprobs: int = 0,
-                       stop_strings: list[str] | None = None) -> dict[str, Any]:
+                       stop_strings: list[str] | None = None, **processors: Any) -> dict[str, Any]:
     """The token plugins' request (`phyai_ray.plugins.tokens.GenerationRequest`) as it travels: every
-    prompt n times (n sequences), one seed for all (each differs by index; a fresh one when not given)."""
+    prompt n times (n sequences), one seed for all (each differs by index; a fresh one when not given);
+    `processors`: `ProcessorFields.processors()`."""
     return GenerationRequest(
         prompts=tuple(map(tuple, prompts)), n=n, max_tokens=max_tokens, temperature=temperature,
         top_p=top_p, seed=seed if seed is not None else random.randrange(2 ** 31), stop_token_ids=tuple(stop_ids),
-        stop=tuple(stop_strings or ()), top_logprobs=top_logprobs).as_dict()
+        stop=tuple(stop_strings or ()), top_logprobs=top_logprobs, **processors).as_dict()
