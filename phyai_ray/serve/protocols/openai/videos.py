@@ -1,0 +1,323 @@
+"""OpenAI's Videos API for world-model plugins (`Entry.generates_video = True`: diffusers_pipeline).
+
+    POST   /v1/videos                 JSON or multipart form (the openai client sends a form): model,
+                                      prompt, size "WIDTHxHEIGHT", seconds, input_reference (an image:
+                                      a file in the form, or {"image_url": "data:image/png;base64,..."});
+                                      the plugin's own fields as extra fields, which win: num_frames,
+                                      num_inference_steps, guidance_scale, guidance_scale_2, seed,
+                                      negative_prompt, max_sequence_length, fps.
+                                      -> the job at once: {"id", "object": "video", "status": "queued", ...}
+    GET    /v1/videos/{id}            status queued / in_progress / completed / failed, progress 0-100
+                                      (denoising steps done), error when failed
+    GET    /v1/videos/{id}/content    video/mp4 (H.264, yuv420p; mp4.py); variant=thumbnail: a PNG
+    DELETE /v1/videos/{id}            a queued job is removed, a running one cancelled (its slot frees at
+                                      the next iteration), a finished one's files deleted
+    GET    /v1/videos                 newest first; limit, after, order
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
+    video = client.videos.create_and_poll(prompt="a robot arm stacks cubes", size="832x480", seconds="2",
+                                          extra_body={"num_inference_steps": 30, "seed": 7})
+    client.videos.download_content(video.id).write_to_file("robot.mp4")
+
+`seconds` becomes frames at the job's fps (the `fps` field, else the plugin's `video_fps`), rounded to
+the VAE's temporal stride (frames = stride x k + 1). The job runs as a stream on the group whose
+ingress took the POST; its progress, its MP4 and its thumbnail go into the job store
+(video_jobs.py), which every group reads, so a poll, download or DELETE may land on any group. A
+job whose group fails is marked failed with the reason (it is not retried: a started video would
+be computed twice); one whose group stops answering altogether is failed by the next reader.
+Errors have OpenAI's shape; a bad field is a 400 naming it (`param`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import math
+import re
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from phyai_ray.serve.protocols.error_map import classify
+from phyai_ray.serve.protocols.openai.common import OpenAIError, openai_error
+from phyai_ray.serve.protocols.openai.mp4 import mp4_bytes, thumbnail_png
+from phyai_ray.serve.protocols.openai.video_jobs import FINISHED, JobStore, default_directory, public
+from phyai_ray.validation import validate
+
+INTEGERS = ("num_frames", "num_inference_steps", "seed", "max_sequence_length", "height", "width")
+FLOATS = ("guidance_scale", "guidance_scale_2", "fps")
+TEXTS = ("negative_prompt",)
+HEARTBEAT_S = 2.0  # how often the running group touches its job (the store fails it after stale_s without)
+POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between polls
+_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+
+
+def job_request(fields: dict[str, Any], image: np.ndarray | None, fps: float,
+                stride: int) -> tuple[dict, str, str, float]:
+    """The plugin's request of a create call's fields (form values are strings), its size and seconds as
+    the job shows them, and the MP4's frame rate (`fps` is the file's, not a model input)."""
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise OpenAIError(400, "prompt is required: a non-empty string", param="prompt")
+    request: dict[str, Any] = {"prompt": prompt, "output_type": "uint8"}
+    size = fields.get("size")
+    if size is not None:
+        match = _SIZE.match(str(size))
+        if match is None:
+            raise OpenAIError(400, f"size {size!r} is not WIDTHxHEIGHT (e.g. '832x480')", param="size")
+        request["width"], request["height"] = int(match[1]), int(match[2])
+    for name in INTEGERS + FLOATS + TEXTS:
+        if fields.get(name) is not None:
+            request[name] = _typed(name, fields[name])
+    fps = float(request.pop("fps", fps))
+    if not math.isfinite(fps) or fps <= 0:
+        raise OpenAIError(400, f"fps must be a positive number; got {fps}", param="fps")
+    seconds = fields.get("seconds")
+    if seconds is not None and "num_frames" not in request:
+        request["num_frames"] = frames_of(seconds, fps, stride)
+    if image is not None:
+        request["image"] = image
+    shown_size = f"{request['width']}x{request['height']}" if "width" in request and "height" in request else \
+        str(size or "default")
+    shown_seconds = str(seconds) if seconds is not None else \
+        (f"{(request['num_frames'] - 1) / fps:g}" if "num_frames" in request else "default")
+    return request, shown_size, shown_seconds, fps
+
+
+def frames_of(seconds: Any, fps: float, stride: int) -> int:
+    """Frames for `seconds` at `fps`, rounded to the nearest stride x k + 1 (k >= 1)."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        raise OpenAIError(400, f"seconds {seconds!r} is not a number", param="seconds") from None
+    if not math.isfinite(value) or value <= 0 or value > 3600:
+        raise OpenAIError(400, f"seconds must lie in (0, 3600]; got {seconds!r}", param="seconds")
+    return stride * max(round(value * fps / stride), 1) + 1
+
+
+def _typed(name: str, value: Any) -> Any:
+    if name in TEXTS:
+        return str(value)
+    try:
+        if name in INTEGERS:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError
+        return number
+    except (TypeError, ValueError):
+        kind = "an integer" if name in INTEGERS else "a number"
+        raise OpenAIError(400, f"{name} must be {kind}; got {value!r}", param=name) from None
+
+
+def image_of(data: bytes, param: str = "input_reference") -> np.ndarray:
+    """An uploaded image (PNG, JPEG, WebP) as uint8 [H, W, 3]."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as picture:
+            return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise OpenAIError(400, f"{param} is not an image this server can read (PNG, JPEG, WebP): {exc}",
+                          param=param) from None
+
+
+def reference_image(value: Any) -> np.ndarray | None:
+    """input_reference of a JSON body: {"image_url": "data:image/...;base64,..."} (file ids are OpenAI's own)."""
+    if value is None:
+        return None
+    url = value.get("image_url") if isinstance(value, dict) else None
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise OpenAIError(400, "input_reference must be an uploaded file (multipart form) or "
+                          "{'image_url': 'data:image/png;base64,...'}; file ids and remote URLs are not fetched",
+                          param="input_reference")
+    try:
+        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except ValueError:
+        raise OpenAIError(400, "input_reference's data URL is not valid base64", param="input_reference") from None
+    return image_of(data)
+
+
+class VideoJobs:
+    """The routes' state on one group: the store every group shares, and the jobs this group runs."""
+
+    def __init__(self, runner: Any, options: Any) -> None:
+        self.runner, self.entry = runner, runner.entry
+        self.name = options.model_name or self.entry.served_name()
+        directory = options.video_dir or default_directory(re.sub(r"[^A-Za-z0-9_.-]", "_", self.name))
+        self.store = JobStore(directory, ttl_s=options.video_ttl_s, max_bytes=options.video_max_bytes)
+        self.crf, self.overload_status = options.video_crf, options.overload_status
+        self.fps = float(getattr(self.entry, "video_fps", 16.0))
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def stride(self) -> int:
+        limits = getattr(self.entry, "limits", None)
+        return int(getattr(limits, "temporal", 4) or 4)
+
+    async def create(self, http: Request) -> JSONResponse:
+        fields, image = await _fields(http)
+        model = fields.get("model")
+        if model not in (None, "", self.name):
+            raise OpenAIError(404, f"model {model!r} is not served here; GET /v1/models lists {self.name!r}",
+                              param="model")
+        request, size, seconds, fps = job_request(fields, image, self.fps, self.stride())
+        try:
+            checked = await asyncio.to_thread(validate, self.entry, request)
+        except Exception as exc:  # the plugin's refusal: a 400 naming its field
+            raise openai_error(exc, overload_status=self.overload_status) from None
+        job = await asyncio.to_thread(self.store.create, model=self.name, prompt=request["prompt"], size=size,
+                                      seconds=seconds, owner=self.runner.group)
+        self.tasks[job["id"]] = asyncio.create_task(self._run(job["id"], checked, fps))
+        return JSONResponse(public(job))
+
+    async def _run(self, ident: str, request: Any, fps: float) -> None:
+        beat = asyncio.create_task(self._heartbeat(ident))
+        try:
+            result = None
+            async for items in self.runner.stream(request):
+                for kind, value in items:
+                    if kind == "chunk":
+                        await asyncio.to_thread(self.store.update, ident, status="in_progress",
+                                                progress=_progress(value))
+                    elif kind == "end":
+                        result = value
+                    elif kind == "error":
+                        raise value
+                if await asyncio.to_thread(self.store.cancel_requested, ident):
+                    return  # leaving the stream cancels it on every rank
+            if result is None:
+                raise RuntimeError("the stream ended without a result")
+            video = result["video"]
+            mp4, png = await asyncio.to_thread(lambda: (mp4_bytes(video, fps, self.crf), thumbnail_png(video)))
+            await asyncio.to_thread(self.store.finish, ident, mp4, png)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the job failed: the reason is its own (never another job's payload)
+            failure = classify(exc, overload_status=self.overload_status, rejected_status=400)
+            await asyncio.to_thread(self.store.fail, ident, failure.kind, failure.message)
+        finally:
+            beat.cancel()
+            self.tasks.pop(ident, None)
+            await asyncio.to_thread(self.store.forget_cancel, ident)
+
+    async def _heartbeat(self, ident: str) -> None:
+        """Touch the job while it runs (queued jobs get no chunks), and stop it when another group's
+        DELETE left its flag."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            if await asyncio.to_thread(self.store.cancel_requested, ident):
+                task = self.tasks.get(ident)
+                if task is not None:
+                    task.cancel()
+                return
+            await asyncio.to_thread(self.store.update, ident)
+
+    async def delete(self, ident: str) -> JSONResponse:
+        job = await asyncio.to_thread(self.store.request_cancel, ident)
+        if job is None:
+            raise _not_found(ident)
+        task = self.tasks.get(ident)
+        if task is not None and job["status"] not in FINISHED:
+            task.cancel()
+        return JSONResponse({"id": ident, "object": "video.deleted", "deleted": True})
+
+
+def _progress(chunk: Any) -> int:
+    """0-99 while denoising ({"step": i, "of": n} after step i); 100 only once the video is stored."""
+    try:
+        return max(0, min(99, int(99 * int(chunk["step"]) / max(int(chunk["of"]), 1))))
+    except (TypeError, KeyError, ValueError):
+        return 0
+
+
+async def _fields(http: Request) -> tuple[dict[str, Any], np.ndarray | None]:
+    media = http.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == "multipart/form-data":
+        form = await http.form()
+        fields, image = {}, None
+        for key, value in form.multi_items():
+            if hasattr(value, "read"):  # an uploaded file
+                if key != "input_reference":
+                    raise OpenAIError(400, f"only input_reference may be a file; got a file for {key!r}", param=key)
+                image = image_of(await value.read())
+            else:
+                fields[key] = value
+        return fields, image
+    try:
+        body = await http.json()
+    except ValueError:
+        raise OpenAIError(400, "the body is not JSON (or a multipart form)") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    return body, reference_image(body.get("input_reference"))
+
+
+def _not_found(ident: str) -> OpenAIError:
+    return OpenAIError(404, f"no video {ident!r} here (never created, deleted, or expired)", param="video_id")
+
+
+def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
+    """Mount the Videos API on `api` (see the module docstring)."""
+    jobs = VideoJobs(runner, options)
+    wait = {"openai-poll-after-ms": POLL_AFTER_MS}
+
+    async def create_video(http: Request) -> Response:
+        try:
+            return await jobs.create(http)
+        except OpenAIError as error:
+            return error.response()
+
+    async def retrieve_video(video_id: str) -> Response:
+        job = await asyncio.to_thread(jobs.store.get, video_id)
+        if job is None:
+            return _not_found(video_id).response()
+        return JSONResponse(public(job), headers=None if job["status"] in FINISHED else wait)
+
+    async def video_content(video_id: str, variant: str = "video") -> Response:
+        if variant not in ("video", "thumbnail"):
+            return OpenAIError(400, f"variant {variant!r} is not served; use 'video' or 'thumbnail'",
+                               param="variant").response()
+        job = await asyncio.to_thread(jobs.store.get, video_id)
+        if job is None:
+            return _not_found(video_id).response()
+        data = await asyncio.to_thread(jobs.store.content, video_id, variant)
+        if job["status"] != "completed" or data is None:
+            return OpenAIError(409, f"video {video_id!r} is {job['status']}; its content exists once it is "
+                               "completed", param="video_id").response()
+        return Response(data, media_type="video/mp4" if variant == "video" else "image/png")
+
+    async def delete_video(video_id: str) -> Response:
+        try:
+            return await jobs.delete(video_id)
+        except OpenAIError as error:
+            return error.response()
+
+    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc") -> Response:
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            return OpenAIError(400, f"limit must lie in [1, 100] and order be 'asc' or 'desc'; got {limit}, "
+                               f"{order!r}", param="limit" if not 1 <= limit <= 100 else "order").response()
+        page, more = await asyncio.to_thread(jobs.store.list, limit=limit, after=after, order=order)
+        data = [public(job) for job in page]
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                             "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+    tags, errors = ["openai"], {400: {"description": "a bad field (param names it)"},
+                                404: {"description": "no such video"}}
+    api.add_api_route("/v1/videos", create_video, methods=["POST"], tags=tags, responses=errors,
+                      summary="Create a video job (OpenAI-compatible; JSON or multipart form)")
+    api.add_api_route("/v1/videos", list_videos, methods=["GET"], tags=tags, responses={400: errors[400]},
+                      summary="List video jobs, newest first")
+    api.add_api_route("/v1/videos/{video_id}", retrieve_video, methods=["GET"], tags=tags, responses=errors,
+                      summary="A video job's status and progress")
+    api.add_api_route("/v1/videos/{video_id}", delete_video, methods=["DELETE"], tags=tags, responses=errors,
+                      summary="Delete a video job (a running one is cancelled)")
+    api.add_api_route("/v1/videos/{video_id}/content", video_content, methods=["GET"], tags=tags,
+                      responses={**errors, 409: {"description": "the video is not completed"},
+                                 200: {"content": {"video/mp4": {}, "image/png": {}}}},
+                      summary="The MP4 (or variant=thumbnail: a PNG of the first frame)")
+    return jobs

@@ -1,0 +1,145 @@
+"""OpenAI's Videos API without Ray: the job store every group reads, the create call's fields, the MP4.
+
+The routes against a real Serve app with the real `openai` client are in tests/test_diffusers_serve.py
+(they share its deployed app).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+
+from phyai_ray.serve.protocols.openai.common import OpenAIError
+from phyai_ray.serve.protocols.openai.mp4 import mp4_bytes, mp4_frames, psnr_luma, thumbnail_png
+from phyai_ray.serve.protocols.openai.video_jobs import JobStore, public
+from phyai_ray.serve.protocols.openai.videos import frames_of, job_request, reference_image
+
+
+def make(store: JobStore, prompt: str = "p") -> dict:
+    return store.create(model="m", prompt=prompt, size="32x32", seconds="1", owner="g")
+
+
+def test_a_job_goes_queued_running_completed_and_its_files_are_served(tmp_path) -> None:
+    store = JobStore(tmp_path, ttl_s=60)
+    job = make(store)
+    assert job["id"].startswith("video_") and len(job["id"]) == 6 + 32 and job["status"] == "queued"
+    assert "owner" not in public(job) and public(job)["object"] == "video"
+    assert store.update(job["id"], status="in_progress", progress=40)["progress"] == 40
+    assert store.content(job["id"], "video") is None
+    done = store.finish(job["id"], b"mp4", b"png")
+    assert done["status"] == "completed" and done["progress"] == 100 and done["expires_at"] >= done["completed_at"]
+    assert store.content(job["id"], "video") == b"mp4" and store.content(job["id"], "thumbnail") == b"png"
+    assert store.update(job["id"], progress=3) is None  # a finished job never changes again
+
+
+def test_a_second_store_on_the_same_directory_sees_every_job(tmp_path) -> None:
+    """Two groups' ingresses: one runs the job, the other answers polls and DELETEs."""
+    runs, polls = JobStore(tmp_path), JobStore(tmp_path)
+    job = make(runs)
+    runs.update(job["id"], status="in_progress", progress=10)
+    assert polls.get(job["id"])["progress"] == 10
+    assert polls.request_cancel(job["id"])["status"] == "in_progress"
+    assert runs.cancel_requested(job["id"]) and polls.get(job["id"]) is None
+    assert runs.update(job["id"], progress=20) is None and runs.finish(job["id"], b"x", b"y") is None
+    assert polls.get(job["id"]) is None  # the running group's late writes do not bring it back
+
+
+def test_guessed_or_malformed_ids_find_nothing(tmp_path) -> None:
+    store = JobStore(tmp_path)
+    make(store)
+    for ident in ("video_" + "0" * 32, "../etc/passwd", "video_../../x", "", "video_" + "a" * 80):
+        assert store.get(ident) is None and store.content(ident, "video") is None
+
+
+def test_a_job_whose_group_stopped_is_failed_by_its_next_reader(tmp_path) -> None:
+    store = JobStore(tmp_path, stale_s=0.2)
+    job = make(store)
+    time.sleep(0.3)
+    seen = store.get(job["id"])
+    assert seen["status"] == "failed" and seen["error"]["code"] == "replica_unavailable"
+    assert "stopped answering" in seen["error"]["message"]
+    assert store.get(job["id"])["status"] == "failed"  # kept for its time to live, like any finished job
+
+
+def test_finished_jobs_expire_and_the_size_cap_drops_the_oldest(tmp_path) -> None:
+    store = JobStore(tmp_path, ttl_s=0.5, max_bytes=25)
+    first, second = make(store), make(store)
+    store.finish(first["id"], b"a" * 10, b"b" * 5)
+    store.finish(second["id"], b"c" * 10, b"d" * 5)  # 30 bytes > 25: the oldest goes
+    assert store.get(first["id"]) is None and store.get(second["id"])["status"] == "completed"
+    time.sleep(0.6)
+    assert store.get(second["id"]) is None and store.content(second["id"], "video") is None
+
+
+def test_list_pages_newest_first(tmp_path) -> None:
+    store = JobStore(tmp_path)
+    ids = []
+    for i in range(5):
+        ids.append(make(store, f"p{i}")["id"])
+        path = tmp_path / f"{ids[-1]}.json"
+        job = json.loads(path.read_text())
+        job["created_at"] = 1000 + i  # distinct seconds, as jobs made a second apart
+        path.write_text(json.dumps(job))
+    page, more = store.list(limit=2)
+    assert [j["id"] for j in page] == ids[::-1][:2] and more
+    page, more = store.list(limit=2, after=page[-1]["id"])
+    assert [j["id"] for j in page] == ids[::-1][2:4] and more
+    page, more = store.list(limit=2, after=page[-1]["id"])
+    assert [j["id"] for j in page] == [ids[0]] and not more
+    assert [j["id"] for j in store.list(limit=10, order="asc")[0]] == ids
+
+
+def test_size_and_seconds_become_the_plugin_fields_and_extra_fields_win() -> None:
+    request, size, seconds, fps = job_request(
+        {"prompt": "a robot", "size": "832x480", "seconds": "5", "num_inference_steps": "30", "seed": "7",
+         "guidance_scale": "4.5", "negative_prompt": "blur"}, None, 16.0, 4)
+    assert request == {"prompt": "a robot", "output_type": "uint8", "width": 832, "height": 480, "num_frames": 81,
+                       "num_inference_steps": 30, "seed": 7, "guidance_scale": 4.5, "negative_prompt": "blur"}
+    assert (size, seconds, fps) == ("832x480", "5", 16.0)
+    request, *_ = job_request({"prompt": "a", "seconds": "5", "num_frames": 33, "fps": 24}, None, 16.0, 4)
+    assert request["num_frames"] == 33 and "fps" not in request
+    assert [frames_of(s, 16.0, 4) for s in ("0.01", "0.5", "2", 4)] == [5, 9, 33, 65]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"size": "832by480"}, "size"), ({"seconds": "soon"}, "seconds"), ({"seconds": "-1"}, "seconds"),
+    ({"num_frames": "9.5"}, "num_frames"), ({"guidance_scale": "nan"}, "guidance_scale"), ({"fps": 0}, "fps"),
+    ({"prompt": ""}, "prompt")])
+def test_a_bad_field_is_a_400_naming_it(fields, param) -> None:
+    with pytest.raises(OpenAIError) as caught:
+        job_request({"prompt": "a", **fields}, None, 16.0, 4)
+    assert caught.value.status == 400 and caught.value.param == param, str(caught.value)
+
+
+def test_input_reference_as_a_data_url() -> None:
+    from PIL import Image
+
+    picture = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    assert np.array_equal(reference_image({"image_url": url}), picture)
+    for bad in ({"file_id": "file_1"}, {"image_url": "https://example.com/a.png"}, {"image_url": "data:x;base64,@@"}):
+        with pytest.raises(OpenAIError, match="input_reference"):
+            reference_image(bad)
+
+
+def test_mp4_round_trip_within_the_codec_loss_and_the_thumbnail_is_exact() -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    x = np.linspace(0, 1, 48)
+    smooth = np.stack([np.stack([*np.meshgrid(x + t / 9, x), np.full((48, 48), 0.5)], -1) for t in range(9)])
+    video = np.clip((smooth % 1) * 200 + rng.normal(0, 8, smooth.shape), 0, 255).astype(np.uint8)
+    data = mp4_bytes(video, fps=16)
+    assert data[4:8] == b"ftyp"  # an ISO media file
+    back = mp4_frames(data)
+    assert back.shape == video.shape and psnr_luma(video, back) >= 30.0
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail_png(video)))), video[0])
+    odd = mp4_frames(mp4_bytes(video[:, :47, :45]), size=(45, 47))  # yuv420p pads an odd size; cropped back
+    assert odd.shape == (9, 47, 45, 3)
