@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None, help=ServeOptions.model_fields["model_name"].description)
     serve.add_argument("--stream-interval", type=_bounded_int(1, 1024), default=None,
                        help=ServeOptions.model_fields["stream_interval"].description + " (default: 1)")
+    videos = ServeOptions.model_fields
+    serve.add_argument("--video-dir", default=None, help=videos["video_dir"].description)
+    serve.add_argument("--video-ttl-s", type=float, default=None, help=videos["video_ttl_s"].description)
+    serve.add_argument("--video-max-bytes", type=_bounded_int(1, 2**50), default=None,
+                       help=videos["video_max_bytes"].description)
+    serve.add_argument("--video-crf", type=_bounded_int(0, 51), default=None, help=videos["video_crf"].description)
     overload = ServeOptions.model_fields["overload_status"]
     serve.add_argument("--overload-status", type=int, choices=OVERLOAD_STATUSES, default=overload.default,
                        help=f"{overload.description} (default: {overload.default})")
@@ -170,7 +176,8 @@ def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentCon
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
                **({"direct_ingress": True} if ns.direct_ingress else {}),
                **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
-               **{name: getattr(ns, name) for name in ("model_name", "grpc_port", "stream_interval",
+               **{name: getattr(ns, name) for name in ("model_name", "grpc_port", "stream_interval", "video_dir",
+                                                       "video_ttl_s", "video_max_bytes", "video_crf",
                                                        *(n for n, _ in SCALING_FLAGS))
                   if getattr(ns, name) is not None})
     return 0

@@ -2,7 +2,8 @@
 
 In order: the bearer key (all paths but the health probes), then for requests with a body the
 size limit (the declared Content-Length first; a chunked or lying body is counted while it is
-read) and the content type (JSON only). A pure ASGI middleware, so the limit holds no matter
+read) and the content type (JSON only; `FORM_PATHS` take a multipart form too, as OpenAI's
+clients send it there). A pure ASGI middleware, so the limit holds no matter
 how a route reads the body. Open Inference Protocol paths (`/v2...`) carry JSON or the binary
 tensor extension, so their content type is the route's to judge, and their errors take that
 protocol's shape, `{"error": "..."}`.
@@ -21,6 +22,7 @@ from phyai_ray.serve.protocols.error_map import HttpError, error_response
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 OIP_PREFIX = "/v2"
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+FORM_PATHS = frozenset({"/v1/videos"})  # OpenAI's create call: its clients send multipart/form-data
 
 
 def key_matches(authorization: str | None, key: str | None, schemes: tuple[str, ...] = ("bearer",)) -> bool:
@@ -61,8 +63,9 @@ class EdgeGuard:
             self._check_key(headers.get("authorization", ""))
         if scope.get("method") in BODY_METHODS and _method_routed(scope):
             _check_length(headers.get("content-length"), self.max_body_bytes)
-            if not _is_oip(_route_path(scope)):
-                _check_json(headers.get("content-type"))
+            path = _route_path(scope)
+            if not _is_oip(path):
+                _check_json(headers.get("content-type"), form=path in FORM_PATHS)
 
     def _check_key(self, authorization: str) -> None:
         if not key_matches(authorization, self.api_key):
@@ -104,8 +107,10 @@ def _check_length(declared: str | None, limit: int) -> None:
                         "(or start the server with a larger --max-body-bytes)")
 
 
-def _check_json(content_type: str | None) -> None:
+def _check_json(content_type: str | None, form: bool = False) -> None:
     media = (content_type or "").split(";")[0].strip().lower()
+    if form and media == "multipart/form-data":
+        return
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
         raise HttpError(415, f"Content-Type {content_type!r} is not supported; send JSON with "
                         "'Content-Type: application/json'")

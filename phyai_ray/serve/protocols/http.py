@@ -7,6 +7,7 @@
     GET  /v1/replicas   state, in-flight, served, failures, failure cause, nodes and pids of every group
     GET  /metrics       Prometheus text
     POST /v1/completions, GET /v1/models   OpenAI-compatible, for token plugins (openai/api.py)
+    /v1/videos          OpenAI's Videos API, for world models: jobs, progress, MP4 (openai/videos.py)
     /v2/...             Open Inference Protocol v2 (KServe / Triton), JSON and binary tensors (oip/routes.py)
     WS   /v1/openpi     openpi's robot-policy WebSocket (openpi.py)
     GET  /docs, /openapi.json
@@ -44,7 +45,7 @@ from phyai_ray.serve.protocols.step_stream import add_step_stream_route
 from phyai_ray.serve.protocols.timing import DEADLINE_HEADER, deadline_ms
 from phyai_ray.validation import Validated, validate
 
-ROUTES = ("/v1/step", "/v1/step/stream", "/v1/completions", "/v1/models", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ROUTES = ("/v1/step", "/v1/step/stream", "/v1/completions", "/v1/models", "/v1/videos", "/v1/replicas", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "the body is not JSON"), (401, "missing or wrong API key"),
     (404, "the path names a model or version this server does not serve"), (413, "body over the size limit"),
@@ -69,6 +70,10 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
         from phyai_ray.serve.protocols.openai.api import add_openai_routes
 
         add_openai_routes(api, runner, options)
+    if getattr(runner.entry, "generates_video", False):
+        from phyai_ray.serve.protocols.openai.videos import add_video_routes
+
+        add_video_routes(api, runner, options)
     _add_protocol_routes(api, runner, options)
     declare_errors(api)
     api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
@@ -78,7 +83,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
 
 
 _BODY_ERRORS = (400, 413, 415, 422, 429, 503, 504)  # what a route that reads a body and runs a request may answer
-_OWN_SHAPE = ("/v1/completions", "/v1/chat/completions", "/v1/models", OIP_PREFIX)  # their protocol's error body
+_OWN_SHAPE = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/videos", OIP_PREFIX)  # their protocol's error body
 
 
 def declare_errors(api: FastAPI) -> None:

@@ -79,6 +79,15 @@ class ServeOptions(ConfigModel):
     grpc_port: int | None = Field(
         None, ge=1, le=65535, description="Serve the Open Inference Protocol's gRPC service "
         "(inference.GRPCInferenceService) through Serve's gRPC proxy on this port; off when not given.")
+    # -- OpenAI's Videos API for world models (serve/protocols/openai/videos.py)
+    video_dir: str | None = Field(
+        None, description="Where video jobs and their MP4s live, read by every replica group (across nodes: a "
+        "shared filesystem); default: a folder under the system's temporary directory.")
+    video_ttl_s: float = Field(3600.0, gt=0, description="A finished video job (and its MP4) is kept this long.")
+    video_max_bytes: int = Field(10 << 30, ge=1, description="Most bytes of finished videos kept; past it the "
+                                 "oldest finished jobs are deleted.")
+    video_crf: int = Field(12, ge=0, le=51, description="x264's constant rate factor of the served MP4s (0 "
+                           "lossless luma, 18 visually lossless, 23 x264's default; lower: larger files).")
 
     @property
     def autoscaling(self) -> dict[str, Any] | None:
