@@ -13,8 +13,9 @@ Rules (Triton's dynamic batcher, with Ray Serve's `@serve.batch` as the simple c
   or when `max_delay_s` is 0. Otherwise the head waits until `flush_at(head)`: at most
   `max_delay_s` after it arrived, and never more than half its time limit; and for each member
   with its own deadline, never past that deadline minus `service_s` (the replica's recent step
-  time) nor past half its way to it, so an idle replica never holds a request until it is too
-  late to meet a deadline it could have met.
+  time) minus a margin (`flush_margin`: a quarter of a step, at least 2 ms, for the timer's
+  wake-up and the finish-by check at dispatch), nor past half its way to it, so an idle replica
+  never holds a request until it is too late to meet a deadline it could have met.
 * `max_weight` bounds a per-message resource summed over the batch (e.g. the shared-memory file
   descriptors one socket message can carry).
 """
@@ -25,6 +26,15 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
+
+MIN_FLUSH_MARGIN_S = 0.002  # a held request is dispatched at least this long before its step must start
+
+
+def flush_margin(service_s: float) -> float:
+    """How long before the last moment a step of `service_s` could start a held request is dispatched:
+    a quarter of a step, at least 2 ms (the timer wakes late; finish-by admission at dispatch
+    refuses a start that leaves exactly one step, and a step varies around its median)."""
+    return max(MIN_FLUSH_MARGIN_S, 0.25 * service_s)
 
 
 class Queued(Protocol):
@@ -52,12 +62,14 @@ class BatchPolicy:
     def flush_at(self, head: Queued, members: list | tuple = (), service_s: float = 0.0) -> float:
         """When a head waiting for a fuller batch is dispatched anyway: `max_delay_s` after it arrived
         (at most half its time limit), and early enough that every own deadline among the head and
-        `members` can still be met: before it less a step of `service_s`, and within half of it."""
+        `members` can still be met: before it less a step of `service_s` and `flush_margin`, and within
+        half of it."""
         due = head.submitted + min(self.max_delay_s, head.limit_s / 2)
+        latest_start = service_s + flush_margin(service_s)
         for item in (head, *members):
             if item.deadline is not None:
                 half = item.submitted + (item.deadline - item.submitted) / 2
-                due = min(due, item.deadline - service_s, half)
+                due = min(due, item.deadline - latest_start, half)
         return due
 
 
