@@ -86,6 +86,10 @@ class DiffusersPipelineEntry(Entry):
             from phyai_ray.models.diffusers_pipeline.wan_parallel import validate_wan_parallel
 
             validate_wan_parallel(folder.transformer_config(), parallel)
+        elif folder.class_name == "Cosmos3OmniPipeline":
+            from phyai_ray.models.diffusers_pipeline.cosmos3_parallel import validate_cosmos3_parallel
+
+            validate_cosmos3_parallel(folder.transformer_config(), parallel)
         elif parallel.split_axes().keys() - {"cfg"}:
             raise ParallelConfigError(f"{folder.class_name} runs outer.cfg_size 1 or 2 only; got "
                                       f"{parallel.describe()} (sequence and tensor parallel are Wan's)")
@@ -93,6 +97,10 @@ class DiffusersPipelineEntry(Entry):
     def validate_request(self, request: Any) -> VideoRequest:
         if isinstance(request, VideoRequest):
             return request
+        if self._folder().class_name == "Cosmos3OmniPipeline":  # its own fields (action, sound): cosmos3_request.py
+            from phyai_ray.models.diffusers_pipeline.cosmos3_request import parse
+
+            return parse(request, self._folder())
         if self._folder().class_name == "Cosmos2_5_PredictBasePipeline":
             from phyai_ray.models.diffusers_pipeline.cosmos import cosmos_request
 

@@ -108,6 +108,10 @@ class Family:
     def decode(self, job: Job) -> torch.Tensor:
         raise NotImplementedError
 
+    def outputs(self, job: Job) -> dict[str, Any]:
+        """Results beside the video, after the last step (Cosmos3: the action chunk, the sound); default none."""
+        return {}
+
     def denoise(self, transformer: Any, latents: torch.Tensor, timestep: torch.Tensor,
                 embeds: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The ONE call of a transformer forward: a sharded transformer (sequence / tensor parallel)

@@ -51,6 +51,8 @@ PIPELINES: dict[str, PipelineSpec] = {
                                             ("tokenizer", "text_encoder", "vae", "scheduler", "image_encoder",
                                              "image_processor"), mask_channels=4 + 16,  # mask + condition
                                             check="phyai_ray.models.diffusers_pipeline.wan_i2v:check_folder"),
+    "Cosmos3OmniPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos3:Cosmos3Family",
+                                        ("text_tokenizer", "vae", "scheduler")),
 }
 
 MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder", "image_encoder")  # weights checked against configs
@@ -129,8 +131,9 @@ class Folder:
                 continue
             where = self.path / name / "config.json"
             extra = self.spec.mask_channels
-            if "z_dim" in vae and config.get("in_channels") != vae["z_dim"] + extra:
-                raise PipelineFolderError(f"{where}: in_channels={config.get('in_channels')} disagrees with the "
+            channels = config.get("in_channels", config.get("latent_channel"))  # Cosmos3: latent_channel
+            if "z_dim" in vae and channels != vae["z_dim"] + extra:
+                raise PipelineFolderError(f"{where}: in_channels={channels} disagrees with the "
                                           f"VAE's z_dim={vae['z_dim']}" + (f" + {extra} mask channel" if extra else "")
                                           + f" ({self.path / 'vae' / 'config.json'})")
             if "d_model" in text and config.get("text_dim") not in (None, text["d_model"]):

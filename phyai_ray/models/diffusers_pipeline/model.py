@@ -45,7 +45,7 @@ def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, A
     for name in folder.components():
         library, class_name = folder.index[name]
         path = Path(folder.path) / name
-        if name == "tokenizer":
+        if name in ("tokenizer", "text_tokenizer"):
             from transformers import AutoTokenizer
 
             out[name] = AutoTokenizer.from_pretrained(path)
@@ -130,6 +130,8 @@ class PipelineModel:
         result: dict[str, Any] = {"steps": job.steps}
         if self.weight_version is not None:
             result["weight_version"] = self.weight_version
+        if self.ctx.is_output_rank:
+            result.update(self.family.outputs(job))  # the streams beside the video (Cosmos3: action, sound)
         if kind == "latent":
             result["video"] = job.value[0].detach().cpu()
             return result
