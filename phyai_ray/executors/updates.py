@@ -15,6 +15,10 @@
                                       weights, nor new weights under the old version)
     wake_up() after sleep(level=2)    refused (`ReplicaStateError`) until an update refilled every
                                       weight the sleep dropped: "load weights first"
+    update_weights((STAGED,))         nothing is received: every rank already staged the weights of
+                                      this version beside its live ones (a fleet update,
+                                      `phyai_ray.rl.fleet`); finish_weight_update() then publishes
+                                      the version and each rank's model switches to them at once
 
 A collaborator of `ReplicaControl` (control.py), which builds it with what it uses and calls it
 under its control lock.
@@ -29,8 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, WeightUpdateRefusedError
+from phyai_ray.rank.receive import Bucket
 
 logger = logging.getLogger(__name__)
+STAGED = Bucket("staged", 0, ())  # update_weights((STAGED,)): switch to what every rank staged (no transfer)
 
 DEFAULT_LEASE_S = 300.0
 _LEASE_LOCK_WAIT_S = 900.0  # a control call in progress ends within its own timeout first
@@ -68,6 +74,10 @@ class WeightUpdates:
     def update_weights(self, buckets: tuple, deadline: float) -> list:
         """Check on every rank, then load, or refuse with nothing changed."""
         update = self._life.update
+        if tuple(buckets) == (STAGED,):  # the weights are on the ranks already: nothing to check or receive
+            ranks = self._fan_out("update_weights", ((),), deadline)
+            update.complete = True
+            return ranks
         if not buckets:
             raise ValueError(f"replica {self.index}: update_weights() got no buckets; nothing was changed")
         checks = self._fan_out("check_weights", (buckets,), deadline)

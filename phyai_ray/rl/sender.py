@@ -13,6 +13,11 @@ changes: `update` raises `WeightUpdateRefusedError` and every replica keeps its 
 If this process dies mid-update, the lease (default: three times `timeout_s`) ends it on the
 replicas.
 
+A list of targets is one fleet: `update([engine_a, engine_b, actor_c], params, version=v)` stages
+the weights on every rank while the fleet serves v - 1, verifies a digest of what each rank
+received, and switches every replica together, or rolls all back (`phyai_ray.rl.fleet`; it needs no
+`init_transfer`).
+
 vLLM-style code can call the phases itself: `engine.update_weights(sender.prepare(params),
 wait=False)`, then `sender.send()`, then wait and `engine.finish_weight_update()`.
 """
@@ -61,7 +66,7 @@ class WeightSender:
         self._groups: dict[int, Any] = {}  # replica -> this process's member (rank 0) of its group
         self._pending: list[tuple[Bucket, list[Any]]] = []
         self._shared: list[Any] = []  # cuda_ipc: flat buckets that must outlive the ranks' copies
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="phyai-sender")  # calls on an Engine
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="phyai-sender")  # calls on an Engine
 
     # -- phase 0 ---------------------------------------------------------------------------------
     def init_transfer(self, target: Any, replicas: list[int] | None = None) -> list:
@@ -103,8 +108,14 @@ class WeightSender:
 
     # -- phases 1-3 --------------------------------------------------------------------------------
     def update(self, target: Any, named_parameters: Iterable[tuple[str, Any]], version: Any,
-               replicas: list[int] | None = None) -> list:
-        """start_weight_update(version) -> update_weights while sending -> finish_weight_update."""
+               replicas: list[int] | None = None) -> Any:
+        """start_weight_update(version) -> update_weights while sending -> finish_weight_update; a list
+        of targets: one verified fleet update (`phyai_ray.rl.fleet.update_fleet`, a `FleetReport`)."""
+        if isinstance(target, (list, tuple)):
+            from phyai_ray.rl.fleet import update_fleet
+
+            return update_fleet([self._target(t) for t in target], named_parameters, version,
+                                bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s)
         t = self._target(target)
         buckets = self.prepare(named_parameters)  # before the start: a bad tensor here leaves replicas untouched
         try:

@@ -3,16 +3,16 @@
 What `Cosmos2_5_PredictBasePipeline.__call__` does for one prompt, split where the iteration protocol
 needs it:
 
-    start     the guardrail reads the prompt (refused if unsafe); prompt -> Qwen2.5-VL chat template,
-              padded to max_sequence_length -> every hidden state after the embeddings, each
-              normalised over its channels, concatenated (cond; the negative prompt, uncond, when
+    begin     the guardrail reads the prompt (refused if unsafe); latents ~ randn [1, C, (F-1)/4+1,
+              H/8, W/8] from Generator("cpu").manual_seed(seed); its own scheduler copy with its
+              timesteps set (stepwise's own_scheduler)
+    encode    (the encode stage) prompt -> Qwen2.5-VL chat template, padded to max_sequence_length
+              -> every hidden state after the embeddings, each normalised over its channels, concatenated (cond; the negative prompt, uncond, when
               guidance_scale > 1, diffusers' long default negative prompt when none is given);
               conditioning frames: text-to-world none; image-to-world the image then black frames
               (1 frame conditions); video-to-world the last 5 frames of the clip, the last one repeated
               to num_frames (2 latent frames condition); the VAE encodes them (its mode, no noise
-              drawn) -> cond_latent, normalised; latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from
-              Generator("cpu").manual_seed(seed); cond_mask = 1 on the conditioning latent frames;
-              its own scheduler copy with its timesteps set (stepwise's own_scheduler)
+              drawn) -> cond_latent, normalised; cond_mask = 1 on the conditioning latent frames
     step      per job: sigma = its scheduler's sigmas[i]; the timestep per latent frame is 1e-4 on
               conditioning frames and sigma elsewhere; the input is cond_latent on conditioning
               frames, latents elsewhere; ONE forward over the cond rows of every job and the uncond
@@ -201,31 +201,37 @@ class CosmosFamily(Family):
         self.channels = self.transformer.config.in_channels - 1  # one channel carries the condition mask
         self.model_dtype = self.transformer.dtype
 
-    # -- admission ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def start(self, request: Any) -> Job:
-        r, guided = request, request["guidance_scale"] > 1.0
+    # -- admission and the encode stage -------------------------------------------------------------
+    def begin(self, request: Any) -> Job:
+        """The guardrail reads the prompt (every rank refuses alike); the latents and the scheduler copy."""
+        r = request
         if not self.guard.check_text_safety(r["prompt"]):
             raise GuardrailError(f"the Cosmos guardrail refused the prompt {r['prompt']!r}: the NVIDIA Open Model "
                                  "License forbids it; send another prompt")
-        length = r["max_sequence_length"]
-        cond: dict[str, Any] = {"guided": guided, "length": length}
-        if self.branches.cond:
-            cond["cond"] = self._embed(r["prompt"], length)
-        if guided and self.branches.uncond:
-            negative = r.get("negative_prompt")
-            cond["uncond"] = self._embed(negative if negative is not None else _default_negative(), length)
-        pixels, frames_in = self._conditioning_video(r)
         shape = (1, self.channels, (r["num_frames"] - 1) // self.temporal + 1, r["height"] // self.spatial,
                  r["width"] // self.spatial)
-        cond_latent = self._encode(pixels) if frames_in else None
         from diffusers.utils.torch_utils import randn_tensor
 
         latents = randn_tensor(shape, generator=torch.Generator("cpu").manual_seed(r["seed"]),
                                device=torch.device(self.device), dtype=torch.float32)
-        cond.update(self._masks(latents, cond_latent, frames_in))
+        cond = {"guided": r["guidance_scale"] > 1.0, "length": r["max_sequence_length"]}
         return Job(request=r, value=latents, cond=cond,
                    **own_scheduler(self.scheduler, r["num_inference_steps"], self.device))
+
+    @torch.no_grad()
+    def encode(self, jobs: list[Job]) -> None:
+        """Per job: its prompt embeddings (and the negative prompt's with guidance), its conditioning
+        frames through the VAE, the masks."""
+        for job in jobs:
+            r, cond = job.request, job.cond
+            if self.branches.cond:
+                cond["cond"] = self._embed(r["prompt"], cond["length"])
+            if cond["guided"] and self.branches.uncond:
+                negative = r.get("negative_prompt")
+                cond["uncond"] = self._embed(negative if negative is not None else _default_negative(), cond["length"])
+            pixels, frames_in = self._conditioning_video(r)
+            cond_latent = self._encode(pixels) if frames_in else None
+            cond.update(self._masks(job.value, cond_latent, frames_in))
 
     def _embed(self, text: str, length: int) -> torch.Tensor:
         """[1, length, layers x hidden] exactly as Cosmos2_5_PredictBasePipeline._get_prompt_embeds."""
@@ -334,9 +340,9 @@ class CosmosFamily(Family):
     @torch.no_grad()
     def decode(self, job: Job) -> torch.Tensor:
         """The job's video after the guardrail: float [frames, H, W, 3] in [0, 1], as the pipeline's "np"."""
-        latents = job.value
+        latents, vae = job.value, self.decoder(job.request["height"], job.request["width"])
         mean, std = (x.to(latents.device, latents.dtype) for x in (self.latents_mean, self.latents_std))
-        video = self.vae.decode((latents / std + mean).to(self.vae.dtype), return_dict=False)[0]
+        video = vae.decode((latents / std + mean).to(vae.dtype), return_dict=False)[0]
         frames = self.processor.postprocess_video(video, output_type="np")
         checked = self.guard.check_video_safety((frames[0] * 255).astype(np.uint8))
         video = torch.from_numpy(np.asarray(checked).astype(np.float32)[None] / 255.0 * 2 - 1).permute(0, 4, 1, 2, 3)

@@ -2,18 +2,26 @@
 
 The per-rank model (`model.py`) owns the loop and knows nothing of any family:
 
-    job = family.start(request)         admission: draw the latents as the diffusers pipeline does for
-                                        one prompt, its own scheduler copy with its timesteps set
-                                        (a family may encode the prompt here, once)
-    family.join(jobs)                   the jobs admitted since the last step, together: a family may
-                                        encode their prompts in one call (Wan does); jobs with one
-                                        schedule and latent shape form a `Cohort`
+    job = family.begin(request)         admission, on every rank (cheap): the latents drawn as the
+                                        diffusers pipeline does for one prompt, its own scheduler copy
+                                        with its timesteps set, the checks that refuse it alone
+    family.encode(jobs)                 the ENCODE STAGE: the per-request work before the first step
+                                        (prompt embeddings, image / video conditioning), for the jobs
+                                        admitted together, in one call where the family can (Wan
+                                        encodes their prompts in one text-encoder call); it runs on
+                                        the encode stage's thread (stages.py), beside the loop's steps
+    family.join(jobs)                   on the loop's thread, as they enter the denoising set: jobs
+                                        with one schedule and latent shape may form a `Cohort`
     family.step(jobs)                   ONE denoising step of every job in `jobs` (they share a latent
                                         shape, `job.group`): the rows of every job stacked into one
                                         transformer forward per guidance branch (and expert), then
                                         each job's scheduler step; advances job.index
-    family.decode(job)                  -> float video [frames, H, W, 3] in [0, 1] (the VAE), after the
-                                        last step (`job.done`)
+    family.decode(job)                  the DECODE STAGE: -> float video [frames, H, W, 3] in [0, 1]
+                                        (the VAE, on `decoder(height, width)`: a view of it with
+                                        caches of its own, tiled past `tile_pixels`), after the last
+                                        step (`job.done`), on the decode stage's thread
+
+`start(request)` is begin + encode for one request alone (a caller outside the loop, a test).
 
 The step counting, each job's own scheduler copy (`own_scheduler`) and the cohorts that share one
 scheduler over their stacked rows (`Cohort`, `form_cohorts`, `advance`) are the stepwise room's
@@ -22,9 +30,9 @@ scheduler over their stacked rows (`Cohort`, `form_cohorts`, `advance`) are the 
 A family module (`wan.py`, `cosmos.py`) subclasses `Family` and is named in `folder.PIPELINES` by
 the pipeline class of the folder's model_index.json; `parallelize(ctx)` shards its transformers
 and `shard_of` cuts a weight update's full tensor to this rank's part. Every rank of a replica runs the same
-calls in the same order; collectives (the CFG gather) happen inside `step`. `Branches` says which
-guidance branches this rank computes: all of them on one rank, or cond on cfg rank 0 and uncond
-on cfg rank 1 (`outer.cfg_size=2`), gathered with `Branches.gather`.
+calls in the same order; collectives (the CFG gather) happen inside `step` only, never in a stage.
+`Branches` says which guidance branches this rank computes: all of them on one rank, or cond on cfg
+rank 0 and uncond on cfg rank 1 (`outer.cfg_size=2`), gathered with `Branches.gather`.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from typing import Any
 import torch
 
 from phyai_ray.stepwise.schedulers import ScheduledSequence
+
+TILE_PIXELS = 1280 * 720  # the VAE decodes in tiles from 720p frames up (plugin_args "vae_tile_pixels")
 
 
 @dataclass(eq=False, kw_only=True)  # a job is itself: compared (and found in lists) by identity
@@ -86,6 +96,8 @@ class Family:
                  device: Any, dtype: torch.dtype) -> None:
         self.components, self.index, self.branches = components, index, branches
         self.device, self.dtype = device, dtype
+        self.tile_pixels: int | None = TILE_PIXELS
+        self._views: tuple[Any, Any] | None = None
 
     def parallelize(self, ctx: Any) -> None:
         """Shard the transformer(s) for sequence / tensor parallel (`ctx.parallel`); default: nothing."""
@@ -95,12 +107,21 @@ class Family:
         weight update; default: all of it."""
         return full
 
-    def start(self, request: Any) -> Job:
+    def begin(self, request: Any) -> Job:
         raise NotImplementedError
 
+    def encode(self, jobs: list[Job]) -> None:
+        """The encode stage of the jobs admitted together (fills each job's `cond`); default: nothing."""
+
+    def start(self, request: Any) -> Job:
+        """One request's admission and encode stage, on the caller's thread."""
+        job = self.begin(request)
+        self.encode([job])
+        return job
+
     def join(self, jobs: list[Job]) -> None:
-        """The jobs admitted since the last step, before their first: by default, nothing (a family
-        that batches prompt encoding or shares schedulers overrides it)."""
+        """The jobs whose encode finished, before their first step: by default, nothing (a family
+        that shares schedulers across them overrides it)."""
 
     def step(self, jobs: list[Job]) -> None:
         raise NotImplementedError
@@ -111,6 +132,16 @@ class Family:
     def outputs(self, job: Job) -> dict[str, Any]:
         """Results beside the video, after the last step (Cosmos3: the action chunk, the sound); default none."""
         return {}
+
+    def decoder(self, height: int, width: int) -> Any:
+        """The VAE view the decode stage uses for a video of height x width (stages.decoder_views): tiled
+        when height * width >= `tile_pixels` (None or 0: never)."""
+        if self._views is None:
+            from phyai_ray.models.diffusers_pipeline.stages import decoder_views
+
+            self._views = decoder_views(self.components["vae"], self.tile_pixels)
+        plain, tiled = self._views
+        return tiled if tiled is not None and height * width >= self.tile_pixels else plain
 
     def denoise(self, transformer: Any, latents: torch.Tensor, timestep: torch.Tensor,
                 embeds: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -1,12 +1,21 @@
 """`PipelineModel`: one rank of `diffusers_pipeline`, the iteration protocol over a family's step loop.
 
-    admit(seq, request)   family.start: the prompt encoded once, the latents drawn, a scheduler copy
+    admit(seq, request)   family.begin: the latents drawn, a scheduler copy (cheap, every rank)
     iterate()             ONE denoising step of every running request: the requests whose latents
                           share a shape go through family.step together (one forward per expert);
-                          each reports its progress {"step": i, "of": n}; a request whose last step
-                          this was leaves, decoded by the VAE, with its result in Delta.value and
-                          stop_reason "completed" (the running set: phyai_ray/stepwise/sequence.py)
+                          each reports its progress {"step": i, "of": n}. The ones admitted in this
+                          plan are encoded together on the encode stage while the others step, then
+                          take their first step. A request whose last step this was leaves the
+                          denoising set: with its latents at once, or its video once the decode stage
+                          made it (a later iterate), in Delta.value with stop_reason "completed"; one
+                          whose own encode or decode failed, with Delta.error (stop_reason "error")
     drop(seq)             forget it; recompute(seq): start it again from its noise (new weights)
+
+Stages (stages.py): the encode stage and the decode stage are threads of their own (and CUDA
+streams), so the loop's thread runs only transformer steps. Ranks agree on which jobs step without
+a collective: every rank waits, in the iteration that admitted them, for its own encode of the new
+jobs (it overlaps the running jobs' step), and only the output rank decodes (its results alone are
+read; the other ranks' jobs leave at their last step).
 
 The components are diffusers' and transformers' own classes, loaded from the folder with
 `from_pretrained` (the class the folder's model_index.json names); the loop, the batching and
@@ -18,12 +27,15 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
+from phyai_ray.models.diffusers_pipeline.stages import PendingDecode, StageWork, video_result
 from phyai_ray.plugins.iteration import Delta
 from phyai_ray.stepwise.schedulers import leave_cohort
 from phyai_ray.stepwise.sequence import Running
@@ -80,52 +92,97 @@ class PipelineModel:
         self.full_shapes = {f"{name}.{key}": tuple(p.shape) for name in TRAINABLE if name in self.components
                             for key, p in self.components[name].state_dict().items()}
         self.family.parallelize(ctx)
-        self.jobs: Running[Job] = Running()  # the ones admitted since the last iteration `family.join`s together
+        self.jobs: Running[Job] = Running()  # the denoising set (and the ones admitted in this plan)
+        self._stages: StageWork | None = None  # the encode and decode stages (stages.py)
+        self._failed: dict[int, BaseException] = {}  # jobs whose own stage failed in this iteration
         self.weight_version: Any = None
         logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s", ctx.rank, folder.class_name,
                     folder.path, branches.cfg_rank, branches.cfg_size, dtype)
 
     def step(self, request: Any) -> dict[str, Any] | None:
-        """One whole (checked) request through the same loop, alone: every step, then the result."""
+        """One whole (checked) request alone, on the caller's thread: its encode, every step, its decode."""
         payload = request.to_payload() if hasattr(request, "to_payload") else dict(request)
         job = self.family.start(payload)
         self.family.join([job])
         while not job.done:
             self.family.step([job])
-        return self._result(job) if self.ctx.is_output_rank else None
+        if not self.ctx.is_output_rank:
+            return None
+        result = self._result(job)
+        if isinstance(result, PendingDecode):
+            result = video_result(result.base, self.family.decode(job).cpu())
+        return result
 
     # -- the iteration protocol -------------------------------------------------------------------
+    @property
+    def stages(self) -> StageWork:
+        """The encode and decode stages of the loop (stages.py), started with the first admission."""
+        if self._stages is None:
+            self._stages = StageWork(self.family, self.ctx.device)
+        return self._stages
+
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
-        self.jobs.admit(ident, self.family.start(payload))
+        """Its latents and scheduler now; its encode starts with the iteration (`_step`)."""
+        self.jobs.admit(ident, self.family.begin(payload))
 
     def drop(self, ident: int) -> None:
         leave_cohort(self.jobs.drop(ident))
+        if self._stages is not None:
+            self._stages.forget(ident)
 
     def recompute(self, ident: int) -> None:
         """Start the request again from its noise: the transformer changed under it."""
         if ident in self.jobs:
             job = self.jobs.drop(ident)
             leave_cohort(job)
-            self.jobs.admit(ident, self.family.start(job.request))
+            self.jobs.admit(ident, self.family.begin(job.request))
 
     @torch.no_grad()
     def iterate(self) -> dict[int, Delta]:
-        """ONE denoising step of every running request; the ones that finished leave with their result."""
-        return self.jobs.iterate(self._step, self._result, progress=True)
+        """ONE denoising step of every running request (the ones admitted in this plan after their
+        encode); a request whose last step this was leaves the denoising set, with its result, or for a
+        video once its decode is done (a later iterate); a request whose own stage failed, with its error."""
+        stages, start = self.stages, time.perf_counter()
+        out = self.jobs.iterate(self._step, self._result, progress=True) if len(self.jobs) else {}
+        for ident, delta in out.items():
+            if isinstance(delta.value, PendingDecode):  # latents final: the output rank decodes it on the stage
+                stages.start_decode(ident, delta.value.job, delta.value.base)
+                out[ident] = Delta(progress=delta.progress)
+        out.update({ident: Delta(stop_reason="error", error=exc) for ident, exc in self._failed.items()})
+        self._failed = {}
+        for ident, (result, error) in stages.finished(wait=not out).items():
+            out[ident] = Delta(stop_reason="completed", value=result) if error is None else \
+                Delta(stop_reason="error", error=error)
+        stages.log.append(("iterate", None, threading.current_thread().name, start, time.perf_counter()))
+        return out
 
     def _step(self, running: list[Job]) -> None:
-        """The jobs admitted since the last step join (together), then every job takes one step, the
-        ones whose latents share a shape in one family.step."""
+        """The jobs admitted since the last step start their encode on the encode stage while the others
+        take their step; then they join (together) and take their first step; jobs whose latents share
+        a shape step in one family.step."""
         joined = self.jobs.joined()
-        if joined:
-            self.family.join(joined)
-        groups: dict[tuple[int, ...], list[Job]] = {}
-        for job in running:
-            groups.setdefault(job.group, []).append(job)
-        for jobs in groups.values():
-            self.family.step(jobs)
+        pending = self.stages.start_encode(joined) if joined else None
+        new = {id(job) for job in joined}
+        self._step_groups([job for job in running if id(job) not in new])
+        if pending is None:
+            return
+        failed = self.stages.encoded(joined, pending)
+        if failed:
+            for ident in [i for i in self.jobs if id(self.jobs[i]) in failed]:
+                self._failed[ident] = failed[id(self.jobs.drop(ident))]
+        ready = [job for job in joined if id(job) not in failed]
+        self.family.join(ready)
+        self._step_groups(ready)
 
-    def _result(self, job: Job) -> dict[str, Any]:
+    def _step_groups(self, jobs: list[Job]) -> None:
+        groups: dict[tuple[int, ...], list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.group, []).append(job)
+        for group in groups.values():
+            self.family.step(group)
+
+    def _result(self, job: Job) -> Any:
+        """Its result now (latents; or on a rank whose result is not read), else what its decode needs."""
         kind = job.request["output_type"]
         result: dict[str, Any] = {"steps": job.steps}
         if self.weight_version is not None:
@@ -138,9 +195,7 @@ class PipelineModel:
         if not self.ctx.is_output_rank:  # only the output rank's result is read: skip the decode elsewhere
             result["video"] = None
             return result
-        video = self.family.decode(job).cpu()
-        result["video"] = video if kind == "float" else (video * 255).round().to(torch.uint8)
-        return result
+        return PendingDecode(job, {**result, "output_type": kind})
 
     # -- weight updates by diffusers' names ---------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:

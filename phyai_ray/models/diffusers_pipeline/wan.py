@@ -2,19 +2,20 @@
 
 What `WanPipeline.__call__` does for one prompt, split where the iteration protocol needs it:
 
-    start     latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
+    begin     latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
               its own scheduler copy, set_timesteps(n), set_begin_index(0) (stepwise's own_scheduler)
-    join      the jobs that arrived together: their prompts -> UMT5 embeddings in one call per
+    encode    the jobs that arrived together: their prompts -> UMT5 embeddings in one call per
               branch, padded with zeros past each prompt's tokens to max_sequence_length (cond; and
-              the negative prompts, uncond, when guidance_scale > 1); jobs with one schedule and shape
-              share one scheduler (a `Cohort`, family.py)
+              the negative prompts, uncond, when guidance_scale > 1)
+    join      jobs with one schedule and shape share one scheduler (a `Cohort`, family.py)
     step      per job: t = timesteps[i]; the expert is `transformer` while t >= boundary_ratio *
               num_train_timesteps (always, without boundary_ratio), else `transformer_2` with
               guidance_scale_2; per (expert, text length): ONE forward over the cond rows of every
               job, ONE over the uncond rows of those with guidance (as the pipeline's two calls, so
               one request alone equals it bit for bit), noise = u + g (c - u), then the scheduler step
               (one per cohort, else the job's own)
-    decode    latents / latents_std + latents_mean -> VAE decode -> (x / 2 + 0.5).clamp(0, 1)
+    decode    latents / latents_std + latents_mean -> VAE decode (tiled past the family's
+              `tile_pixels`) -> (x / 2 + 0.5).clamp(0, 1)
 
 TI2V (`expand_timesteps`): the timestep is given per latent token ([B, F * h/2 * w/2]), all equal
 to t for text-to-video. With cfg_size 2, cfg rank 0 computes the cond rows and rank 1 the uncond
@@ -78,9 +79,9 @@ class WanFamily(Family):
         return full.chunk(ctx.group_size(group), dim)[ctx.group_rank(group)]
 
     # -- admission ----------------------------------------------------------------------------------
-    def start(self, request: Any) -> Job:
+    def begin(self, request: Any) -> Job:
         r, guided = request, request["guidance_scale"] > 1.0
-        cond: dict[str, Any] = {"guided": guided, "length": r["max_sequence_length"]}  # embeddings: `join`
+        cond: dict[str, Any] = {"guided": guided, "length": r["max_sequence_length"]}  # embeddings: `encode`
         from diffusers.utils.torch_utils import randn_tensor
 
         frames = (r["num_frames"] - 1) // self.temporal + 1
@@ -90,10 +91,9 @@ class WanFamily(Family):
         schedule = own_scheduler(self.scheduler, r["num_inference_steps"], self.device, begin_index=0)
         return Job(request=r, value=latents, cond=cond, **schedule)
 
-    def join(self, jobs: list[Job]) -> None:
+    def encode(self, jobs: list[Job]) -> None:
         """The prompts of the jobs that arrived together, encoded in one text-encoder call per branch and
-        text length (as WanPipeline encodes an N-prompt call); then the jobs with one schedule share a
-        scheduler (`form_cohorts`)."""
+        text length (as WanPipeline encodes an N-prompt call)."""
         lengths: dict[int, list[Job]] = {}
         for job in jobs:
             lengths.setdefault(job.cond["length"], []).append(job)
@@ -105,6 +105,9 @@ class WanFamily(Family):
             if guided and self.branches.uncond:
                 for job, row in zip(guided, self._embed([job.request["negative_prompt"] for job in guided], length)):
                     job.cond["uncond"] = row
+
+    def join(self, jobs: list[Job]) -> None:
+        """Jobs that enter the denoising set together with one schedule share a scheduler (`form_cohorts`)."""
         form_cohorts(jobs)
 
     @torch.no_grad()
@@ -191,7 +194,8 @@ class WanFamily(Family):
     @torch.no_grad()
     def decode(self, job: Job) -> torch.Tensor:
         """The job's video: float [frames, H, W, 3] in [0, 1], as WanPipeline's output_type="np"."""
-        vae, z = self.vae, self.vae.config.z_dim
+        r = job.request
+        vae, z = self.decoder(r["height"], r["width"]), self.vae.config.z_dim
         latents = job.value.to(dtype=vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)

@@ -1,17 +1,18 @@
 """`WanImageToVideoFamily`: WanImageToVideoPipeline's math (the Wan 2.1 I2V layout), one step at a time.
 
 What `WanImageToVideoPipeline.__call__` does for one prompt and one image, split where the iteration
-protocol needs it (the rest is `WanFamily`'s: prompt encoding in `join`, cohorts, guidance, decode):
+protocol needs it (the rest is `WanFamily`'s: prompt encoding, cohorts in `join`, guidance, decode):
 
-    start     once per request: the image (uint8 [H, W, 3] -> a PIL image, as the caller of diffusers
-              gives it) -> the CLIP image processor -> the image encoder's second-to-last hidden
-              states [1, tokens, image_dim] (`cond["image"]`, shared by both guidance branches);
+    encode    once per request (the encode stage, after WanFamily's prompt embeddings): the image
+              (uint8 [H, W, 3] -> a PIL image, as the caller of diffusers gives it) -> the CLIP image
+              processor -> the image encoder's second-to-last hidden states [1, tokens, image_dim]
+              (`cond["image"]`, shared by both guidance branches);
               the image resized by the video processor to the request's height x width, in [-1, 1],
               followed by num_frames - 1 black frames -> the VAE's mode, normalised by the latents'
               mean and std -> latent_condition [1, 16, F, h, w]; the mask [1, 4, F, h, w]: 1 on the
               first pixel frame (repeated over the VAE's 4-frame temporal factor), 0 elsewhere;
               `cond["condition"]` = mask ++ latent_condition along channels (20 channels);
-              latents ~ randn [1, 16, F, h, w] and the scheduler copy as WanFamily.start
+    begin     latents ~ randn [1, 16, F, h, w] and the scheduler copy as WanFamily.begin
     step      per (expert, text length) stack: the transformer input is latents ++ condition (16 + 20
               = 36 channels), `encoder_hidden_states_image` the stacked image embeddings; one forward
               for the cond rows, one for the uncond rows of the guided jobs, as WanFamily
@@ -131,17 +132,19 @@ class WanImageToVideoFamily(WanFamily):
     def parallelize(self, ctx: Any) -> None:
         """CFG over 2 ranks only (the entry refuses sequence / tensor parallel for this class)."""
 
-    # -- admission ----------------------------------------------------------------------------------
+    # -- the encode stage ---------------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, request: Any) -> Job:
-        job = super().start(request)
+    def encode(self, jobs: list[Job]) -> None:
+        """WanFamily's prompt embeddings, then per job its image rows (CLIP) and its condition (the VAE)."""
+        super().encode(jobs)
         from PIL import Image
 
-        first = Image.fromarray(image_array(request["image"]))
-        last = None if request.get("last_image") is None else Image.fromarray(image_array(request["last_image"]))
-        job.cond["image"] = self._embed_image(first if last is None else [first, last])
-        job.cond["condition"] = self._condition(first, last, request, job.value)
-        return job
+        for job in jobs:
+            r = job.request
+            first = Image.fromarray(image_array(r["image"]))
+            last = None if r.get("last_image") is None else Image.fromarray(image_array(r["last_image"]))
+            job.cond["image"] = self._embed_image(first if last is None else [first, last]) if self.uses_clip else None
+            job.cond["condition"] = self._condition(first, last, r, job.value)
 
     def _embed_image(self, pictures: Any) -> torch.Tensor:
         """[1 or 2, tokens, image_dim] exactly as WanImageToVideoPipeline.encode_image, in the transformer's dtype

@@ -32,6 +32,7 @@ from phyai_ray.llm.blocks import BlockPool, block_bytes, blocks_for
 from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.paged_decoder import PagedDecoder
 from phyai_ray.llm.ragged import RaggedBatch
+from phyai_ray.llm.staging import WeightStage
 from phyai_ray.llm.stops import StopScan
 from phyai_ray.nn.linear import gather_columns, row_parallel, vocab_embedding
 from phyai_ray.nn.norm import rms_norm
@@ -44,6 +45,8 @@ FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 class HFCausalLM(PagedDecoder):
     """`hf_causal_lm` on one rank: the iteration protocol, `step` / `stream`, and weight updates by name."""
+
+    _weight_version: Any = None
 
     def __init__(self, cfg: HFCausalLMConfig, ctx: Any) -> None:
         ckpt = Checkpoint.open(cfg.model, cfg.max_model_len)
@@ -58,6 +61,7 @@ class HFCausalLM(PagedDecoder):
         self._tie()
         self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
         self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
+        self.stage = WeightStage()  # a fleet update's weights, received while these serve
         self.paged = PagedSequences(self._block_pool(), max_seq=self.max_len, vocab=self.arch.vocab,
                                     token_budget=cfg.max_num_batched_tokens,
                                     stop_scan=lambda stops: StopScan(self._text_codec(), stops))
@@ -133,6 +137,43 @@ class HFCausalLM(PagedDecoder):
             else:
                 self.w[name].copy_(part)
         self._tie()
+
+    # -- a fleet's staged update (phyai_ray.rl.fleet): received while serving, switched with the version --
+    @torch.inference_mode()
+    def stage_weights(self, version: Any, buckets: list) -> dict[str, Any]:
+        """Receive FULL tensors in the trainer's buckets, keep this rank's slices beside the live
+        weights (nothing served changes) and report the digest of the bytes received. A name or
+        shape the model does not take raises (the fleet update then rolls back everywhere)."""
+        return self.stage.receive(version, buckets, self._staged_part, self.ctx.rank)
+
+    def discard_staged(self) -> int:
+        """Forget a staged update (a fleet update that failed anywhere)."""
+        self.stage.discard()
+        return self.ctx.rank
+
+    @property
+    def weight_version(self) -> Any:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: Any) -> None:
+        """Set by the engine when an update finishes: weights staged for `version` go live now, at
+        the iteration boundary where the engine publishes it."""
+        staged = self.stage.take(version)
+        if staged:
+            self.w.update(staged)
+            self._tie()
+        self._weight_version = version
+
+    def _staged_part(self, name: str, full: torch.Tensor) -> torch.Tensor | None:
+        want = self.shapes.get(name)
+        if want is None or tuple(full.shape) != want:
+            if self.weight_note(name, tuple(full.shape), dtype_name(full.dtype)) is not None:
+                return None
+            raise ValueError(f"rank {self.ctx.rank}: staged tensor {name!r} {tuple(full.shape)} is not a weight of "
+                             f"this model (expected {want}); nothing was staged")
+        part = self.plan.cut(name).take(full.to(self.ctx.device))
+        return part.to(self.dtype).clone(memory_format=torch.contiguous_format)
 
     # -- sleep / wake (phyai_ray.rank.control) -----------------------------------------------------
     @torch.inference_mode()
