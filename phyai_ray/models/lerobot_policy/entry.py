@@ -15,6 +15,10 @@ plugin_args:
                ((cameras x image tokens + tokenizer_max_length [+ 1 state]) x VLM layers each) fit it
     batch_prefixes  true (default): the frames admitted in one plan run their prefixes as ONE VLM pass
                (right-padded, masked); false: one pass per frame (the same numbers; for measuring)
+    dtype      "float32", "bfloat16" or "float16"; default: bfloat16 on CUDA (the checkpoint's own
+               `dtype` field where it has one), float32 on CPU (memory.py)
+    max_image_side  the largest height or width a camera frame may have (default 2048): a larger one
+               is refused in the dispatcher, before any rank resizes it
     openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
                "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
@@ -31,6 +35,7 @@ from typing import Any
 
 from phyai_ray.errors import RequestAbortedError
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.models.lerobot_policy.memory import check_dtype
 from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy, build_network, expected_weights
 from phyai_ray.models.lerobot_policy.processing import Normalizer
 from phyai_ray.models.lerobot_policy.request import frame_layout
@@ -39,6 +44,9 @@ from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
 from phyai_ray.stepwise.frames import FrameLayout, RobotFrame, parse_frame
+
+
+DEFAULT_MAX_IMAGE_SIDE = 2048
 
 
 @register_plugin
@@ -55,6 +63,7 @@ class LeRobotPolicyEntry(Entry):
             self.configure(plugin_args)
 
     def configure(self, plugin_args: dict[str, Any]) -> None:
+        check_dtype(plugin_args.get("dtype"))
         folder = PolicyFolder.open(plugin_args)
         norm = Normalizer(folder)
         for kind, features in (("STATE", folder.features("STATE")), ("ACTION", folder.features("ACTION"))):
@@ -77,6 +86,11 @@ class LeRobotPolicyEntry(Entry):
         if not isinstance(self._batch_prefixes, bool):
             raise ValueError(f'lerobot_policy: plugin_args["batch_prefixes"] must be true or false (one VLM pass for '
                              f"the frames admitted together, or one per frame), got {self._batch_prefixes!r}")
+        self._dtype = plugin_args.get("dtype")
+        side = plugin_args.get("max_image_side", DEFAULT_MAX_IMAGE_SIDE)
+        if isinstance(side, bool) or not isinstance(side, int) or side < 1:
+            raise ValueError(f'lerobot_policy: plugin_args["max_image_side"] must be an int >= 1 (pixels), got {side!r}')
+        self._max_side = side
         self.folder = folder
         self.layout = frame_layout(folder, plugin_args.get("openpi_keys"))
 
@@ -86,7 +100,17 @@ class LeRobotPolicyEntry(Entry):
         return self.layout
 
     def validate_request(self, request: Any) -> RobotFrame:
-        return parse_frame(request, self._require())
+        """The checked frame (state size, cameras: 3 channels, at most max_image_side a side), or a
+        refusal naming the field, the limit and the plugin_args key that changes it."""
+        frame = parse_frame(request, self._require())
+        for key, image in frame.images.items():
+            height, width = image.shape[1:]
+            if max(height, width) > self._max_side:
+                raise ValueError(f"'{key}' is {height} x {width} pixels; this policy takes cameras up to "
+                                 f"{self._max_side} pixels a side (plugin_args['max_image_side']; the "
+                                 "checkpoint resizes to "
+                                 f"{self.folder.config.get('resize_imgs_with_padding') or self.folder.config.get('image_resolution')})")
+        return frame
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
         """One sequence per frame; its cost is the KV cache it keeps while it runs: prefix tokens x layers;
@@ -132,4 +156,4 @@ class LeRobotPolicyEntry(Entry):
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> LeRobotPolicy:
         if self.folder is None:
             self.configure(plugin_args)
-        return LeRobotPolicy(self.folder, ctx, batch_prefixes=self._batch_prefixes)
+        return LeRobotPolicy(self.folder, ctx, batch_prefixes=self._batch_prefixes, dtype=self._dtype)

@@ -83,6 +83,10 @@ class StackedPrefixes:
         self.lmax = max(self.lengths)
         self._stacked: dict[tuple[str, int], torch.Tensor] = {}
 
+    def held(self) -> list[torch.Tensor]:
+        """The stacked tensors built so far (what forgetting this stack frees)."""
+        return list(self._stacked.values())
+
     def get(self, kind: str, layer: int) -> torch.Tensor:
         key = (kind, layer)
         if key not in self._stacked:

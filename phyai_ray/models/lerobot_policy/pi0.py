@@ -158,6 +158,17 @@ class PiZero(nn.Module):
         p = "model.paligemma_with_expert.paligemma."
         return {p + "model.language_model.embed_tokens.weight": p + "lm_head.weight"}
 
+    def unused_weights(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{name: (shape, why)} of the tensors a LeRobot pi0 / pi0.5 checkpoint holds that the action path
+        never reads: the expert's token head and PaliGemma's final norm (the prefix is read as keys and
+        values of each layer, never as its last hidden state)."""
+        p = "model.paligemma_with_expert."
+        vocab = self.paligemma_with_expert.paligemma.model.language_model.embed_tokens.num_embeddings
+        return {p + "gemma_expert.lm_head.weight": ((vocab, self.ex["width"]), "the action expert's token head: "
+                                                    "the expert decodes actions, never tokens"),
+                p + "paligemma.model.language_model.norm.weight": ((self.pg["width"],), "PaliGemma's final norm: "
+                                                                   "the prefix is read as keys and values only")}
+
     @staticmethod
     def state_prompt(task: str, state: torch.Tensor) -> str:
         """pi0.5's prompt: the normalized, padded state as 256-bin integers after the cleaned task."""

@@ -11,6 +11,12 @@
                     (1 + j * dt), RTC per robot; a frame whose last step this was ends with its
                     actions, sliced to the real action dim and unnormalized
     drop / recompute   forget a frame / start it again from its noise (after a weight update)
+    sleep / wake_up    level 1: the stacked prefix cache freed, the weights to the host on CUDA;
+                       level 2: the weights dropped, refilled by the next update (memory.py)
+
+The network serves in memory.py's dtype (bfloat16 on CUDA by default, float32 on CPU). A whole
+model.safetensors is accepted as an update: the tensors the action path never reads (a token head,
+the VLM's final norm) are skipped and named in the update's report (`weight_note`).
 
 A frame that arrives while others run joins at the next iteration; its rows never mix with another
 frame's, so a robot's chunk is the same alone or batched (to float rounding). With
@@ -28,6 +34,8 @@ import torch
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 from phyai_ray.models.lerobot_policy.layers import StackedPrefixes
+from phyai_ray.models.lerobot_policy.memory import checkpoint_tensors, compute, drop_weights, move_weights, \
+    serving_dtype, tensor_bytes
 from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad, \
     resize_with_pad_centered
 from phyai_ray.plugins.iteration import Delta
@@ -69,16 +77,20 @@ class Expert(Sequence):
 class LeRobotPolicy:
     """The per-rank model of `lerobot_policy` (see the module docstring)."""
 
-    def __init__(self, folder: PolicyFolder, ctx: Any, batch_prefixes: bool = True) -> None:
+    def __init__(self, folder: PolicyFolder, ctx: Any, batch_prefixes: bool = True, dtype: str | None = None) -> None:
         self.folder, self.ctx, self.batch_prefixes = folder, ctx, batch_prefixes
         self.device = torch.device(getattr(ctx, "device", "cpu") or "cpu")
         cfg = folder.config
+        self.dtype = serving_dtype(cfg, self.device, dtype)
         net = build_network(folder, self.device)
         weights = folder.load_weights("model.")
         for name, stored in getattr(net, "checkpoint_aliases", dict)().items():
             weights.setdefault(name.removeprefix("model."), weights.get(stored.removeprefix("model.")))
         net.load_state_dict({k: weights[k] for k in net.state_dict()})
-        self.net = net.to(dtype=torch.float32).eval()
+        del weights
+        self.net = net.to(dtype=self.dtype).eval()
+        self._specs = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.net.state_dict().items()}
+        self._unused: dict[str, tuple[tuple[int, ...], str]] = getattr(self.net, "unused_weights", dict)()
         self.chunk, self.num_steps = int(cfg["chunk_size"]), int(cfg.get("num_steps", 10))
         self.max_state, self.max_action = int(cfg["max_state_dim"]), int(cfg["max_action_dim"])
         self.kind = folder.type
@@ -114,18 +126,23 @@ class LeRobotPolicy:
     def iterate(self) -> dict[int, Delta]:
         """The new frames' prefixes in one pass, then ONE Euler step of the action expert for every
         running frame (see the module docstring)."""
-        return self.running.iterate(self._encode_and_advance, lambda f: {"actions": self._postprocess(f.value)})
+        deltas = self.running.iterate(self._encode_and_advance, lambda f: {"actions": self._postprocess(f.value)})
+        if not len(self.running):
+            self._stacked = None  # the fleet left: no stacked prefixes held while idle
+        return deltas
 
     def _encode_and_advance(self, frames: list[Expert]) -> None:
-        self._encode([f for f in frames if f.prefix is None])
-        self._advance(frames)
+        with compute(self.device, self.dtype):
+            self._encode([f for f in frames if f.prefix is None])
+            self._advance(frames)
 
     @torch.inference_mode()
     def step(self, payload: RobotFrame) -> dict[str, torch.Tensor]:
         """A whole frame alone: every step of one frame (the same math as per iteration)."""
         [frame] = self.encode([payload])
-        while not frame.done:
-            self._advance([frame])
+        with compute(self.device, self.dtype):
+            while not frame.done:
+                self._advance([frame])
         return {"actions": self._postprocess(frame.value)}
 
     def prefix_stats(self) -> dict[int, int]:
@@ -136,27 +153,75 @@ class LeRobotPolicy:
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         """{"model.action_out_proj.weight": (shape, dtype), ...}: model.safetensors' names, checked
         (names, shapes, dtypes) before any tensor of an update changes."""
-        specs = {f"model.{k}": (tuple(v.shape), v.dtype) for k, v in self.net.state_dict().items()}
+        specs = dict(self._specs)  # recorded at start: sleep(level=2) empties the tensors, not their specs
         for name, stored in getattr(self.net, "checkpoint_aliases", dict)().items():
             specs[stored] = specs[name]  # a tied tensor: either of its names
         return specs
 
+    def weight_note(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        """Why a tensor outside `weight_specs` is accepted (the update's report lists it), or None to
+        refuse it: a checkpoint tensor the action path never reads, at its checkpoint shape, is skipped;
+        a known tensor in another floating dtype is cast (a float32 checkpoint to a bfloat16 rank)."""
+        if name in self._unused and tuple(shape) == self._unused[name][0]:
+            return f"skipped ({self._unused[name][1]})"
+        want = self.weight_specs().get(name)
+        if want is not None and want[0] == tuple(shape) and dtype in ("float32", "bfloat16", "float16", "float64"):
+            return f"cast from {dtype} to {str(want[1]).removeprefix('torch.')} on receive"
+        return None
+
     @torch.no_grad()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor into the parameter of that checkpoint name; running frames are rebuilt
-        by the loop (`recompute`) before their next step, so no prefix cache of the old weights is used."""
-        state = self.net.state_dict()
+        """Copy each tensor into the parameter of that checkpoint name (cast to the serving dtype; a
+        tensor sleep(level=2) emptied gets storage of its own again); the skipped ones (`weight_note`)
+        are left out. Running frames are rebuilt by the loop (`recompute`) before their next step, so
+        no prefix cache of the old weights is used."""
+        own = checkpoint_tensors(self.net)
         tied = {stored: name for name, stored in getattr(self.net, "checkpoint_aliases", dict)().items()}
         for name, tensor in weights:
-            target = state[tied.get(name, name).removeprefix("model.")]
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            key = tied.get(name, name).removeprefix("model.")
+            if key not in own:
+                continue  # checked before: a tensor the action path never reads
+            target = own[key]
+            source = tensor.to(device=self.device, dtype=target.dtype)
+            if target.numel() == 0 and source.numel():
+                target.data = source.clone()
+            else:
+                target.copy_(source)
+        self._stacked = None
+
+    # -- sleep / wake (C2: the bytes freed on this rank, host and device) -------------------------------
+    def sleep(self, level: int) -> int:
+        """Level 1: the stacked prefix cache freed and, on CUDA, the weights moved to the host; level 2:
+        the weights dropped as well (the next weight update refills them). The bytes freed."""
+        freed = self.reset_cache()
+        if level >= 2:
+            return freed + drop_weights(self.net)
+        if self.device.type == "cuda":
+            freed += move_weights(self.net, "cpu")
+        return freed
+
+    def wake_up(self, tags: list[str]) -> None:
+        """"weights": the weights a level-1 sleep moved to the host back on the device (dropped ones
+        wait for an update); "kv_cache": nothing is kept between frames but the stacked prefixes."""
+        if "weights" in tags:
+            move_weights(self.net, self.device)
+        if "kv_cache" in tags:
+            self.reset_cache()
+
+    def reset_cache(self) -> int:
+        """Forget the stacked prefix cache of the last expert batch (rebuilt at the next step); its bytes."""
+        held, self._stacked = self._stacked, None
+        if held is None:
+            return 0
+        return tensor_bytes(held[1].held())
 
     # -- the math -------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, payloads: list[RobotFrame]) -> list[Expert]:
         """Frames ready for their first step, their prefixes from ONE VLM pass (see `_encode`)."""
         frames = [self._start(p) for p in payloads]
-        self._encode(frames)
+        with compute(self.device, self.dtype):
+            self._encode(frames)
         return frames
 
     def _encode(self, frames: list[Expert]) -> None:

@@ -126,6 +126,13 @@ class SmolVLA(nn.Module):
         scale = self.vlm_with_expert.vlm.model.connector.scale_factor
         return (size // vision.patch_size) ** 2 // scale ** 2
 
+    def unused_weights(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{name: (shape, why)} of the tensors a LeRobot SmolVLA checkpoint holds that the action path never
+        reads: the VLM's token head (tied to its embedding in SmolVLM; the policy decodes no tokens)."""
+        embed = self.vlm_with_expert.vlm.model.text_model.get_input_embeddings()
+        return {"model.vlm_with_expert.vlm.lm_head.weight": (tuple(embed.weight.shape), "the VLM's token head: "
+                                                              "the policy decodes actions, never tokens")}
+
     def _is_self_attn(self, i: int) -> bool:
         return not self.cross_mode or (self.every > 0 and i % self.every == 0)
 
