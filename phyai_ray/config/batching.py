@@ -18,7 +18,9 @@ only to plugins whose per-rank model has `step_batch(requests)`; for others it c
 Plugins with the iteration protocol (`phyai_ray.plugins.iteration`, e.g. `reference_lm`) are
 batched per iteration instead, always: up to `max_num_seqs` sequences run at once, each iteration
 processes at most `max_num_batched_tokens` tokens, and `cache_after_update` says what a running
-sequence's cache becomes when the weights change under it (vLLM's knobs, same names).
+sequence's cache becomes when the weights change under it (vLLM's knobs, same names). Plugins
+whose sequences cost in every step (a denoising step re-costs each running request) read
+`step_budget` instead, defaulting to what the model states, and take turns when it is full (`over_budget`).
 
 `scheduling` orders both kinds of queue: "deadline" (the default) serves the earliest deadline
 first, "fifo" the earliest arrival. Without per-request deadlines the two are the same order.
@@ -74,6 +76,15 @@ class BatchingConfig(ConfigModel):
         4096, ge=1, le=1 << 24, description="Iteration protocol: most tokens one iteration processes (a prompt's "
         "prefill counts its length, every running sequence 1); a prompt longer than this runs in an iteration "
         "of its own.")
+    step_budget: int | None = Field(
+        None, ge=1, le=1 << 40, description="Iteration protocol, plugins whose running sequences cost in every "
+        "step (diffusion, flow policies: plugins.admission.per_step): the most cost, in the plugin's units (e.g. "
+        "latent tokens x CFG branches), of the sequences stepping in one iteration. Unset: the plugin's own "
+        "default (diffusers_pipeline: two requests of its folder's recommended shape).")
+    over_budget: Literal["turns", "wait"] = Field(
+        "turns", description="Iteration protocol, plugins whose per-rank model can pause a sequence: 'turns': what "
+        "step_budget cannot hold takes turns per step (earliest deadline, then least remaining work), so a short "
+        "request beside a long one ends first; 'wait': a sequence joins only when it fits beside every running one.")
     cache_after_update: Literal["recompute", "keep"] = Field(
         "recompute", description="Iteration protocol: a sequence frozen by pause(mode='keep') across a weight update "
         "(or a sleep) rebuilds its cache from its whole history under the new weights ('recompute': every later "

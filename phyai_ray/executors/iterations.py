@@ -8,10 +8,9 @@
            resolves when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
 A sequence joins at the next iteration and leaves the one it ends in, so a short request admitted
-beside a long one finishes first. Waiting sequences are admitted earliest deadline first
-(`scheduling="deadline"`: a request's own deadline, else arrival + `default_deadline_s` less (its steps
-+ the one running) x the iteration pace) or in arrival order ("fifo"); a request none of whose sequences
-got a slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at
+beside a long one finishes first. Sequences are admitted (with a `Turns` policy: take turns) earliest deadline
+first (own, else arrival + `default_deadline_s` + its steps x the pace: turns.py) or in arrival order ("fifo");
+a request with no slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at
 submit and at the head, a request with its own deadline stays only if its planned iterations
 (`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent pace end before it; else it is
 answered at once (sequences.py). The pace: an iteration's run plus the loop's work until the next.
@@ -39,9 +38,10 @@ from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
 from phyai_ray.executors.iteration_control import IterationControl
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
-from phyai_ray.executors.sequences import (GATHER, Candidates, Deadlines, LoopRequest, LoopSequence, fail_closed,
+from phyai_ray.executors.sequences import (GATHER, Deadlines, LoopRequest, LoopSequence, fail_closed,
                                            finish_by_miss, first_chunk_missed, planned_steps, settle, stream_chunk)
 from phyai_ray.executors.service import ServiceTime
+from phyai_ray.executors.turns import admission_of
 from phyai_ray.outputs import merge_stream_chunks
 from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
 from phyai_ray.streams import ChunkSink, LocalReader
@@ -70,7 +70,8 @@ class IterationLoop:
                             f"begin(running) and admit(candidate) (phyai_ray.plugins.admission), got {self.policy!r}")
         self.edf = batching.scheduling == "deadline"
         self.limit_s, self.max_queued = limit_s, max_queued
-        self.default_deadline_s = batching.default_deadline_s  # orders a request without its own deadline
+        self.horizon_s = batching.default_deadline_s or limit_s  # orders a request without its own deadline
+        self.admission = admission_of(self.policy, self.horizon_s)  # in order, or turns (turns.py)
         self._cond = threading.Condition()
         self.control = IterationControl(index, self._cond, self,
                                         recompute_after_update=batching.cache_after_update == "recompute")
@@ -102,9 +103,9 @@ class IterationLoop:
         future.replica, future.deadline = self.index, deadline
         req = LoopRequest(request, future, self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
-        if deadline is None and self.default_deadline_s is not None:  # its steps (+ the one running) end by then
-            steps = (planned_steps(sequences, self._entry.display_name()) or 0) + 1  # (it is never failed then)
-            req.order = min(req.order, req.submitted + self.default_deadline_s - steps * self.service.estimate())
+        if deadline is None:  # due `horizon_s` after arrival, pushed back by its own work (turns.priority)
+            steps = planned_steps(sequences, self._entry.display_name()) or 0  # (it is never failed for it)
+            req.order = req.submitted + self.horizon_s + steps * self.service.estimate()
         future.work = req
         if deadline is not None and self.control.refusal is None:  # finish-by: a hopeless request never waits
             req.steps = 1 if req.until == "chunk" else planned_steps(sequences, self._entry.display_name())
@@ -119,8 +120,8 @@ class IterationLoop:
             if self.max_queued is not None and queued >= self.max_queued:
                 raise overloaded(self.index, queued, self.max_queued, f"{len(self._running)} running sequence(s) "
                                  f"(admission {self.policy!r}) for a sequence slot")
-            req.seqs = [LoopSequence(next(self._ids), req, i, s.payload, max(int(s.cost), 1), getattr(s, "group", None))
-                        for i, s in enumerate(sequences)]
+            req.seqs = [LoopSequence(next(self._ids), req, i, s.payload, max(int(s.cost), 1), getattr(s, "group", None),
+                                     getattr(s, "steps", None)) for i, s in enumerate(sequences)]
             req.left = len(req.seqs)
             self._requests[req] = None
             self._queued += 1
@@ -235,48 +236,47 @@ class IterationLoop:
         return not control.held and bool(self._running or self._to_drop or (self._n_waiting and control.admitting))
 
     def _plan(self, settle: list) -> tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]:
-        """Lock held: this iteration's drops, rebuilds and admissions (refused requests go to `settle`)."""
+        """Lock held: this iteration's drops, rebuilds, admissions and turns (refused requests go to `settle`)."""
         drop, self._to_drop = tuple(self._to_drop), []
         rebuild = [s for s in self._running.values() if s.stale]
-        admitted = self._admit(settle) if self._n_waiting and self.control.admitting else []
+        head = (lambda key: self._head(settle, key)) if self._n_waiting and self.control.admitting else None
+        admitted, pause, resume = self.admission.plan(self._running.values(), rebuild, self.service.estimate(), head,
+                                                      self._join)
         for seq in admitted:
             seq.request.future.batch_size = len(self._running)
         plan = IterationPlan(admit=tuple((s.ident, s.payload) for s in admitted), drop=drop,
-                             recompute=tuple(s.ident for s in rebuild))
+                             recompute=tuple(s.ident for s in rebuild), pause=pause, resume=resume)
         return plan, admitted, rebuild
 
-    def _admit(self, settle: list) -> list[LoopSequence]:
-        """Lock held: the waiting sequences the policy admits, head first; its first refusal ends the
-        round (nothing overtakes the sequence it refused). A head whose request can no longer meet its
-        own deadline (finish-by, see the module docstring) leaves instead, answered in `settle`."""
-        self.policy.begin(Candidates(list(self._running.values())))
-        admitted: list[LoopSequence] = []
+    def _head(self, settle: list, key: Callable | None) -> LoopSequence | None:
+        """Lock held: the waiting head (left ones popped); one that can no longer meet its own deadline
+        (finish-by, see the module docstring; turns: behind those ahead by `key`) leaves, in `settle`."""
         while self._waiting:
             seq = self._waiting[0]
             if seq.state != "waiting":  # its request left (cancelled, expired, aborted)
                 self._waiting.popleft()
                 continue
-            req = seq.request
-            if req.deadline is not None and not req.admitted:
-                missed = finish_by_miss(self.index, req, time.monotonic(), self.service.estimate())
+            if seq.request.deadline is not None and not seq.request.admitted:
+                turns = self.admission.iterations(seq, self._running.values(), key)
+                missed = finish_by_miss(self.index, seq.request, time.monotonic(), self.service.estimate(), turns)
                 if missed is not None:
-                    self.forget(req)  # its sequences are "done" now: the next turns pop them
-                    settle.append((req, None, missed))
+                    self.forget(seq.request)  # its sequences are "done" now: the next turns pop them
+                    settle.append((seq.request, None, missed))
                     continue
-            if not self.policy.admit(seq.candidate()):
-                break
-            self._waiting.popleft()
-            self._n_waiting -= 1
-            seq.state = "running"
-            self._running[seq.ident] = seq
-            if not seq.request.admitted:
-                seq.request.admitted = True
-                self._queued -= 1
-                if seq.request.until == "slot":  # its own deadline asked for a slot: it has one
-                    self._deadlines.discard(seq.request)
-                seq.request.future.started = time.monotonic()
-            admitted.append(seq)
-        return admitted
+            return seq
+        return None
+
+    def _join(self, seq: LoopSequence) -> None:
+        """Lock held: the waiting head `seq` gets a slot (it runs from this iteration on)."""
+        self._waiting.popleft()
+        self._n_waiting -= 1
+        seq.state, self._running[seq.ident] = "running", seq
+        if not seq.request.admitted:
+            seq.request.admitted = True
+            self._queued -= 1
+            if seq.request.until == "slot":  # its own deadline asked for a slot: it has one
+                self._deadlines.discard(seq.request)
+            seq.request.future.started = time.monotonic()
 
     def _iterate(self, formed: tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]) -> None:
         plan, admitted, rebuild = formed

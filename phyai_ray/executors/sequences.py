@@ -75,12 +75,16 @@ class LoopSequence:
     """One sequence: what its rank admits, what it costs, and its output so far (tokens or a value)."""
 
     __slots__ = ("ident", "request", "index", "payload", "cost", "group", "tokens", "log_probs", "versions",
-                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version", "preempted")
+                 "stop_reason", "cache_version", "stale", "state", "tops", "value", "version", "preempted",
+                 "steps", "taken", "paused")
 
     def __init__(self, ident: int, request: LoopRequest, index: int, payload: Any, cost: int,
-                 group: Any = None) -> None:
+                 group: Any = None, steps: int | None = None) -> None:
         self.ident, self.request, self.index, self.payload = ident, request, index, payload
         self.cost, self.group = cost, group
+        self.steps = steps  # its `SequenceSpec.steps` (None: unknown)
+        self.taken = 0  # iterations it stepped in (turns: a paused one sits out; a rebuild starts again)
+        self.paused = False  # turns: it sits out on the ranks (IterationPlan.pause) until resumed
         self.tokens: list[int] = []
         self.log_probs: list[float] = []
         self.versions: list[Any] = []  # the weight version of each token
@@ -225,18 +229,21 @@ def planned_steps(specs: Sequence[Any], plugin: str) -> int | None:
     return most
 
 
-def finish_by_miss(index: int, req: LoopRequest, now: float, per_iteration_s: float) -> DeadlineMissedError | None:
+def finish_by_miss(index: int, req: LoopRequest, now: float, per_iteration_s: float,
+                   iterations: int | None = None) -> DeadlineMissedError | None:
     """None while `req` can still meet its own deadline if it starts at `now`: its `steps` iterations
-    of `per_iteration_s` each (the loop's recent median; 0.0 before the first) end before the
-    deadline, or with no estimate (`steps` None) the deadline is still ahead. Else the error that
-    answers it, naming the estimate and the deadline. Worked example: deadline 100 ms after
-    submission, 8 denoising steps of 15 ms, 5 ms waited -> 5 + 120 > 100: missed, without running."""
-    need = per_iteration_s * req.steps if req.steps is not None else 0.0
+    (or `iterations`, when turns make it sit some out: see turns.py) of `per_iteration_s` each (the
+    loop's recent median; 0.0 before the first) end before the deadline, or with no estimate (`steps`
+    None) the deadline is still ahead. Else the error that answers it, naming the estimate and the
+    deadline. Worked example: deadline 100 ms after submission, 8 denoising steps of 15 ms, 5 ms
+    waited -> 5 + 120 > 100: missed, without running."""
+    count = iterations if iterations is not None and req.steps is not None else req.steps
+    need = per_iteration_s * count if count is not None else 0.0
     if now + need < req.deadline:
         return None
     waited, given = now - req.submitted, req.deadline - req.submitted
     what = "its first chunk" if req.until == "chunk" else "its result"
-    estimate = (f"{what} needs {req.steps} iteration(s) of about {per_iteration_s * 1e3:.1f} ms here lately "
+    estimate = (f"{what} needs {count} iteration(s) of about {per_iteration_s * 1e3:.1f} ms here lately "
                 f"({need * 1e3:.1f} ms)" if need > 0 else "it had no time left")
     return DeadlineMissedError(
         f"replica {index}: the request's deadline ({given * 1e3:.1f} ms) could not be met: {waited * 1e3:.1f} ms "

@@ -14,12 +14,23 @@ Each is asked once per plan, `begin(running)` then `admit(head)` until it says n
         iteration (LoRA adapters, latent shapes), on top of `policy`. max_groups=2, running groups
         {"a"}, waiting ["b", "c", "a"]: "b" joins -> "c" waits (and "a" behind it: no overtaking)
 
+    Turns(policy, resident)             what `policy` (an every-iteration one: CostBudget, GroupLimit)
+        cannot hold takes turns: up to `resident` sequences stay on the ranks, and in each iteration
+        those the policy holds, in priority order, step; the others sit out (executors/turns.py).
+        CostBudget(8, 100) in Turns, resident costs [100 (a 40-step job), 100 (a 4-step preview)]:
+        one steps per iteration, the preview first (least remaining work): it ends after 4, not 40
+
 Every policy admits the head when nothing runs, so a sequence larger than the budget runs alone
 instead of waiting forever.
 
+The per-step budget comes from the model: `per_step(batching, default)` builds the policy of a
+plugin whose sequences cost every iteration, its budget `BatchingConfig.step_budget` when the
+deployment sets one, else the `default` the Entry states (diffusers_pipeline: two requests of the
+folder's recommended shape), with turns unless `BatchingConfig.over_budget` is "wait":
+
     class WanEntry(Entry):
         def admission(self, batching):
-            return GroupLimit(CostBudget(batching.max_num_seqs, self.max_latent_tokens), max_groups=1)
+            return per_step(batching, default=2 * self.recommended_cost, max_groups=None)
 """
 
 from __future__ import annotations
@@ -112,3 +123,47 @@ class GroupLimit:
 
     def __repr__(self) -> str:
         return f"GroupLimit({self.policy!r}, max_groups={self.max_groups})"
+
+
+class Turns:
+    """Turn-taking over `policy`: up to `resident` sequences stay on the ranks (their state kept), and
+    before every iteration the loop asks `policy` which of them step, from nothing (`begin([])`), in
+    priority order (earliest deadline, then least remaining work: executors/turns.py), skipping the
+    ones it refuses: those sit out this iteration. A waiting sequence joins only when it gets a turn
+    and a resident slot is free. `policy` must cost a sequence in every iteration it steps
+    (CostBudget, a GroupLimit of one); the per-rank model needs pause / resume
+    (phyai_ray.stepwise.sequence.Running has them)."""
+
+    def __init__(self, policy: AdmissionPolicy, resident: int) -> None:
+        _positive("Turns", resident=resident)
+        inner = policy
+        while isinstance(inner, GroupLimit):
+            inner = inner.policy
+        if not isinstance(policy, AdmissionPolicy) or isinstance(inner, (TokenBudget, Turns)):
+            raise TypeError(f"Turns: policy must cost every stepping sequence in every iteration (CostBudget, or "
+                            f"GroupLimit of one), got {policy!r}; e.g. Turns(CostBudget(64, 131040), resident=64)")
+        self.policy, self.resident = policy, resident
+        self.budget: int | None = getattr(inner, "budget", None)  # what one iteration holds (finish-by reads it)
+
+    def begin(self, running: Sequence[Candidate]) -> None:
+        self.policy.begin(running)
+
+    def admit(self, candidate: Candidate) -> bool:
+        return self.policy.admit(candidate)
+
+    def __repr__(self) -> str:
+        return f"Turns({self.policy!r}, resident={self.resident})"
+
+
+def per_step(batching: Any, default: int, *, given: int | None = None,
+             max_groups: int | None = None) -> AdmissionPolicy:
+    """The admission of a plugin whose running sequences cost every iteration, with the budget from
+    the model: `given` (the plugin's own argument, e.g. diffusers' max_latent_tokens_per_step), else
+    `batching.step_budget`, else `default` (what the Entry states: e.g. two requests of the model's
+    recommended shape). CostBudget(batching.max_num_seqs, budget), in GroupLimit when `max_groups`,
+    in Turns(resident=batching.max_num_seqs) unless `batching.over_budget` is "wait"."""
+    budget = given or getattr(batching, "step_budget", None) or default
+    policy: AdmissionPolicy = CostBudget(batching.max_num_seqs, int(budget))
+    if max_groups is not None:
+        policy = GroupLimit(policy, max_groups)
+    return Turns(policy, batching.max_num_seqs) if getattr(batching, "over_budget", "turns") == "turns" else policy

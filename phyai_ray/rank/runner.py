@@ -132,8 +132,8 @@ class RankRunner:
         return is_iterative(self.model)
 
     def iterate(self, plan: Any) -> Any:
-        """Apply one `IterationPlan` (drops, rebuilds, admissions) and run ONE iteration; the output rank
-        returns {seq_id: Delta}, the others None."""
+        """Apply one `IterationPlan` (drops, rebuilds, admissions, then turns: pauses and resumes) and
+        run ONE iteration; the output rank returns {seq_id: Delta}, the others None."""
         self._check_awake("an iteration")
         model = self.model
         with self.ctx.groups.activate():
@@ -143,8 +143,23 @@ class RankRunner:
                 model.recompute(ident)
             for ident, payload in plan.admit:
                 model.admit(ident, payload)
+            if plan.pause or plan.resume:
+                self._take_turns(plan)
             out = model.iterate()
         return out if self.ctx.is_output_rank else None
+
+    def _take_turns(self, plan: Any) -> None:
+        """The plan's pauses, then its resumes (`IterationPlan`); a model without pause / resume was
+        given an admission policy with turns it cannot take: a TypeError naming both."""
+        pause, resume = getattr(self.model, "pause", None), getattr(self.model, "resume", None)
+        if not (callable(pause) and callable(resume)):
+            raise TypeError(f"plugin {self.entry.display_name()}: its admission policy takes turns (Turns), but "
+                            f"per-rank model {type(self.model).__name__} has no pause(seq_id) / resume(seq_id); "
+                            "delegate them to its stepwise Running, or admit without Turns")
+        for ident in plan.pause:
+            pause(ident)
+        for ident in plan.resume:
+            resume(ident)
 
     def stream(self, request: Any, sink: Any) -> Any:
         """Run one request with the model's `stream(request, emit)`, chunks going to `sink` (output rank)."""

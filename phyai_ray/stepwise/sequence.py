@@ -6,12 +6,18 @@ running, batched per step.
     deltas = running.iterate(advance, result)             # advance(batch): ONE step of every sequence
                                                           # (each calls seq.took(new_value)); the ones
                                                           # whose last step this was leave with result(seq)
+    running.pause(7); running.resume(7)                   # turns: 7 sits out the steps in between
 
 A sequence is what a value plugin's rank keeps per request between iterations of the iteration
 protocol (`phyai_ray/plugins/iteration.py`): its value tensor (a noisy action chunk, video latents),
 how many of its steps it has taken, and for streams its progress {"step": i, "of": n}. A plugin
 subclasses `Sequence` for what its math adds (a prefix cache, a scheduler, RTC guidance); the
 running set, the step counting and the deltas are written once, here.
+
+Turns (`IterationPlan.pause` / `resume`): a paused sequence stays in the set with its value, but
+`batch()` leaves it out, so `iterate` neither steps it nor reports it; a sequence admitted (or
+started again) while paused joins (`joined()`) at its first step after `resume`. A per-rank model
+gets turns by delegating its `pause(seq_id)` and `resume(seq_id)` to its `Running`.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Running(Generic[S]):
     def __init__(self) -> None:
         self._by_ident: dict[int, S] = {}
         self._joining: list[int] = []
+        self._paused: set[int] = set()
 
     def admit(self, ident: int, seq: S) -> None:
         """`seq` runs from the next step on; an ident already running starts again as `seq` in its place."""
@@ -73,27 +80,49 @@ class Running(Generic[S]):
         """Forget `ident` (before its last step); the sequence it was, or None."""
         if ident in self._joining:
             self._joining.remove(ident)
+        self._paused.discard(ident)
         return self._by_ident.pop(ident, None)
 
+    def pause(self, ident: int) -> None:
+        """`ident` sits out the next steps, keeping its state, until `resume(ident)`; an ident not
+        running (a sequence this rank already freed, e.g. after its own error) changes nothing."""
+        if ident in self._by_ident:
+            self._paused.add(ident)
+
+    def resume(self, ident: int) -> None:
+        """`ident` steps again from the next step on (a sequence not paused: nothing changes)."""
+        self._paused.discard(ident)
+
+    def paused(self) -> list[int]:
+        """The idents sitting out, in admission order."""
+        return [i for i in self._by_ident if i in self._paused]
+
     def joined(self) -> list[S]:
-        """The sequences admitted since the last call, in order (each is returned once)."""
-        joined, self._joining = [self._by_ident[i] for i in self._joining if i in self._by_ident], []
+        """The stepping sequences admitted since the last call, in order (each is returned once; a
+        paused one stays joining until it steps)."""
+        joined = [self._by_ident[i] for i in self._joining if i in self._by_ident and i not in self._paused]
+        self._joining = [i for i in self._joining if i in self._paused]
         return joined
 
     def batch(self) -> list[S]:
-        """Every running sequence, in admission order."""
-        return list(self._by_ident.values())
+        """Every running sequence that steps (not paused), in admission order."""
+        if not self._paused:
+            return list(self._by_ident.values())
+        return [seq for i, seq in self._by_ident.items() if i not in self._paused]
 
     def iterate(self, advance: Callable[[list[S]], None], result: Callable[[S], Any],
                 progress: bool = False) -> dict[int, Delta]:
-        """ONE step of every running sequence: `advance(batch)` takes it; a sequence whose last step this
-        was leaves with `Delta(stop_reason="completed", value=result(seq))`. With `progress`, every
-        sequence's delta carries its `progress` (a stream reports each step)."""
-        if not self._by_ident:
+        """ONE step of every running sequence not paused: `advance(batch)` takes it; a sequence whose
+        last step this was leaves with `Delta(stop_reason="completed", value=result(seq))`. With
+        `progress`, every stepped sequence's delta carries its `progress` (a stream reports each step)."""
+        batch = self.batch()
+        if not batch:
             return {}
-        advance(self.batch())
+        advance(batch)
         out: dict[int, Delta] = {}
         for ident, seq in list(self._by_ident.items()):
+            if ident in self._paused:
+                continue
             if seq.done:
                 del self._by_ident[ident]
                 out[ident] = Delta(stop_reason="completed", value=result(seq),
