@@ -143,7 +143,7 @@ class WanImageToVideoFamily(WanFamily):
             r = job.request
             first = Image.fromarray(image_array(r["image"]))
             last = None if r.get("last_image") is None else Image.fromarray(image_array(r["last_image"]))
-            job.cond["image"] = self._embed_image(first if last is None else [first, last]) if self.uses_clip else None
+            job.cond["image"] = self._embed_image(first if last is None else [first, last])
             job.cond["condition"] = self._condition(first, last, r, job.value)
 
     def _embed_image(self, pictures: Any) -> torch.Tensor:
