@@ -13,6 +13,7 @@ named (422 on the JSON route, 400 on OIP) and the app serves the next one.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ def server(folder) -> dict[str, Any]:
     deployment = DeploymentConfig.local(replica_count=1, cpus_per_rank=0.5, process_config=WorkerSupervisorConfig(
         startup_timeout_s=120, execution_timeout_s=120))
     try:
-        serve.run(create_app(args, deployment), name=APP, route_prefix="/")
+        serve.run(create_app(args, deployment, video_stale_s=5), name=APP, route_prefix="/")
         yield {"url": f"http://127.0.0.1:{port}", "host": f"127.0.0.1:{port}", "model": folder.name}
     finally:
         delete_serve_apps()
@@ -204,3 +205,102 @@ def test_a_failure_after_the_first_line_is_the_last_line() -> None:
     first, last = [json.loads(line) for line in reply.text.splitlines()]
     assert first == {"step": 1, "of": 2} and set(last) == {"error"} and "rank 0 died" in last["error"]["message"]
     assert not_json.status_code == 400 and "not JSON" in not_json.text
+
+
+# -- OpenAI's Videos API (serve/protocols/openai/videos.py) with the real openai client ----------------
+VIDEO_EXTRA = {name: FIELDS[name] for name in ("negative_prompt", "num_inference_steps", "guidance_scale", "seed",
+                                                "max_sequence_length")}
+
+
+def video_client(server: dict[str, Any]) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="not-checked", max_retries=0, timeout=60)
+
+
+def test_videos_api_create_poll_download_and_list(server: dict, expected: dict) -> None:
+    """The MP4 holds the served frames within the codec's loss (CRF 12, yuv420p: luma PSNR >= 30 dB); the
+    thumbnail is the first frame exactly (PNG)."""
+    import io
+
+    from PIL import Image
+
+    from phyai_ray.serve.protocols.openai.mp4 import mp4_frames, psnr_luma
+
+    client = video_client(server)
+    video = client.videos.create_and_poll(prompt=PROMPT, size="32x32", seconds="0.5", extra_body=VIDEO_EXTRA,
+                                          poll_interval_ms=50)
+    assert video.status == "completed" and video.progress == 100 and video.error is None, video
+    assert (video.size, video.seconds, video.object) == ("32x32", "0.5", "video")
+    frames = mp4_frames(client.videos.download_content(video.id).read())
+    want = expected["uint8"].numpy()
+    assert frames.shape == want.shape and psnr_luma(frames, want) >= 30.0
+    thumbnail = client.videos.download_content(video.id, variant="thumbnail").read()
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail)).convert("RGB")), want[0])
+    assert video.id in [v.id for v in client.videos.list(limit=1)]  # auto-paging walks every page
+    assert client.videos.list(limit=1).data[0].id == video.id  # newest first
+
+
+def test_video_progress_rises_and_delete_stops_a_long_job(server: dict) -> None:
+    import openai
+
+    client = video_client(server)
+    long = client.videos.create(prompt=PROMPT, size="32x32", seconds="0.5",
+                                extra_body={**VIDEO_EXTRA, "num_inference_steps": 200})
+    seen, began = [], time.monotonic()
+    while not seen or seen[-1][1] < 10:  # progress 10: 20 of 200 steps done
+        job = client.videos.retrieve(long.id)
+        assert job.status in ("queued", "in_progress") and time.monotonic() - began < 60, job
+        seen.append((time.monotonic(), job.progress))
+    progress = [p for _, p in seen]
+    assert progress == sorted(progress) and len({p for p in progress if 0 < p < 100}) >= 2, progress
+    started = next(t for t, p in seen if p > 0)
+    per_step = (seen[-1][0] - started) / max(seen[-1][1] * 2 - 1, 1)  # progress p ~ step 2p of 200
+    client.videos.delete(long.id)
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(long.id)
+    sent = time.monotonic()
+    short = client.videos.create_and_poll(prompt=PROMPT, size="32x32", seconds="0.5", extra_body=VIDEO_EXTRA,
+                                          poll_interval_ms=50)
+    waited = time.monotonic() - sent
+    assert short.status == "completed", short
+    left = per_step * (200 - 2 * seen[-1][1])  # what the long job still had to do when it was deleted
+    assert waited < max(left / 2, 2.0), (waited, left)
+
+
+def test_video_bad_fields_are_400s_naming_the_field(server: dict) -> None:
+    import openai
+
+    client = video_client(server)
+    for size, extra, named in (("32by32", {}, "size"), ("40x32", {}, "width"),
+                               ("32x32", {"num_frames": 8}, "num_frames"),
+                               ("32x32", {"num_inference_steps": "many"}, "num_inference_steps")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.videos.create(prompt=PROMPT, size=size, seconds="0.5", extra_body={**VIDEO_EXTRA, **extra})
+        assert named in str(caught.value), (size, extra, str(caught.value))
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("video_" + "0" * 32)
+
+
+def test_a_video_job_on_a_killed_group_ends_failed_with_its_reason(server: dict) -> None:
+    """The last test of the module: it kills the group's rank. One rank runs in the group's Serve replica,
+    so the ingress running the job dies with it: the next reader fails the job once no report came for
+    video_stale_s (5 s here)."""
+    import os
+    import signal
+
+    client = video_client(server)
+    job = client.videos.create(prompt=PROMPT, size="32x32", seconds="0.5",
+                               extra_body={**VIDEO_EXTRA, "num_inference_steps": 400})
+    began = time.monotonic()
+    while client.videos.retrieve(job.id).progress < 2:
+        assert time.monotonic() - began < 60
+    [group] = requests.get(f"{server['url']}/v1/replicas", timeout=30).json()["replicas"]
+    os.kill(group["pids"][0], signal.SIGKILL)
+    killed = time.monotonic()
+    while (seen := client.videos.retrieve(job.id)).status != "failed":
+        assert seen.status == "in_progress" and time.monotonic() - killed < 60, seen  # never open for good
+        time.sleep(0.1)
+    assert seen.error.code in ("unavailable", "replica_unavailable") and PROMPT not in seen.error.message, seen.error
+    # the app's only Serve replica died: polls are answered again once Serve replaced it (its health check)
+    assert time.monotonic() - killed < 60, "the job stayed open long after video_stale_s"

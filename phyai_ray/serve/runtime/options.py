@@ -86,6 +86,8 @@ class ServeOptions(ConfigModel):
     video_ttl_s: float = Field(3600.0, gt=0, description="A finished video job (and its MP4) is kept this long.")
     video_max_bytes: int = Field(10 << 30, ge=1, description="Most bytes of finished videos kept; past it the "
                                  "oldest finished jobs are deleted.")
+    video_stale_s: float = Field(30.0, gt=0, le=3600, description="A queued or running video job whose group has "
+                                 "not reported for this long (its process died) is failed by the next reader.")
     video_crf: int = Field(12, ge=0, le=51, description="x264's constant rate factor of the served MP4s (0 "
                            "lossless luma, 18 visually lossless, 23 x264's default; lower: larger files).")
 

@@ -50,7 +50,7 @@ from phyai_ray.validation import validate
 INTEGERS = ("num_frames", "num_inference_steps", "seed", "max_sequence_length", "height", "width")
 FLOATS = ("guidance_scale", "guidance_scale_2", "fps")
 TEXTS = ("negative_prompt",)
-HEARTBEAT_S = 2.0  # how often the running group touches its job (the store fails it after stale_s without)
+HEARTBEATS = 5  # the running group touches its job this often per stale_s (the store fails it after that)
 POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between polls
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 
@@ -150,7 +150,8 @@ class VideoJobs:
         self.runner, self.entry = runner, runner.entry
         self.name = options.model_name or self.entry.served_name()
         directory = options.video_dir or default_directory(re.sub(r"[^A-Za-z0-9_.-]", "_", self.name))
-        self.store = JobStore(directory, ttl_s=options.video_ttl_s, max_bytes=options.video_max_bytes)
+        self.store = JobStore(directory, ttl_s=options.video_ttl_s, max_bytes=options.video_max_bytes,
+                              stale_s=options.video_stale_s)
         self.crf, self.overload_status = options.video_crf, options.overload_status
         self.fps = float(getattr(self.entry, "video_fps", 16.0))
         self.tasks: dict[str, asyncio.Task] = {}
@@ -209,7 +210,7 @@ class VideoJobs:
         """Touch the job while it runs (queued jobs get no chunks), and stop it when another group's
         DELETE left its flag."""
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.store.stale_s / HEARTBEATS)
             if await asyncio.to_thread(self.store.cancel_requested, ident):
                 task = self.tasks.get(ident)
                 if task is not None:
