@@ -56,7 +56,9 @@ def finite(t: torch.Tensor, key: str) -> torch.Tensor:
 
 
 def as_image(value: Any, key: str) -> torch.Tensor:
-    """A camera frame as float CHW in [0, 1]: float CHW as given, uint8 HWC (openpi's) scaled and transposed."""
+    """A camera frame as float CHW in [0, 1]: uint8 (0..255) or float ([0, 1]), HWC or CHW. A 3 on the
+    last axis is read as HWC for uint8 (openpi's cameras) and a 3 on the first as CHW for float (LeRobot's),
+    when both are 3; otherwise the axis holding the 3 channels says which."""
     if not isinstance(value, (torch.Tensor, np.ndarray)):
         try:
             value = np.asarray(value)
@@ -67,13 +69,14 @@ def as_image(value: Any, key: str) -> torch.Tensor:
         raise ValueError(f"'{key}' must be an image with 3 dimensions (float CHW in [0, 1] or uint8 HWC), "
                          f"got shape {list(value.shape)}")
     if value.dtype == torch.uint8:
-        if value.shape[-1] != 3:
-            raise ValueError(f"'{key}': a uint8 image is HWC with 3 channels, got shape {list(value.shape)}")
-        value = value.permute(2, 0, 1).to(torch.float32) / 255.0
+        value = value.to(torch.float32) / 255.0
+        hwc = value.shape[-1] == 3
     elif value.is_floating_point():
-        if value.shape[0] != 3:
-            raise ValueError(f"'{key}': a float image is CHW with 3 channels in [0, 1], got shape {list(value.shape)}")
         value = value.to(torch.float32)
+        hwc = value.shape[0] != 3 and value.shape[-1] == 3
     else:
         raise ValueError(f"'{key}' must be uint8 HWC or float CHW, got {value.dtype}")
-    return finite(value, key)
+    if not hwc and value.shape[0] != 3:
+        raise ValueError(f"'{key}': an image is HWC with 3 channels or CHW with 3 channels (uint8 0..255 or "
+                         f"float in [0, 1]), got shape {list(value.shape)}")
+    return finite(value.permute(2, 0, 1) if hwc else value, key)

@@ -15,7 +15,9 @@ lerobot_policy), checked in the dispatcher before any rank sees it.
 The RTC fields mean what `rtc.py` says, for every policy; 0 <= d <= k <= chunk, 1 <= s <= chunk.
 openpi-client frames name their fields openpi's way; `FrameLayout.aliases` renames them first
 (`openpi_aliases`: "observation/image" -> the first camera, "observation/wrist_image" -> the
-second, "observation/state" -> the state, "prompt" -> "task"). Without `noise` and `noise_seed` the
+second, "observation/state" -> the state, "prompt" -> "task"); openpi's named client formats (DROID's
+split state, ALOHA's nested CHW cameras, LIBERO's; `formats.py`) are mapped before that, by
+`FrameLayout.openpi_format` or detected from the keys. Without `noise` and `noise_seed` the
 seed is derived from the state, `step` and the layout's `salt` (a reference policy's seed) or else the
 task, so a frame sent again gets the same chunk.
 
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from phyai_ray.stepwise.fields import as_image, bounded_int, finite, floats, tensor
+from phyai_ray.stepwise.formats import from_format
 
 CONTROL_KEYS = frozenset({"task", "prompt", "step"})
 DENOISING_KEYS = frozenset({"noise", "noise_seed", "prev_actions", "inference_delay", "execution_horizon"})
@@ -52,6 +55,7 @@ class FrameLayout:
     denoised: bool = True  # noise, noise_seed and the RTC fields allowed
     aliases: dict[str, str] = field(default_factory=dict)  # {openpi key: this layout's key}
     salt: str | None = None  # a derived noise seed's salt (None: the task)
+    openpi_format: str | None = "auto"  # formats.py: droid, aloha, libero, lerobot (as given), auto (detected)
 
     @property
     def keys(self) -> frozenset[str]:
@@ -99,7 +103,7 @@ def parse_frame(frame: Any, layout: FrameLayout) -> RobotFrame:
     """The checked frame (a `RobotFrame` passes as it is), or ValueError naming the field."""
     if isinstance(frame, RobotFrame):
         return frame
-    frame = _renamed(frame, layout)
+    frame = _renamed(from_format(frame, layout.openpi_format, list(layout.cameras), layout.state_key), layout)
     state = _state(frame, layout)
     images = {k: as_image(frame[k], k) for k in layout.cameras}
     task = frame.get("task", frame.get("prompt", ""))

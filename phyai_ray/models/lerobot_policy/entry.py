@@ -19,6 +19,8 @@ plugin_args:
                `dtype` field where it has one), float32 on CPU (memory.py)
     max_image_side  the largest height or width a camera frame may have (default 2048): a larger one
                is refused in the dispatcher, before any rank resizes it
+    openpi_format  "droid", "aloha", "libero" or "lerobot": openpi's client formats (split states, nested
+               CHW cameras; phyai_ray/stepwise/formats.py); default: detected from each frame's keys
     openpi_keys  {openpi-client key: checkpoint key}, default {"observation/image": first camera,
                "observation/wrist_image": second camera, "observation/state": the state, "prompt": "task"}
 
@@ -92,7 +94,7 @@ class LeRobotPolicyEntry(Entry):
             raise ValueError(f'lerobot_policy: plugin_args["max_image_side"] must be an int >= 1 (pixels), got {side!r}')
         self._max_side = side
         self.folder = folder
-        self.layout = frame_layout(folder, plugin_args.get("openpi_keys"))
+        self.layout = frame_layout(folder, plugin_args.get("openpi_keys"), plugin_args.get("openpi_format"))
 
     def _require(self) -> FrameLayout:
         if self.layout is None:

@@ -21,15 +21,22 @@ from __future__ import annotations
 from typing import Any
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.stepwise.formats import check_format
 from phyai_ray.stepwise.frames import FrameLayout, openpi_aliases
 
 
-def frame_layout(folder: PolicyFolder, openpi_keys: dict[str, str] | None) -> FrameLayout:
-    """The frames of `folder`'s checkpoint: its one state feature, its cameras, its action chunk."""
+def frame_layout(folder: PolicyFolder, openpi_keys: dict[str, str] | None, openpi_format: str | None = None) -> FrameLayout:
+    """The frames of `folder`'s checkpoint: its one state feature, its cameras, its action chunk; openpi's
+    client formats (phyai_ray/stepwise/formats.py) detected from the keys unless `openpi_format` names
+    one, or openpi_keys are given (then the frames are taken by those names only)."""
+    check_format(openpi_format, "lerobot_policy")
+    if openpi_format is None:
+        openpi_format = "auto" if openpi_keys is None else "lerobot"
     cfg = folder.config
     [(state_key, state_shape)] = folder.features("STATE").items()
     [action_shape] = folder.features("ACTION").values()
     cameras: dict[str, Any] = folder.features("VISUAL")
     return FrameLayout(state_dim=state_shape[0], action_dim=action_shape[0], chunk=int(cfg["chunk_size"]),
                        state_key=state_key, cameras=cameras, noise_dim=int(cfg["max_action_dim"]),
-                       aliases=openpi_aliases(list(cameras), state_key, openpi_keys, "lerobot_policy"))
+                       aliases=openpi_aliases(list(cameras), state_key, openpi_keys, "lerobot_policy"),
+                       openpi_format=openpi_format)
