@@ -56,7 +56,8 @@ def _replica(plan: Any, *, entry: Any, args: Any, deployment: Any, device_type: 
     proc = deployment.process_config
     try:
         return ScheduledReplica(executor, index=plan.index, max_ongoing=proc.max_ongoing_requests,
-                                max_queued=proc.max_queued_requests, step_limit_s=proc.execution_timeout_s,
+                                max_queued=proc.max_queued_requests, step_limit_s=proc.step_limit_s,
+                                hang_limit_s=proc.hang_limit_s, cap_s=proc.execution_timeout_s,
                                 batching=deployment.batching, entry=entry)
     except BaseException:
         executor.close(drain=False)

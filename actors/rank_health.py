@@ -14,6 +14,7 @@ already failed, so a second cause is not looked for.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -25,6 +26,8 @@ from actors import fetch
 from actors.rank_group import RankGroup
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.work import Work
+
+logger = logging.getLogger(__name__)
 
 
 class RankHealth:
@@ -86,17 +89,27 @@ class RankHealth:
         return None
 
     def rank_error(self, rank: int, exc: BaseException) -> EngineUnavailableError:
-        """`rank` died (a RayActorError) or raised `exc`: the replica's error, naming it and its node."""
+        """`rank` died (a RayActorError) or raised `exc`: the replica's error, naming it, its node and the
+        cause's type. Every request of the replica gets it, so it never quotes the cause's message (that
+        may hold one request's prompt); the engine's log has the whole exception."""
         dead = isinstance(exc, ray.exceptions.RayActorError)
         cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
-        what = "exited" if dead else f"raised {type(cause).__name__}: {str(cause).strip().splitlines()[-1:]}"
+        what = "exited" if dead else f"raised {type(cause).__name__} (outside a sequence of its own)"
         node = self.group.node(rank)
-        error = EngineUnavailableError(
+        logger.error("replica %d rank %d (node %s) %s", self.index, rank, node[:12], what, exc_info=cause)
+        return EngineUnavailableError(
             f"replica {self.index} rank {rank} (node {node[:12]}) {what}; the replica's ranks share "
             "collectives, so the whole replica was stopped", reason="worker_exit" if dead else "exception",
-            replica=self.index, rank=rank, node=node, detail=str(cause)[:2000])
-        error.__cause__ = cause
-        return error
+            replica=self.index, rank=rank, node=node, detail=type(cause).__name__)
+
+    def disagreement(self, kinds: dict[int, dict[int, str]]) -> EngineUnavailableError:
+        """The ranks named different failed sequences ({rank: {seq_id: exception type}}) for one iteration:
+        they ran different work and have diverged."""
+        named = "; ".join(f"rank {rank}: {dict(sorted(k.items())) or 'none'}" for rank, k in kinds.items())
+        return EngineUnavailableError(
+            f"replica {self.index}: its ranks disagree on which sequences failed in one iteration ({named}); "
+            "ranks that share collectives ran different work, so the whole replica was stopped",
+            reason="exception", replica=self.index, detail=named[:2000])
 
     def send_error(self, rank: int, exc: BaseException) -> EngineUnavailableError:
         """Sending a request failed at `rank`, after the ranks before it had it."""

@@ -23,9 +23,15 @@ queue until the rank pipeline has a slot, the output rank's reply resolves the f
 request path runs user code (done-callbacks run on the engine's callback thread), so a callback
 may call the engine again. Liveness pings always use normal actor calls on the ranks' control lane.
 
+A request's failure is its own: an iteration's sequences that failed alone (their `admit` raised, or
+`SequenceError`; phyai_ray/rank/failures.py) come back in the ranks' replies, and when every rank names
+the same sequences with the same exception types, only those requests fail (the output rank's reply
+carries their errors) and the ranks keep serving. Ranks that name different ones have diverged.
+
 Fail-fast: a rank that dies (noticed by its pending replies or a ping on the control lane every
-`liveness_interval_s`), raises, replies malformed, runs one request past its limit, or cannot be
-sent a request fails the whole replica: it is marked unavailable first, every queued and
+`liveness_interval_s`), raises (outside a sequence of its own), replies malformed, disagrees with the
+others about which sequences failed, runs one call past its hang limit, or cannot be sent a request
+fails the whole replica: it is marked unavailable first, every queued and
 dispatched request fails with `EngineUnavailableError` naming the cause, then every rank is killed
 and the placement group removed. Nothing is retried or restarted here. Every part reports a failure
 through `_fail`, the one failure path.
@@ -53,7 +59,8 @@ from actors.rank_health import RankHealth
 from actors.remote_streams import RemoteReader
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.replica import ReplicaLink, rank_args
-from phyai_ray.work import BATCH, CALL, Work
+from phyai_ray.plugins.iteration import RankIteration
+from phyai_ray.work import BATCH, CALL, ITERATE, Work
 from placement.bundles import ReplicaPlan
 from placement.topology import Topology
 
@@ -154,8 +161,8 @@ class RayExecutor:
         work.state = sent
         if work.launched is not None:  # a stream's reader waits for it (see stream)
             work.launched.set()
-        reply_ranks = frozenset(range(self.world_size)) if work.kind == CALL and work.all_ranks else \
-            frozenset((self.output_rank,))
+        every = (work.kind == CALL and work.all_ranks) or work.kind == ITERATE  # an iteration: failed sequences
+        reply_ranks = frozenset(range(self.world_size)) if every else frozenset((self.output_rank,))
         window = min(self._lane.in_flight + 1, self._lane.capacity)
         self._lane.send(work, LaneRequest(sent.seq, work.kind, self._lane_payload(work), reply_ranks, window))
 
@@ -202,12 +209,31 @@ class RayExecutor:
             return
         sent.replies[rank] = envelope
         sent.pending.discard(rank)
-        if work.kind != CALL and rank == self.output_rank:
+        if work.kind == ITERATE:
+            if not self._on_iteration(work, sent, rank):
+                return
+        elif work.kind != CALL and rank == self.output_rank:
             self._link.deliver(work, envelope.value)
         if not sent.pending:
             if work.kind == CALL:
                 self._deliver_rpc(work, sent)
             self._link.finished(work)
+
+    def _on_iteration(self, work: Work, sent: _Sent, rank: int) -> bool:
+        """An iteration's reply from `rank`: the output rank's is delivered at once when it names no failed
+        sequence, else once every rank agreed on the same ones; ranks that disagree fail the replica (False)."""
+        value = sent.replies[rank].value
+        if rank == self.output_rank and not _failed_kinds(value):
+            self._link.deliver(work, value)
+        if sent.pending:
+            return True
+        kinds = {r: _failed_kinds(reply.value) for r, reply in sorted(sent.replies.items())}
+        if any(k != kinds[self.output_rank] for k in kinds.values()):
+            self._fail(self.health.disagreement(kinds))
+            return False
+        if kinds[self.output_rank]:
+            self._link.deliver(work, sent.replies[self.output_rank].value)
+        return True
 
     def _deliver_rpc(self, work: Work, sent: _Sent) -> None:
         ranks = sorted(sent.replies)
@@ -269,3 +295,8 @@ class RayExecutor:
 
     def actor(self, rank: int) -> Any:
         return self.group.actors[rank]
+
+
+def _failed_kinds(value: Any) -> dict[int, str]:
+    """{seq_id: exception type name} of the sequences a rank's iteration reply says failed alone."""
+    return value.kinds if isinstance(value, RankIteration) else {}

@@ -12,6 +12,7 @@ The engine validates the topology against the plugin before anything starts, pic
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future, wait
@@ -90,12 +91,14 @@ class Engine:
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None, *,
              deadline_s: float | None = None, late: str | None = None) -> Any:
-        """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace).
+        """Submit and wait. `timeout` bounds the wait (default: execution_timeout_s plus a grace when it is
+        set; else no bound here: the replica's own clocks, the hang limit of every rank call and the
+        request's deadline or estimate, give every request an outcome).
 
         An inline replica with nothing queued or running and batching off runs the request on this
         thread (no hand-off; with batching on its worker thread does, at once); it still counts as
         running, so other threads queue behind it and the hang clock fails it (and them) past
-        execution_timeout_s even though this thread stays in the plugin.
+        the hang limit (rank_call_timeout_s) even though this thread stays in the plugin.
         `deadline_s` and `late` as for `submit`.
         """
         self._check_open()
@@ -108,7 +111,7 @@ class Engine:
                                          late=late if late == "finish" else _checked_late(late))
         limit = timeout if timeout is not None else self._wait_s  # done: no wait at all
         try:
-            return future.result(timeout=limit)
+            return future.result(timeout=None if limit == math.inf else limit)
         except TimeoutError:
             if future.done():
                 raise
@@ -367,7 +370,9 @@ class Engine:
             raise EngineUnavailableError("the engine is closed; create a new Engine", reason="closed")
 
     def _default_wait_s(self) -> float:
-        return self.deployment.process_config.execution_timeout_s + WAIT_GRACE_S
+        """execution_timeout_s plus a grace when it is set; else no bound (math.inf)."""
+        cap = self.deployment.process_config.execution_timeout_s
+        return math.inf if cap is None else cap + WAIT_GRACE_S
 
 
 def _checked_late(late: str) -> str:

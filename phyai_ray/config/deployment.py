@@ -20,6 +20,7 @@ from phyai_ray.config.base import ConfigModel
 from phyai_ray.config.batching import BatchingConfig
 from phyai_ray.errors import DeploymentConfigError
 
+DEFAULT_HANG_LIMIT_S = 600.0  # a rank call running this long, with no limit configured, is a hang
 Mode = Literal["auto", "inline", "local", "cluster", "external"]
 Strategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -30,10 +31,16 @@ class WorkerSupervisorConfig(ConfigModel):
     base_port: int | None = Field(
         None, ge=1024, le=65535 - 1024,
         description="First torch.distributed rendezvous port; replica i uses base_port + i. None picks a free port.")
-    execution_timeout_s: float = Field(
-        600.0, gt=0, description="Two clocks. A request unfinished this long after submission (queueing included) "
-        "fails with RequestTimeoutError and the replica keeps serving; a request RUNNING on the ranks this long "
-        "means the replica is hung: it is failed with EngineUnavailableError (reason 'timeout') and its ranks killed.")
+    execution_timeout_s: float | None = Field(
+        None, gt=0, description="A request's own cap, when set: unfinished this long after submission (queueing "
+        "included) it fails with RequestTimeoutError and the replica keeps serving. Unset: a step request's limit "
+        "is the hang limit (below); an iterative request's is its deadline, else its planned iterations x the "
+        "recent iteration time, twice, plus the hang limit. Set without rank_call_timeout_s it is the hang limit "
+        "too, as before.")
+    rank_call_timeout_s: float | None = Field(
+        None, gt=0, description="The hang limit: one rank call (a step, a batch, one iteration) RUNNING this long "
+        "means a rank is stuck; the replica fails with EngineUnavailableError (reason 'timeout') and its ranks are "
+        "killed. Unset: execution_timeout_s when that is set, else 600 s. A long job of short iterations is no hang.")
     max_ongoing_requests: int = Field(
         2, ge=1, le=1024, description="Requests at a replica's ranks at once (the rest wait in the engine-side "
         "queue); 2 keeps the next request ready while one runs. Inline replicas run one at a time.")
@@ -58,6 +65,19 @@ class WorkerSupervisorConfig(ConfigModel):
         0.25, gt=0, le=5, description="How often rank liveness is checked; a dead rank is noticed within ~4x this.")
     shutdown_timeout_s: float = Field(
         10.0, gt=0, description="Deadline for stopping workers and removing placement groups on close.")
+
+    @property
+    def hang_limit_s(self) -> float:
+        """How long one rank call may run before its replica is judged hung (see rank_call_timeout_s)."""
+        for limit in (self.rank_call_timeout_s, self.execution_timeout_s):
+            if limit is not None:
+                return limit
+        return DEFAULT_HANG_LIMIT_S
+
+    @property
+    def step_limit_s(self) -> float:
+        """A step request's limit from submission: execution_timeout_s when set, else the hang limit."""
+        return self.execution_timeout_s if self.execution_timeout_s is not None else self.hang_limit_s
 
 
 class PlacementSpec(ConfigModel):

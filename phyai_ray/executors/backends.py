@@ -64,8 +64,9 @@ def _start_inline(mode: str, entry: Any, args: Any, deployment: Any) -> list[Any
     parallel, device, proc = args.config.parallel, args.config.device, deployment.process_config
     ranks = InlineExecutor(lambda: build_inline_runner(entry, args.plugin_args, parallel, device),
                             startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s)
-    return [ScheduledReplica(ranks, max_ongoing=1, max_queued=proc.max_queued_requests,
-                             step_limit_s=proc.execution_timeout_s, batching=deployment.batching, entry=ranks.entry)]
+    return [ScheduledReplica(ranks, max_ongoing=1, max_queued=proc.max_queued_requests, step_limit_s=proc.step_limit_s,
+                             hang_limit_s=proc.hang_limit_s, cap_s=proc.execution_timeout_s,
+                             batching=deployment.batching, entry=ranks.entry)]
 
 
 def _start_torchrun(mode: str, entry: Any, args: Any, deployment: Any) -> list[Any]:
@@ -76,7 +77,8 @@ def _start_torchrun(mode: str, entry: Any, args: Any, deployment: Any) -> list[A
     ranks = ExternalExecutor(entry, args.plugin_args, args.config.parallel, args.config.device,
                               startup_timeout_s=proc.startup_timeout_s, shutdown_timeout_s=proc.shutdown_timeout_s,
                               collective_timeout_s=proc.collective_timeout_s)
-    return [ScheduledReplica(ranks, max_ongoing=None, max_queued=None, step_limit_s=proc.execution_timeout_s)]
+    return [ScheduledReplica(ranks, max_ongoing=None, max_queued=None, step_limit_s=proc.step_limit_s,
+                             hang_limit_s=proc.hang_limit_s)]
 
 
 register_backend("inline", Backend(start=_start_inline))

@@ -69,15 +69,17 @@ class ScheduledReplica:
 
     def __init__(self, ranks: Executor, *, index: int = 0, max_ongoing: int | None = 2,
                  max_queued: int | None = None, step_limit_s: float = 600.0, batching: Any = None,
-                 entry: Any = None) -> None:
+                 entry: Any = None, hang_limit_s: float | None = None, cap_s: float | None = None) -> None:
         self.index, self.world_size, self.ranks = index, ranks.world_size, ranks
-        self._step_limit_s = step_limit_s
+        self._step_limit_s = step_limit_s  # a step request's limit from submission
+        self._hang_limit_s = step_limit_s if hang_limit_s is None else hang_limit_s  # one rank call's
+        self._cap_s = cap_s  # an iterative request's cap (None: its deadline or estimate, executors/limits.py)
         self._failure: EngineUnavailableError | None = None
         self._failure_lock = threading.Lock()
         self._lock = lock = threading.RLock()  # shared by the queue, the pipeline and the clock
         self.clock = DeadlineClock(index, lock)
         self.pipeline = RankPipeline(index, ranks, max_ongoing=max_ongoing, lock=lock, clock=self.clock,
-                                     on_hung=self._on_hung, limit_s=step_limit_s,
+                                     on_hung=self._on_hung, limit_s=self._hang_limit_s,
                                      delivery=CallbackThread(f"phyai-replica-{index}-callbacks"))
         self.max_queued = max_queued
         batching = None if ranks.lockstep else batching  # ranks run by separate engines must run the same steps
@@ -158,7 +160,8 @@ class ScheduledReplica:
         self._batching = bool(batching.enabled and self.ranks.batchable)  # as reported (batch_stats); steps
         # never run here: every request is the loop's
         return IterationLoop(self.index, entry, batching, pipeline=self.pipeline, delivery=self.pipeline.delivery,
-                             on_failure=self.fail, limit_s=self._step_limit_s, max_queued=self.max_queued)
+                             on_failure=self.fail, limit_s=self._hang_limit_s, max_queued=self.max_queued,
+                             cap_s=self._cap_s)
 
     def _step_queue(self, lock: Any, batching: Any, batchable: bool) -> StepQueue:
         """Requests as steps; batch dispatch when `batching` asks for it and every rank's model has `step_batch`."""
@@ -263,8 +266,8 @@ class ScheduledReplica:
         self.ranks.abandon()
 
     def _on_hung(self, work: Work, running_s: float) -> None:
-        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == CALL
-                 else f"execution_timeout_s={work.limit_s}")
+        limit = (f"its collective_rpc timeout of {work.limit_s}s" if work.kind == CALL else f"the hang limit of "
+                 f"{self._hang_limit_s}s (rank_call_timeout_s, else execution_timeout_s)")
         rank, node, waiting = self.ranks.hang_detail(work)
         self.fail(EngineUnavailableError(
             f"replica {self.index}: a {work.kind} has been running on its ranks for {running_s:.1f}s, past {limit}; "

@@ -15,8 +15,8 @@ submit and at the head, a request with its own deadline stays only if its planne
 (`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent pace end before it; else it is
 answered at once (sequences.py). The pace: an iteration's run plus the loop's work until the next.
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
-next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past
-`execution_timeout_s` (dropped likewise), exact counts (`queued`: no sequence admitted yet;
+next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past its own
+limit (limits.py; dropped likewise), exact counts (`queued`: no sequence admitted yet;
 `dispatched`: some running). Control at iteration boundaries: its `control` part (iteration_control.py).
 
 A part of its replica, given its collaborators; it never runs plugin code on the ranks itself. Each
@@ -36,20 +36,22 @@ from typing import Any, Callable, Collection
 
 from phyai_ray.errors import EngineUnavailableError
 from phyai_ray.executors.futures import EngineFuture
+from phyai_ray.executors.failing import failed_all, failed_alone, reply_parts
 from phyai_ray.executors.iteration_control import IterationControl
-from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded, timed_out
+from phyai_ray.executors.limits import RequestLimits
+from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded
 from phyai_ray.executors.sequences import (GATHER, Deadlines, LoopRequest, LoopSequence, fail_closed,
                                            finish_by_miss, first_chunk_missed, planned_steps, settle, stream_chunk)
 from phyai_ray.executors.service import ServiceTime
 from phyai_ray.executors.turns import admission_of
 from phyai_ray.outputs import merge_stream_chunks
-from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan
+from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan, RankIteration
 from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
 
 _TICK_S = 1.0  # an idle loop re-reads deadlines at least this often
-_REPLY_GRACE_S = 30.0  # past the step limit the pipeline's hang clock fails the replica first
+_REPLY_GRACE_S = 30.0  # past the hang limit the pipeline's hang clock fails the replica first
 _IDLE_EXIT_S = 5.0  # the loop's thread ends after this long with nothing to do (started again on submit)
 _COMPACT_SLACK = 64  # left sequences `_waiting` may hold beyond twice the waiting ones
 
@@ -61,7 +63,8 @@ class IterationLoop:
     iterative = True
 
     def __init__(self, index: int, entry: Any, batching: Any, *, pipeline: Any, delivery: Any,
-                 on_failure: Callable[[BaseException], None], limit_s: float, max_queued: int | None) -> None:
+                 on_failure: Callable[[BaseException], None], limit_s: float, max_queued: int | None,
+                 cap_s: float | None = None) -> None:
         self.index, self._entry = index, entry
         self._pipeline, self._delivery, self._on_failure = pipeline, delivery, on_failure
         self.policy = entry.admission(batching)
@@ -69,7 +72,8 @@ class IterationLoop:
             raise TypeError(f"plugin {entry.display_name()}: admission(batching) must return a policy with "
                             f"begin(running) and admit(candidate) (phyai_ray.plugins.admission), got {self.policy!r}")
         self.edf = batching.scheduling == "deadline"
-        self.limit_s, self.max_queued = limit_s, max_queued
+        self.limit_s, self.max_queued = limit_s, max_queued  # limit_s: one iteration's hang limit
+        self.limits = RequestLimits(cap_s, limit_s)  # each request's own limit (limits.py)
         self.horizon_s = batching.default_deadline_s or limit_s  # orders a request without its own deadline
         self.admission = admission_of(self.policy, self.horizon_s)  # in order, or turns (turns.py)
         self._cond = threading.Condition()
@@ -101,7 +105,7 @@ class IterationLoop:
             raise ValueError(f"plugin {self._entry.display_name()}: sequences(request) returned no sequence")
         future = EngineFuture(self._delivery, self._cancelled)
         future.replica, future.deadline = self.index, deadline
-        req = LoopRequest(request, future, self.limit_s, sink, deadline)
+        req = LoopRequest(request, future, self.limits.cap_s or self.limit_s, sink, deadline)
         req.late, req.until = late, "end" if late == "drop" else "chunk" if sink is not None else "slot"
         if deadline is None:  # due `horizon_s` after arrival, pushed back by its own work (turns.priority)
             steps = planned_steps(sequences, self._entry.display_name()) or 0  # (it is never failed for it)
@@ -123,6 +127,7 @@ class IterationLoop:
             req.seqs = [LoopSequence(next(self._ids), req, i, s.payload, max(int(s.cost), 1), getattr(s, "group", None),
                                      getattr(s, "steps", None)) for i, s in enumerate(sequences)]
             req.left = len(req.seqs)
+            self.limits.open(req, planned_steps(sequences, self._entry.display_name()))
             self._requests[req] = None
             self._queued += 1
             for seq in req.seqs:
@@ -283,10 +288,10 @@ class IterationLoop:
         now = time.monotonic()
         try:
             future = self._pipeline.run_iteration(plan)
-            deltas = future.result(timeout=self.limit_s + _REPLY_GRACE_S)
+            reply = future.result(timeout=self.limit_s + _REPLY_GRACE_S)
             error = None
         except BaseException as exc:  # the replica failed (its error), or the plugin raised (inline)
-            deltas, error, future = None, exc, None
+            reply, error, future = None, exc, None
         settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
         with self._cond:
             self.control.in_flight = False
@@ -296,20 +301,22 @@ class IterationLoop:
             self._durations.append(end - now)  # the pace: back to back, the run + the loop's own work; else the run
             self.service.record(end - prev if prev is not None and now - prev < end - now else end - now)
             if error is not None:
-                settle = self._fail_running(error)
+                settle = failed_all(self.index, self._running, self.forget, error)  # every running request
             else:
                 version = getattr(future, "weight_version", None)
                 for seq in (*admitted, *rebuild):
                     seq.cache_version, seq.stale = version, False
                 size = len(self._running)
-                settle = self._apply(deltas or {}, version)
+                settle = self._apply(reply, version)
                 self._pipeline.record(size, [now - s.request.submitted for s in admitted])
             self._cond.notify_all()
         self.settle(settle)
 
-    def _apply(self, deltas: dict[int, Delta], version: Any) -> list:
-        """Lock held: add every sequence's new tokens or value; the requests that ended, to settle."""
-        ended, touched = [], {}
+    def _apply(self, reply: RankIteration | dict[int, Delta] | None, version: Any) -> list:
+        """Lock held: fail the sequences that failed alone (failing.py), add every other sequence's new
+        tokens or value; the requests that ended or failed, to settle."""
+        deltas, errors = reply_parts(reply)
+        failed, ended, touched = failed_alone(self._running, self._requests, self.forget, errors), [], {}
         for ident, delta in deltas.items():
             seq = self._running.get(ident)
             if seq is None:  # cancelled or expired after the plan left: its drop is on its way
@@ -329,19 +336,11 @@ class IterationLoop:
             if req.until == "chunk":  # its own deadline asked for a first chunk: it has one now
                 self._deadlines.discard(req)
             stream_chunk(req, changed)
-        return [self._ended(req) for req in ended]
+        return failed + [self._ended(req) for req in ended]
 
     def _ended(self, req: LoopRequest) -> tuple:
         """A request whose sequences all ended: its gathered result, or the missed error (fail closed)."""
         return (req, *fail_closed(self.index, req, GATHER, None))
-
-    def _fail_running(self, error: BaseException) -> list:
-        """Lock held: an iteration failed; every running sequence's request fails with it, and the ranks
-        drop them all at the next iteration (their state after a failed iteration is unknown)."""
-        failed = {id(s.request): s.request for s in self._running.values()}
-        for req in failed.values():
-            self.forget(req)
-        return [(req, None, error) for req in failed.values()]
 
     def _expire(self, now: float) -> list:
         """Lock held: requests past `expires` leave (running sequences are dropped next iteration);
@@ -354,13 +353,10 @@ class IterationLoop:
                     deadline_missed(self.index, now - req.submitted, req.deadline - req.submitted,
                                     late_result=req.admitted)
                 missed.append((req, None, error))
-        expired = list(itertools.takewhile(lambda r: r.expires <= now, self._requests))
-        for req in expired:
-            self.forget(req)
-        return missed + [(req, None, timed_out(self.index, now - req.submitted, self.limit_s,
-                                               "its sequences were dropped at the next iteration" if req.admitted
-                                               else "it never got a sequence slot", dispatched=req.admitted))
-                         for req in expired]
+        for req, error in self.limits.due(self._requests, now, self.service.estimate(), self.index):
+            self.forget(req)  # past its cap or its estimate (limits.py): its sequences leave next iteration
+            missed.append((req, None, error))
+        return missed
 
     def _next_wake(self) -> float:
         """When the next request expires or reaches its own deadline (monotonic)."""

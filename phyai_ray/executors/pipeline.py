@@ -127,7 +127,7 @@ class RankPipeline:
         self._dispatched.append(work)
         if len(self._dispatched) == 1:
             self._head_since = work.dispatched
-            self._clock.arm(work.dispatched + work.limit_s)
+            self._clock.arm(work.dispatched + self.hang_s(work))
         if not work.here:
             self._to_launch.append(work)
 
@@ -264,7 +264,7 @@ class RankPipeline:
             self.service.record(self.last_finish - max(self._head_since, work.dispatched))
         if was_head and line:
             self._head_since = time.monotonic()
-            self._clock.arm(self._head_since + line[0].limit_s)
+            self._clock.arm(self._head_since + self.hang_s(line[0]))
         if self._refusal is None and not self.held:
             self._feeder.feed()
         if not line and self._draining:
@@ -300,12 +300,17 @@ class RankPipeline:
                 self._draining -= 1
 
     # -- the hang clock ---------------------------------------------------------------------------
+    def hang_s(self, work: Work) -> float:
+        """How long `work` may run at the head of the line: a collective_rpc its own timeout, anything
+        else (a step, a batch, a stream, one iteration) the replica's hang limit `limit_s`."""
+        return work.limit_s if work.kind == CALL else self.limit_s
+
     def _next_deadline(self) -> float:
         """Lock held: when a dispatched request expires, or the head would be hung."""
         line = self._dispatched
         times = [r.expires for w in line for r in (w.requests() if w.kind == BATCH else [w]) if not r.future.done()]
         if line and line[0] is not self._reported_hung:
-            times.append(self._head_since + line[0].limit_s)
+            times.append(self._head_since + self.hang_s(line[0]))
         return min(times, default=float("inf"))
 
     def expire(self, now: float) -> None:
@@ -316,7 +321,7 @@ class RankPipeline:
             line = self._dispatched
             head = line[0] if line else None
             running_s = now - self._head_since
-            if head is not None and head is not self._reported_hung and running_s >= head.limit_s:
+            if head is not None and head is not self._reported_hung and running_s >= self.hang_s(head):
                 self._reported_hung = head
                 expired = None
             else:

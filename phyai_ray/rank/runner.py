@@ -15,6 +15,7 @@ from phyai_ray.errors import StreamNotSupportedError
 from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_groups
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
+from phyai_ray.rank.failures import admit_each, answer, iterate_once
 from phyai_ray.work import BATCH, CALL, ITERATE, STEP, STREAM, Kind
 from placement.topology import Topology
 
@@ -133,7 +134,8 @@ class RankRunner:
 
     def iterate(self, plan: Any) -> Any:
         """Apply one `IterationPlan` (drops, rebuilds, admissions, then turns: pauses and resumes) and
-        run ONE iteration; the output rank returns {seq_id: Delta}, the others None."""
+        run ONE iteration; the output rank returns a `RankIteration` (its deltas, the sequences that
+        failed alone), the others one only when some sequence failed alone here, else None."""
         self._check_awake("an iteration")
         model = self.model
         with self.ctx.groups.activate():
@@ -141,12 +143,11 @@ class RankRunner:
                 model.drop(ident)
             for ident in plan.recompute:
                 model.recompute(ident)
-            for ident, payload in plan.admit:
-                model.admit(ident, payload)
+            failed = admit_each(model, plan.admit)  # a sequence whose admit raised fails alone (rank/failures.py)
             if plan.pause or plan.resume:
                 self._take_turns(plan)
-            out = model.iterate()
-        return out if self.ctx.is_output_rank else None
+            out = iterate_once(model, [ident for ident, _ in plan.admit], failed, self.ctx.world_size == 1)
+        return answer(out, failed, self.ctx.is_output_rank)  # a RankIteration; None: nothing to say
 
     def _take_turns(self, plan: Any) -> None:
         """The plan's pauses, then its resumes (`IterationPlan`); a model without pause / resume was

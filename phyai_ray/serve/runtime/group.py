@@ -41,7 +41,7 @@ from phyai_ray.serve.runtime.runner import GroupRunner
 
 logger = logging.getLogger(__name__)
 
-RESULT_GRACE_S = 30.0  # a request waits execution_timeout_s plus this for its result before a 504
+RESULT_GRACE_S = 30.0  # a request waits its limit (execution_timeout_s, else the hang limit) plus this before a 504
 
 
 def group_config(engine_args: EngineArgs, deployment: DeploymentConfig, placement_group: Any) -> DeploymentConfig:
@@ -79,7 +79,7 @@ class ReplicaGroup(OipGrpcMethods):
         config = group_config(engine_args, deployment, ray.util.get_current_placement_group())
         holder = await asyncio.to_thread(EngineHolder, partial(Engine, engine_args, config),
                                          rebuild_failed=options.rebuild_failed)
-        wait_s = deployment.process_config.execution_timeout_s + RESULT_GRACE_S
+        wait_s = deployment.process_config.step_limit_s + RESULT_GRACE_S
         self.runner = GroupRunner(holder, group=self.group, wait_s=wait_s, forward=self._forward,
                                   forward_stream=self._forward_stream)
         self.runner.routable = False  # "starting" until Serve's first health check: routers know it by then
