@@ -18,7 +18,9 @@ Nothing is downloaded. Every part is its library's own class built from a small 
 
 The folder is saved with `enable_safety_checker=False`: NVIDIA's guardrail is a licensed model that
 is not installed here. Weights are random under a fixed seed, perturbed so no layer is an identity or
-a zero (diffusers zero-inits the modality embeddings). A transformer forward takes milliseconds.
+a zero (diffusers zero-inits the modality embeddings); the per-domain action heads, embeddings drawn
+N(0, 1), are scaled to a linear layer's 1 / sqrt(fan_in), so an action chunk is of order 1 as a
+trained model's. A transformer forward takes milliseconds.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _transformer(vocab_size: int, sound: bool):
 def _vae():
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+    return AutoencoderKLWan(base_dim=4, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                             temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
                             out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
                             latents_mean=[0.0] * LATENT_CHANNELS, latents_std=[1.0] * LATENT_CHANNELS).eval()
@@ -95,6 +97,9 @@ def build_cosmos3(folder: Path, *, sound: bool = True, seed: int = 0) -> Path:
     tokenizer = _tokenizer()
     transformer, vae = _transformer(len(tokenizer), sound), _vae()
     sound_tokenizer = _sound_tokenizer() if sound else None
+    with torch.no_grad():  # the action heads are embeddings (N(0, 1) at init): scaled as a linear's 1 / sqrt(fan_in)
+        transformer.action_proj_in.fc.weight.mul_(ACTION_DIM ** -0.5)
+        transformer.action_proj_out.fc.weight.mul_(transformer.config.hidden_size ** -0.5)
     for module in (transformer, vae, sound_tokenizer):
         if module is not None:
             _perturb(module, gen)

@@ -8,8 +8,11 @@ torch.no_grad()) and as `Cosmos3Family` over its own copy of the components. The
 per-rank model's: `start` per request, `step` over every running request at once (one packed forward
 per guidance branch), `decode` and `outputs` at the end. One request alone equals the pipeline to
 1e-6 (video, action chunk, sound); requests of every mode, prompt length, frame count, guidance and
-step count packed into the same forwards equal it to 1e-5. Then the same through the Entry and the
-per-rank model inline, and the layouts refused before any rank starts.
+step count packed into the same forwards equal it to 1e-5. Tensor parallel 2 and CFG over 2 run as two
+ranks in two threads of this process, their collectives (nn.linear's row-parallel sum, the CFG
+gather) exchanged through a barrier (`ThreadRanks`), each rank equal to the pipeline to 1e-5. Then
+the same through the Entry and the per-rank model inline, and the layouts refused before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
+
+import threading  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 from tests.cosmos3_folders import build_cosmos3, load_cosmos3_pipeline  # noqa: E402
 
@@ -40,18 +46,26 @@ def pipe(folder):
     return load_cosmos3_pipeline(folder)
 
 
-@pytest.fixture(scope="module")
-def family(folder):
+def new_family(folder, cfg_rank: int = 0, cfg_size: int = 1, ctx=None):
+    """A Cosmos3Family over its own copy of the folder's modules (it installs its attention on them)."""
     import json
 
     from phyai_ray.models.diffusers_pipeline.cosmos3 import Cosmos3Family
     from phyai_ray.models.diffusers_pipeline.family import Branches
 
-    own = load_cosmos3_pipeline(folder)  # its own modules: the family installs its attention on them
+    own = load_cosmos3_pipeline(folder)
     parts = {name: getattr(own, name) for name in ("transformer", "text_tokenizer", "vae", "scheduler",
                                                   "sound_tokenizer")}
     index = json.loads((folder / "model_index.json").read_text())
-    return Cosmos3Family(parts, index, Branches(), "cpu", torch.float32)
+    family = Cosmos3Family(parts, index, Branches(cfg_rank, cfg_size), "cpu", torch.float32)
+    if ctx is not None:
+        family.parallelize(ctx)
+    return family
+
+
+@pytest.fixture(scope="module")
+def family(folder):
+    return new_family(folder)
 
 
 def request(**fields) -> dict:
@@ -136,6 +150,67 @@ def test_every_mode_packed_per_step_equals_each_alone(family, pipe):
                 action("inverse_dynamics", seed=9, guidance_scale=1.0)]
     for r, got in zip(requests, run(family, requests)):
         assert_equal(got, reference(pipe, r), atol=1e-5)
+
+
+class ThreadRanks:
+    """Two ranks as two threads: `all_reduce` sums and `all_gather` stacks their tensors in rank order."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size, self.barrier, self.slots, self.local = size, threading.Barrier(size), [None] * size, threading.local()
+
+    def _exchange(self, x: torch.Tensor) -> list:
+        self.slots[self.local.rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        return parts
+
+    def all_reduce(self, x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+        parts = self._exchange(x)
+        return x.copy_(parts[0] + parts[1])
+
+    def all_gather(self, x: torch.Tensor, group: str, dim: int = 0) -> torch.Tensor:
+        return torch.cat(self._exchange(x), dim=dim)
+
+    def run(self, work) -> list:
+        out, errors = [None] * self.size, []
+
+        def rank(r: int) -> None:
+            self.local.rank = r
+            try:
+                out[r] = work(r)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+def test_tensor_parallel_2_and_cfg_2_equal_the_pipeline(folder, pipe, monkeypatch):
+    import phyai_ray.collectives
+    import phyai_ray.nn.linear
+
+    ranks = ThreadRanks()
+    monkeypatch.setattr(phyai_ray.nn.linear, "P", ranks)
+    monkeypatch.setattr(phyai_ray.collectives, "P", ranks)
+    requests = [request(num_inference_steps=2, seed=21, enable_sound=True),
+                action("policy", seed=22, num_inference_steps=2)]
+    wants = [reference(pipe, r) for r in requests]
+    families = {"tp": [new_family(folder, ctx=SimpleNamespace(group_size=lambda g: 2, group_rank=lambda g, r=r: r))
+                       for r in range(2)],
+                "cfg": [new_family(folder, cfg_rank=r, cfg_size=2) for r in range(2)]}
+    assert families["tp"][1].transformer.layers[0].self_attn.num_key_value_heads == 1  # 2 kv heads over 2 ranks
+    for layout, pair in families.items():
+        for results in ranks.run(lambda r: run(pair[r], requests)):
+            for got, want in zip(results, wants):
+                assert_equal(got, want, atol=1e-5)
 
 
 def test_the_entry_and_rank_model_serve_it_inline(folder, pipe):
