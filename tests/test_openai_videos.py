@@ -143,3 +143,51 @@ def test_mp4_round_trip_within_the_codec_loss_and_the_thumbnail_is_exact() -> No
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(thumbnail_png(video)))), video[0])
     odd = mp4_frames(mp4_bytes(video[:, :47, :45]), size=(45, 47))  # yuv420p pads an odd size; cropped back
     assert odd.shape == (9, 47, 45, 3)
+
+
+# -- schemathesis on the routes, as tests/test_openapi_fuzz.py does on the others -------------------
+@pytest.fixture(scope="module")
+def video_schema(tmp_path_factory):
+    """A world-model app over an inline engine (no Ray): a tiny Wan folder whose limits keep every job
+    schemathesis can make small (9 frames, 32 x 32), so the jobs it starts end quickly."""
+    pytest.importorskip("diffusers")
+    import schemathesis
+
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.serve.protocols.http import create_api
+    from phyai_ray.serve.runtime.holder import EngineHolder
+    from phyai_ray.serve.runtime.options import ServeOptions
+    from phyai_ray.serve.runtime.runner import GroupRunner
+    from tests.diffusers_folders import build_wan
+
+    folder = build_wan(tmp_path_factory.mktemp("fuzz") / "wan")
+    args = EngineArgs(plugin="diffusers_pipeline", config={"device": {"target": "cpu"}},
+                      plugin_args={"model": str(folder), "max_frames": 9, "max_pixels": 32 * 32})
+    with Engine(args) as engine:
+        options = ServeOptions(api_key="k-videos", video_dir=str(tmp_path_factory.mktemp("jobs")))
+        api = create_api(GroupRunner(EngineHolder(lambda: engine)), options)
+        yield schemathesis.openapi.from_asgi("/openapi.json", api, headers={"Authorization": "Bearer k-videos"})
+
+
+def test_schemathesis_on_the_video_routes(video_schema) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import CHECKS
+
+    excluded = [check for check in CHECKS.get_all() if check.__name__ == "positive_data_acceptance"]
+    operations = [op.ok() for op in video_schema.get_all_operations() if op.ok().path.startswith("/v1/videos")]
+    assert sorted(f"{op.method.upper()} {op.path}" for op in operations) == [
+        "DELETE /v1/videos/{video_id}", "GET /v1/videos", "GET /v1/videos/{video_id}",
+        "GET /v1/videos/{video_id}/content", "POST /v1/videos"]
+    failures = {}
+    for operation in operations:
+        @given(operation.as_strategy())
+        @settings(max_examples=10, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        def run(case):
+            case.call_and_validate(headers={"Authorization": "Bearer k-videos"}, excluded_checks=excluded)
+
+        try:
+            run()
+        except Exception as exc:  # every operation runs; all failures are reported together
+            failures[f"{operation.method.upper()} {operation.path}"] = str(exc)[:1500]
+    assert not failures, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())

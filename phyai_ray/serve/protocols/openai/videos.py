@@ -53,6 +53,15 @@ TEXTS = ("negative_prompt",)
 HEARTBEATS = 5  # the running group touches its job this often per stale_s (the store fails it after that)
 POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between polls
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+CREATE_SCHEMA = {  # the create call's body as the OpenAPI document shows it (validated by job_request, then the plugin)
+    "type": "object", "required": ["prompt"], "additionalProperties": True, "properties": {
+        "prompt": {"type": "string", "minLength": 1}, "model": {"type": "string"},
+        "size": {"type": "string", "pattern": "^[0-9]{1,5}[xX][0-9]{1,5}$", "description": "WIDTHxHEIGHT"},
+        "seconds": {"type": "string", "description": "the clip's length; frames = seconds x fps, 4k + 1"},
+        "input_reference": {"type": "object", "properties": {"image_url": {"type": "string"}},
+                            "description": "an image: {'image_url': 'data:image/png;base64,...'}"},
+        **{name: {"type": "integer", "minimum": 0} for name in INTEGERS},
+        **{name: {"type": "number"} for name in FLOATS}, **{name: {"type": "string"} for name in TEXTS}}}
 
 
 def job_request(fields: dict[str, Any], image: np.ndarray | None, fps: float,
@@ -310,7 +319,12 @@ def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
     tags, errors = ["openai"], {400: {"description": "a bad field (param names it)"},
                                 404: {"description": "no such video"}}
     api.add_api_route("/v1/videos", create_video, methods=["POST"], tags=tags, responses=errors,
-                      summary="Create a video job (OpenAI-compatible; JSON or multipart form)")
+                      summary="Create a video job (OpenAI-compatible; JSON or multipart form)",
+                      openapi_extra={"requestBody": {"required": True, "content": {
+                          "application/json": {"schema": CREATE_SCHEMA},
+                          "multipart/form-data": {"schema": {**CREATE_SCHEMA, "properties": {
+                              **CREATE_SCHEMA["properties"], "input_reference": {"type": "string",
+                                                                                 "format": "binary"}}}}}}})
     api.add_api_route("/v1/videos", list_videos, methods=["GET"], tags=tags, responses={400: errors[400]},
                       summary="List video jobs, newest first")
     api.add_api_route("/v1/videos/{video_id}", retrieve_video, methods=["GET"], tags=tags, responses=errors,
