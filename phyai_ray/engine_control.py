@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
-from phyai_ray.errors import ReplicaStateError
+from phyai_ray.errors import ReplicaStateError, SleepUnsupportedError
 from phyai_ray.executors.control import ALL_TAGS, ControlReport
 
 # Weight-sync phases after start_weight_update: a replica that failed since then (a rank died while the
@@ -135,7 +135,7 @@ class EngineControl:
         def one(e: Any) -> ControlReport:
             try:
                 return e.control(op, args(e) if callable(args) else args, timeout_s=timeout_s, mode=mode)
-            except (ReplicaStateError, ValueError):
+            except (ReplicaStateError, ValueError, SleepUnsupportedError):
                 raise
             except Exception as exc:  # the replica failed on the way; the others carry on
                 return e.failed_report(op, exc, started)

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from phyai_ray.errors import EngineUnavailableError, ReplicaStateError
+from phyai_ray.errors import EngineUnavailableError, ReplicaStateError, SleepUnsupportedError
 from phyai_ray.executors.updates import DEFAULT_LEASE_S, WeightUpdates, _Update
 
 
@@ -216,6 +216,9 @@ class ReplicaControl:
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.01) + 1.0)
         except EngineUnavailableError:
+            raise
+        except SleepUnsupportedError:  # every rank refused before freeing anything: the replica is as it was
+            self._restore_dispatch()
             raise
         except BaseException as exc:  # a rank failed or timed out mid-call: its state is unknown
             error = EngineUnavailableError(

@@ -4,8 +4,12 @@ A per-rank model may define any of these hooks; each is called on EVERY rank of 
 on the rank's control lane, while no request runs there:
 
     pause() / resume()          nothing by default
-    sleep(level)                level 1: weights kept on the host (moved off the GPU), level 2:
-                                weights dropped (a weight update must refill them before serving)
+    sleep(level) -> int         level 1: caches freed, weights kept on the host (moved off the GPU;
+                                on a CPU: caches only), level 2: weights dropped too (a weight update
+                                must refill them before serving); returns the bytes it freed on this
+                                rank (host + device). Without it: the module default below, which
+                                counts the bytes it moves off the device or drops; a model with
+                                neither raises SleepUnsupportedError (nothing is freed, no level)
     wake_up(tags)               "weights": back on the rank's device; "kv_cache": reset_cache()
     reset_cache()               nothing by default (after every weight update, and on request)
     load_weights(weights)       weights: a list of (name, full tensor) from the trainer; by default
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from phyai_ray.errors import SleepUnsupportedError
 from phyai_ray.rank.loading import WeightLoader, torch_module
 from phyai_ray.rank.receive import Bucket, TransferSpec, WeightCheck, empty_flat, join_group, open_cuda
 
@@ -34,8 +39,8 @@ logger = logging.getLogger(__name__)
 class RankControl:
     """The control lane's side of one rank: hooks, sleep state and the weight transfer group."""
 
-    def __init__(self, model: Any, ctx: Any) -> None:
-        self.model, self.ctx = model, ctx
+    def __init__(self, model: Any, ctx: Any, plugin: str = "") -> None:
+        self.model, self.ctx, self.plugin = model, ctx, plugin or type(model).__name__
         self.asleep_level = 0
         self.version: Any = None
         self._group: Any = None
@@ -53,14 +58,21 @@ class RankControl:
         return self._hook("resume")
 
     def sleep(self, level: int) -> dict[str, Any]:
-        if hasattr(self.model, "sleep"):
-            self.model.sleep(level)
+        """{"rank", "level" reached, "freed_bytes" on this rank}; SleepUnsupportedError when nothing can sleep."""
+        freed = 0
+        if callable(getattr(self.model, "sleep", None)):
+            freed = int(self.model.sleep(level) or 0)
             if level == 2:
                 self.loader.dropped_by_model()
+        elif torch_module(self.model) is None:
+            raise SleepUnsupportedError(
+                f"plugin {self.plugin}: its per-rank model {type(self.model).__name__} defines no sleep(level) -> int "
+                "and holds no torch.nn.Module to fall back on, so sleep() would free nothing; nothing was changed "
+                "(define sleep(level) returning the bytes it frees, and wake_up(tags))", plugin=self.plugin)
         elif self.asleep_level < level:
-            self._default_sleep(level)
+            freed = self._default_sleep(level)
         self.asleep_level = max(self.asleep_level, level)
-        return {"rank": self.ctx.rank, "level": self.asleep_level}
+        return {"rank": self.ctx.rank, "level": self.asleep_level, "freed_bytes": freed}
 
     def wake_up(self, tags: Any) -> dict[str, Any]:
         tags = set(tags or ("weights", "kv_cache"))
@@ -135,15 +147,18 @@ class RankControl:
         return flat
 
     # -- defaults for a torch.nn.Module ---------------------------------------------------------------
-    def _default_sleep(self, level: int) -> None:
-        module = torch_module(self.model)
-        if module is None:
-            return
+    def _default_sleep(self, level: int) -> int:
+        """A plain module's sleep; the bytes it freed: level 2 every non-empty tensor it drops (after level 1
+        they are on the host), level 1 the device bytes it moves to the host (none on a CPU)."""
+        tensors = list(_module_tensors(torch_module(self.model)))
         if level == 2:
+            freed = sum(t.numel() * t.element_size() for t in tensors)
             self.loader.drop()
-            return
-        for tensor in list(module.parameters()) + list(module.buffers()):
+            return freed
+        freed = sum(t.numel() * t.element_size() for t in tensors if t.device.type != "cpu")
+        for tensor in tensors:
             tensor.data = tensor.data.to("cpu")
+        return freed
 
     def _default_wake(self) -> None:
         module = torch_module(self.model)
@@ -160,3 +175,12 @@ class RankControl:
 
     def close(self) -> None:
         self._close_group()
+
+
+def _module_tensors(module: Any) -> Any:
+    """Every distinct parameter and buffer of `module`, once each (tied weights counted once)."""
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor

@@ -185,7 +185,7 @@ class RankRunner:
         if self._control is None:
             from phyai_ray.rank.control import RankControl
 
-            self._control = RankControl(self.model, self.ctx)
+            self._control = RankControl(self.model, self.ctx, self.entry.display_name())
         with self.ctx.groups.activate():
             return self._control.run(op, args)
 

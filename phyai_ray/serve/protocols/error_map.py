@@ -13,13 +13,19 @@ never reported as 4xx.
 | POST body that is not application/json                      | 415        | unsupported_media_type |
 | body that is not JSON                                        | 400        | malformed_json         |
 | CodecError, request_model ValidationError                    | 422        | invalid_request        |
+| GuardrailError: a safety checker refused its prompt or its   | 400        | guardrail              |
+|   output (that request alone; the message never quotes them) |            |                        |
 | RequestRejectedError: the plugin's validator refused it      | 422        | rejected      (**)     |
 |   (no rank touched)                                          |            |                        |
+| OutOfMemoryRequestError: this request did not fit in device  | 503        | out_of_memory (*)      |
+|   memory beside the others (it alone failed; retry later)    |            |                        |
+| SleepUnsupportedError: sleep() of a plugin that cannot free  | 501        | sleep_unsupported      |
+|   anything (a control call; nothing changed)                 |            |                        |
 | EngineOverloadedError: every healthy replica's queue is full | 503 or 429 | overloaded    (*)      |
 | DeadlineMissedError: its own deadline passed before it       | 504        | deadline_missed        |
 |   started; it never ran (the replica keeps serving)          |            |                        |
-| RequestTimeoutError: no result execution_timeout_s after it  | 504        | timeout                |
-|   was submitted (the replica keeps serving)                  |            |                        |
+| RequestTimeoutError: past its own limit (execution_timeout_s | 504        | timeout                |
+|   when set, else its estimate; the replica keeps serving)    |            |                        |
 | EngineUnavailableError "timeout": its group hung on a request| 504        | timeout                |
 | EngineUnavailableError "exception": the plugin raised inside | 500        | execution_error        |
 |   a Ray group (the same request would fail again: no retry)  |            |                        |
@@ -31,8 +37,8 @@ never reported as 4xx.
 (**) on /v1/step; OIP (HTTP and gRPC) and the OpenAI routes answer it 400, their bad-request status
 (`classify(exc, rejected_status=400)`), and openpi with an error frame (the session goes on).
 503 vs 429 for overload is `ServeOptions.overload_status` (`--overload-status`, `overload_status=`).
-`reason` is EngineUnavailableError.reason, "request_timeout" for a RequestTimeoutError, or
-"deadline_missed".
+`reason` is EngineUnavailableError.reason, "request_timeout" for a RequestTimeoutError,
+"deadline_missed", "guardrail" or "out_of_memory".
 
 `classify(exc)` is the one place a failure gets its row; every protocol renders that `Failure` in
 its own shape: this JSON API (`HttpError.of`), OpenAI (`openai/common.py` openai_error), OIP over HTTP
@@ -49,8 +55,9 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-from phyai_ray.errors import (DeadlineMissedError, EngineOverloadedError, EngineUnavailableError,
-                              RequestRejectedError, RequestTimeoutError, StreamNotSupportedError)
+from phyai_ray.errors import (DeadlineMissedError, EngineOverloadedError, EngineUnavailableError, GuardrailError,
+                              OutOfMemoryRequestError, RequestRejectedError, RequestTimeoutError,
+                              SleepUnsupportedError, StreamNotSupportedError)
 from phyai_ray.serve.runtime.runner import SubmitFault
 
 _STATUS_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
@@ -80,8 +87,14 @@ def classify(exc: BaseException, *, overload_status: int = 503, rejected_status:
     docstring); `rejected_status` is the protocol's status for a request its plugin refused."""
     if isinstance(exc, HttpError):  # already classified (a check of the edge itself)
         return Failure(exc.status_code, exc.type, str(exc.detail), exc.reason, "Retry-After" in (exc.headers or {}))
+    if isinstance(exc, GuardrailError):
+        return Failure(400, "guardrail", str(exc), "guardrail", param=exc.field)
     if isinstance(exc, RequestRejectedError):
         return Failure(rejected_status, "rejected", str(exc), param=exc.field)
+    if isinstance(exc, OutOfMemoryRequestError):
+        return Failure(503, "out_of_memory", str(exc), "out_of_memory", retry_after=True)
+    if isinstance(exc, SleepUnsupportedError):
+        return Failure(501, "sleep_unsupported", str(exc))
     if isinstance(exc, StreamNotSupportedError) or isinstance(getattr(exc, "cause", None), StreamNotSupportedError):
         return Failure(400, "bad_request", str(getattr(exc, "cause", None) or exc))
     if isinstance(exc, EngineOverloadedError):
