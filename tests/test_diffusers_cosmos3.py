@@ -6,7 +6,8 @@ A tiny random folder (tests/cosmos3_folders.py) is loaded twice: as diffusers' `
 (the reference, called with generator=torch.Generator("cpu").manual_seed(seed) in this process under
 torch.no_grad()) and as `Cosmos3Family` over its own copy of the components. The loop here is the
 per-rank model's: `start` per request, `step` over every running request at once (one packed forward
-per guidance branch), `decode` and `outputs` at the end. One request alone equals the pipeline to
+per guidance branch, the text's keys and values computed in the first only), `decode` and `outputs`
+at the end. One request alone equals the pipeline to
 1e-6 (video, action chunk, sound); requests of every mode, prompt length, frame count, guidance and
 step count packed into the same forwards equal it to 1e-5. Tensor parallel 2 and CFG over 2 run as two
 ranks in two threads of this process, their collectives (nn.linear's row-parallel sum, the CFG
@@ -129,7 +130,13 @@ def assert_equal(got: dict, want: dict, atol: float) -> None:
 
 def test_text_to_video_with_sound_alone_equals_the_pipeline(family, pipe):
     r = request(enable_sound=True)
-    [got] = run(family, [r])
+    text = []  # the text tokens each forward carries: the prompt's only in the first step (then cached)
+    hook = family.transformer.register_forward_pre_hook(lambda m, a, kw: text.append(kw["und_len"]), with_kwargs=True)
+    try:
+        [got] = run(family, [r])
+    finally:
+        hook.remove()
+    assert min(text[:2]) > 0 and text[2:] == [0] * 4  # cond and uncond, 3 steps
     assert got["video"].shape == (9, 64, 64, 3) and got["sound"].shape[0] == 2
     assert_equal(got, reference(pipe, r), atol=1e-6)
 

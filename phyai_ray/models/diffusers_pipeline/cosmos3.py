@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from phyai_ray.models.diffusers_pipeline.cosmos3_attention import PackedAttention, install
+from phyai_ray.models.diffusers_pipeline.cosmos3_attention import PackedAttention, TextCache, install
 from phyai_ray.models.diffusers_pipeline.cosmos3_pack import Row, packed_forward, static_row
 from phyai_ray.models.diffusers_pipeline.family import Family, Job
 from phyai_ray.stepwise.schedulers import own_scheduler
@@ -119,6 +119,7 @@ class Cosmos3Family(Family):
         job.cond = {"guided": r["guidance_scale"] != 1.0, "static": static, "masks": (v_mask, s_mask, a_mask),
                     "domain": domain, "raw_dim": raw_dim, "sound": sound, "action": act,
                     "mode": action.mode if action is not None else None,
+                    "text": {"cond": TextCache(), "uncond": TextCache()},  # its text keys / values, kept
                     "schedulers": (copy.deepcopy(job.scheduler) if sound is not None else None,
                                    copy.deepcopy(job.scheduler) if act is not None else None)}
 
@@ -160,7 +161,8 @@ class Cosmos3Family(Family):
         """Each job's masked velocities (float32) from ONE packed forward over its `branch` rows."""
         rows = [Row(static=job.cond["static"][branch], vision=job.value.to(self.model_dtype),
                     timestep=job.timestep.item(), sound=_cast(job.cond["sound"], self.model_dtype),
-                    action=_cast(job.cond["action"], self.model_dtype), domain=job.cond["domain"]) for job in jobs]
+                    action=_cast(job.cond["action"], self.model_dtype), domain=job.cond["domain"],
+                    text=job.cond["text"][branch]) for job in jobs]
         out = []
         for job, (v, s, a) in zip(jobs, packed_forward(self.transformer, self.attention, rows) if rows else []):
             v_mask, s_mask, a_mask = job.cond["masks"]

@@ -15,6 +15,13 @@ is diffusers' `Cosmos3AttnProcessor`: the same projections, per-head norms and r
 variable-length attention over the segments (`segment_attention`): each request's segment is one
 call of the attention entry (phyai_ray/nn/attention.py), so no request is padded to the longest and
 no score is spent between requests. With one request the segments are the whole sequence.
+
+The text prefix's keys and values are computed ONCE per request and branch: the text pathway is
+causal over the text alone, so nothing of a denoising step changes it. A request's `TextCache`
+keeps, per layer, the keys and values its generation tokens read (after the rotary table); from its
+second forward on, its row enters with no text tokens at all (`Layout.und` 0 for it) and its
+generation tokens read the cached ones. The same values as recomputing them, without the text's
+projections, attention and MLPs in every later step.
 """
 
 from __future__ import annotations
@@ -28,18 +35,30 @@ from phyai_ray.nn.attention import attention
 from phyai_ray.nn.rotary import rotate_half
 
 
+class TextCache:
+    """One request's (one branch's) text keys and values per attention module, from its first forward."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.ready = False  # filled by a finished forward: later forwards send no text tokens
+
+
 @dataclass
 class Layout:
-    """Token counts per packed request: `und` (text prefix) and `gen` (video, sound, action) lengths."""
+    """Per packed request: `und` its text tokens in this forward (0: read from its cache), `gen` its
+    generation tokens (video, sound, action), `caches` its TextCache (None: none kept)."""
 
     und: list[int] = field(default_factory=list)
     gen: list[int] = field(default_factory=list)
+    caches: list[TextCache | None] = field(default_factory=list)
 
     @classmethod
-    def of(cls, und: list[int], gen: list[int]) -> "Layout":
-        if len(und) != len(gen):
-            raise ValueError(f"a Cosmos3 layout needs one und and one gen length per request, got {und} and {gen}")
-        return cls(list(und), list(gen))
+    def of(cls, und: list[int], gen: list[int], caches: list[TextCache | None] | None = None) -> "Layout":
+        caches = list(caches) if caches is not None else [None] * len(und)
+        if not len(und) == len(gen) == len(caches):
+            raise ValueError(f"a Cosmos3 layout needs one und and gen length and cache per request, got {und}, "
+                             f"{gen} and {len(caches)} caches")
+        return cls(list(und), list(gen), caches)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -81,11 +100,16 @@ class PackedAttention:
         q_und, k_und = rotate_half(q_und, cos_und, sin_und), rotate_half(k_und, cos_und, sin_und)
         k_for_gen = rotate_half(k_for_gen, cos_und, sin_und)
         q_gen, k_gen = rotate_half(q_gen, cos_gen, sin_gen), rotate_half(k_gen, cos_gen, sin_gen)
-        und_out, gen_out = [], []
-        for (u0, u1), (g0, g1) in zip(_cuts(layout.und), _cuts(layout.gen)):
-            und_out.append(segment_attention(q_und[u0:u1], k_und[u0:u1], v_und[u0:u1], True, self.backend))
-            keys = torch.cat([k_for_gen[u0:u1], k_gen[g0:g1]])
-            values = torch.cat([v_und[u0:u1], v_gen[g0:g1]])
+        und_out, gen_out = [q_und[:0]], []
+        for (u0, u1), (g0, g1), cache in zip(_cuts(layout.und), _cuts(layout.gen), layout.caches):
+            if u1 > u0:  # its text in this forward: attended, and kept when it has a cache
+                und_out.append(segment_attention(q_und[u0:u1], k_und[u0:u1], v_und[u0:u1], True, self.backend))
+                text = (k_for_gen[u0:u1], v_und[u0:u1])
+                if cache is not None:
+                    cache.layers[id(attn)] = (text[0].clone(), text[1].clone())
+            else:
+                text = cache.layers[id(attn)]
+            keys, values = torch.cat([text[0], k_gen[g0:g1]]), torch.cat([text[1], v_gen[g0:g1]])
             gen_out.append(segment_attention(q_gen[g0:g1], keys, values, False, self.backend))
         und = torch.cat(und_out).flatten(-2, -1)
         gen = torch.cat(gen_out).flatten(-2, -1)

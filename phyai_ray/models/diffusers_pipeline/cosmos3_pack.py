@@ -8,7 +8,8 @@ does exactly that with the pipeline's own helpers, for one request and one branc
 `packed_forward(transformer, attention, rows)` runs ONE forward over many rows (requests of any
 mode, prompt length, frame count and step): the text of every row first, then the generation tokens
 of every row (the layout `PackedAttention` reads, cosmos3_attention.py), each row's indexes shifted
-to its place, the per-token timesteps at each row's own step. The transformer's forward takes lists
+to its place, the per-token timesteps at each row's own step; a row whose text is cached (`Row.text`,
+a `TextCache`) sends no text tokens, only its generation tokens. The transformer's forward takes lists
 of vision / sound / action items already; only the indexes and the attention learn the packing.
 It returns each row's predictions (vision, sound or None, action or None) as the transformer does.
 """
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from phyai_ray.models.diffusers_pipeline.cosmos3_attention import Layout, PackedAttention
+from phyai_ray.models.diffusers_pipeline.cosmos3_attention import Layout, PackedAttention, TextCache
 
 
 @dataclass
@@ -33,6 +34,12 @@ class Row:
     sound: torch.Tensor | None = None  # [sound_dim, T]
     action: torch.Tensor | None = None  # [chunk, action_dim]
     domain: torch.Tensor | None = None  # [1] long
+    text: TextCache | None = None  # its text keys / values: computed in its first forward, then read
+
+    @property
+    def text_tokens(self) -> int:
+        """Its text tokens in this forward: none once its text is cached."""
+        return 0 if self.text is not None and self.text.ready else self.static["und_len"]
 
 
 def static_row(pipe: Any, text_ids: list[int], latents: torch.Tensor, sound: torch.Tensor | None,
@@ -67,8 +74,8 @@ class _Packer:
 
     def __init__(self, rows: list[Row]) -> None:
         self.rows = rows
-        self.und = [row.static["und_len"] for row in rows]
-        self.gen = [row.static["sequence_length"] - n for row, n in zip(rows, self.und)]
+        self.und = [row.text_tokens for row in rows]
+        self.gen = [row.static["sequence_length"] - row.static["und_len"] for row in rows]
         self.args: dict[str, list] = {}
 
     def add(self, name: str, value: Any) -> None:
@@ -77,11 +84,12 @@ class _Packer:
     def kwargs(self) -> dict[str, Any]:
         u_total, u_at, g_at = sum(self.und), 0, sum(self.und)
         for row, n_u, n_g in zip(self.rows, self.und, self.gen):
-            s, shift = row.static, g_at - n_u  # a gen index i of the row -> g_at + (i - n_u)
-            self.add("input_ids", s["input_ids"])
-            self.add("text_indexes", s["text_indexes"] + u_at)
+            s, text = row.static, row.static["und_len"]
+            shift = g_at - text  # a gen index i of the row -> g_at + (i - text)
+            self.add("input_ids", s["input_ids"][:n_u])
+            self.add("text_indexes", s["text_indexes"][:n_u] + u_at)
             self.add("positions_und", s["position_ids"][:, :n_u])
-            self.add("positions_gen", s["position_ids"][:, n_u:])
+            self.add("positions_gen", s["position_ids"][:, text:])
             self._modality(row, "vision", shift, s["num_noisy_vision_tokens"])
             if row.sound is not None:
                 self._modality(row, "sound", shift, s["sound_len"])
@@ -120,11 +128,14 @@ def packed_forward(transformer: Any, attention: PackedAttention,
     """ONE forward over `rows`; each row's (vision [1, C, T, h, w], sound [D, T] or None, action [T, D] or None)."""
     packer = _Packer(rows)
     kwargs = packer.kwargs()
-    attention.layout = Layout.of(packer.und, packer.gen)
+    attention.layout = Layout.of(packer.und, packer.gen, [row.text for row in rows])
     try:
         vision, sound, action = transformer(**kwargs)
     finally:
         attention.layout = None
+    for row in rows:
+        if row.text is not None:
+            row.text.ready = True
     sounds, actions = iter(sound or []), iter(action or [])
     return [(vision[k], next(sounds) if row.sound is not None else None,
              next(actions) if row.action is not None else None) for k, row in enumerate(rows)]
