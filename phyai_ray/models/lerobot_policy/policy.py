@@ -40,7 +40,7 @@ from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokeniz
     resize_with_pad_centered
 from phyai_ray.plugins.iteration import Delta
 from phyai_ray.stepwise.frames import RobotFrame
-from phyai_ray.stepwise.rtc import Guidance, RTCRule
+from phyai_ray.stepwise.rtc import Guidance, GuidanceBatch, RTCRule
 from phyai_ray.stepwise.sequence import Running, Sequence
 
 
@@ -59,6 +59,20 @@ def build_network(folder: PolicyFolder, device: Any = "meta") -> torch.nn.Module
 def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
     """{checkpoint name: shape} the network loads ("model." + its own parameter names)."""
     return {f"model.{k}": v.shape for k, v in network.state_dict().items()}
+
+
+class Stacked:
+    """What one expert batch reads every step, stacked once while the same frames run: their prefix
+    caches (right-padded, per layer on first use), states and RTC guidance (on the device)."""
+
+    def __init__(self, frames: list, device: torch.device) -> None:
+        self.frames = frames  # held, so no other frame takes one of their ids while this stack is in use
+        self.prefixes = StackedPrefixes([f.prefix for f in frames])
+        self.states = torch.stack([f.state for f in frames])
+        self.guidance = GuidanceBatch([f.guidance for f in frames], device)
+
+    def held(self) -> list[torch.Tensor]:
+        return [*self.prefixes.held(), self.states]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -105,7 +119,7 @@ class LeRobotPolicy:
         [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
         self.running: Running[Expert] = Running()
         self.prefix_passes: Counter[int] = Counter()  # {frames in one VLM prefix pass: how many such passes}
-        self._stacked: tuple[tuple[int, ...], StackedPrefixes] | None = None
+        self._stacked: tuple[tuple[int, ...], Stacked] | None = None
         self.weight_version: Any = None
 
     # -- the iteration protocol -----------------------------------------------------------------
@@ -267,21 +281,19 @@ class LeRobotPolicy:
                       inputs=(images, tokens.to(dev)), guidance=guidance, state=state)
 
     def _advance(self, frames: list[Expert]) -> None:
-        """ONE Euler step of every frame, LeRobot's time running from 1 (noise) to 0 (actions); RTC per frame."""
+        """ONE Euler step of every frame, LeRobot's time running from 1 (noise) to 0 (actions): one
+        expert forward and batched RTC for the whole batch, their inputs stacked once per batch."""
         dt = -1.0 / self.num_steps
-        times = [1.0 + f.index * dt for f in frames]
+        key = tuple(id(f) for f in frames)
+        if self._stacked is None or self._stacked[0] != key:  # the batch changed: stack its inputs anew
+            self._stacked = (key, Stacked(frames, self.device))
+        stacked = self._stacked[1]
+        times = torch.tensor([1.0 + f.index * dt for f in frames], dtype=torch.float32, device=self.device)
         x = torch.stack([f.value for f in frames])
-        key = tuple(id(f.prefix) for f in frames)
-        if self._stacked is None or self._stacked[0] != key:  # the batch changed: stack its prefixes anew
-            self._stacked = (key, StackedPrefixes([f.prefix for f in frames]))
-        v = self.net.velocity(self._stacked[1], x,
-                              torch.tensor(times, dtype=torch.float32, device=self.device),
-                              torch.stack([f.state for f in frames]))
-        for row, frame in enumerate(frames):
-            vi = v[row]
-            if frame.guidance is not None:  # rtc.py's velocity points toward the actions: LeRobot's is -it
-                vi = -frame.guidance.velocity(frame.value, -vi, times[row])
-            frame.took(frame.value + dt * vi)
+        v = self.net.velocity(stacked.prefixes, x, times, stacked.states)
+        v = -stacked.guidance.velocity(x, -v, times)  # rtc.py's velocity points toward the actions: LeRobot's is -it
+        for frame, row in zip(frames, x + dt * v):
+            frame.took(row)
 
     def _postprocess(self, x: torch.Tensor) -> torch.Tensor:
         actions = x[:, :self.action_dim]
