@@ -5,14 +5,22 @@ Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_world.py [--repeats 3] [--j
 A Wan-shaped transformer sized for a small CPU machine (diffusers' `WanTransformer3DModel`, dim 128,
 4 heads, 4 layers; one forward of a 9-frame 64x64 request is tens of ms), the tiny VAE and text
 encoder of tests/diffusers_folders.py, saved as a WanPipeline folder. Latents only (`output_type=
-"latent"`); the VAE decode of one request is timed apart.
+"latent"`) except where the decode is what is measured.
 
-1. N = 8 and 16 concurrent requests of 8 steps with CFG through the Engine (inline, one rank) vs
-   WanPipeline called (a) once per request in sequence and (b) once with the N prompts as one batch,
-   same seeds. Targets: Engine >= 0.9x (b) and >= 1.2x (a) in throughput.
-2. Mixed step counts (4, 8, 12, 16; two each): the 4-step requests' latency vs the time the 16-step
-   ones take. Target <= 0.5x.
-3. On Ray (gloo, one request): CFG over 2 ranks vs 1 rank (target <= 0.65x), Ulysses over 2 ranks
+1. Throughput: 8 concurrent requests of 8 steps with CFG through the Engine (inline, one rank) vs
+   WanPipeline called (a) once per request in sequence and (b) once with the 8 prompts as one batch,
+   same seeds; at torch's default thread count AND with one thread. Targets: Engine >= 0.9x (b) in
+   both, >= 1.2x (a). Completion times come from the futures' callbacks: the caller blocks, it never
+   polls (a poll every 2 ms took a core from torch's threads: 0.64x at the default thread count).
+2. Mixed step counts (4, 8, 12, 16; two each): the 4-step requests' latency vs the 16-step ones'.
+   Target <= 0.5x.
+3. Stage stall: a 60-step stream's largest gap between steps, alone and while three 256x256
+   requests are VAE-decoded on the decode stage; the growth vs one decode's time (timed apart).
+   Target <= 0.5x.
+4. Preview: a 4-step request sent 0.5 s after a 40-step one, at a per-step budget that holds one of
+   them (the loop's admission policy is printed: turns per step take the 4-step request in); its
+   latency vs the 40-step job's. Target <= 0.5x.
+5. On Ray (gloo, one request): CFG over 2 ranks vs 1 rank (target <= 0.65x), Ulysses over 2 ranks
    (attention.cp_size=2) at 1,024 latent tokens vs 1 rank (target <= 0.75x); peak RSS per rank.
 Prints the machine first; medians and p99 over `--repeats`; each ratio with its target.
 """
@@ -107,40 +115,38 @@ def diffusers_runs(pipe: Any, batch: list[dict]) -> tuple[Callable, Callable]:
 
 
 def engine_run(engine: Engine, batch: list[dict]) -> list[float]:
-    """Submit every request at once; each one's latency in seconds (seen by polling every 2 ms)."""
+    """Submit every request at once; each one's latency in seconds, stamped by its future's callback
+    while this thread blocks on the results (a polling caller would take a core from torch's threads)."""
     start = time.perf_counter()
-    futures = [engine.submit(r) for r in batch]
     ends: dict[int, float] = {}
-    while len(ends) < len(futures):
-        if time.perf_counter() - start > 600:
-            raise TimeoutError(f"{len(futures) - len(ends)} of {len(futures)} requests did not finish in 600 s")
-        now = time.perf_counter()
-        ends.update({i: now for i, f in enumerate(futures) if i not in ends and f.done()})
-        time.sleep(0.002)
-    for f in futures:
-        f.result()
+    futures = []
+    for i, r in enumerate(batch):
+        future = engine.submit(r)
+        future.add_done_callback(lambda _, i=i: ends.setdefault(i, time.perf_counter()))
+        futures.append(future)
+    for future in futures:
+        future.result(timeout=600)
+    while len(ends) < len(futures):  # the callbacks run on the engine's delivery thread, just after
+        time.sleep(0.001)
     return [ends[i] - start for i in range(len(futures))]
 
 
-def throughput(folder: Path, pipe: Any, engine: Engine, repeats: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for n in (8, 16):
-        batch = requests(n, 8)
-        sequential, one_call = diffusers_runs(pipe, batch)
-        rows = {"engine": timed(lambda: engine_run(engine, batch), repeats),
-                "diffusers_sequential": timed(sequential, repeats), "diffusers_one_batch": timed(one_call, repeats)}
-        got = engine.step(batch[0])["video"]
-        want = torch.as_tensor(one_call()[0])
-        rows["max_abs_diff_vs_diffusers"] = float((got - want).abs().max())
-        rows["vs_one_batch"] = rows["diffusers_one_batch"]["median_s"] / rows["engine"]["median_s"]
-        rows["vs_sequential"] = rows["diffusers_sequential"]["median_s"] / rows["engine"]["median_s"]
-        out[f"N={n}"] = rows
-        print(f"N={n:2d}, 8 steps, CFG: engine {rows['engine']['median_s']:.2f}s (p99 {rows['engine']['p99_s']:.2f}),"
-              f" diffusers one batch {rows['diffusers_one_batch']['median_s']:.2f}s, per request "
-              f"{rows['diffusers_sequential']['median_s']:.2f}s; throughput vs one batch {rows['vs_one_batch']:.2f}x "
-              f"(target >= 0.9), vs per request {rows['vs_sequential']:.2f}x (target >= 1.2); |latents - "
-              f"diffusers| {rows['max_abs_diff_vs_diffusers']:.1e}", flush=True)
-    return out
+def throughput(pipe: Any, engine: Engine, repeats: int, n: int = 8) -> dict[str, Any]:
+    """N concurrent requests through the engine vs diffusers' one N-prompt call and N calls in sequence."""
+    batch = requests(n, 8)
+    sequential, one_call = diffusers_runs(pipe, batch)
+    rows = {"threads": torch.get_num_threads(), "engine": timed(lambda: engine_run(engine, batch), repeats),
+            "diffusers_one_batch": timed(one_call, repeats), "diffusers_sequential": timed(sequential, repeats)}
+    got = engine.step(batch[0])["video"]
+    rows["max_abs_diff_vs_diffusers"] = float((got - torch.as_tensor(one_call()[0])).abs().max())
+    rows["vs_one_batch"] = rows["diffusers_one_batch"]["median_s"] / rows["engine"]["median_s"]
+    rows["vs_sequential"] = rows["diffusers_sequential"]["median_s"] / rows["engine"]["median_s"]
+    print(f"N={n}, 8 steps, CFG, {rows['threads']} torch thread(s): engine {rows['engine']['median_s']:.2f}s (p99 "
+          f"{rows['engine']['p99_s']:.2f}), diffusers one batch {rows['diffusers_one_batch']['median_s']:.2f}s, per "
+          f"request {rows['diffusers_sequential']['median_s']:.2f}s; throughput vs one batch "
+          f"{rows['vs_one_batch']:.2f}x (target >= 0.9), vs per request {rows['vs_sequential']:.2f}x (target >= 1.2); "
+          f"|latents - diffusers| {rows['max_abs_diff_vs_diffusers']:.1e}", flush=True)
+    return rows
 
 
 def mixed(engine: Engine, repeats: int) -> dict[str, Any]:
@@ -207,23 +213,111 @@ def parallel_runs(folder: Path, repeats: int) -> dict[str, Any]:
     return out
 
 
-def inline_runs(folder: Path, results: dict[str, Any], repeats: int) -> None:
-    """Parts 1 and 2 (one inline rank) against WanPipeline in this process; the VAE decode timed apart."""
+def stream_times(engine: Engine, request: dict, during: Callable[[int], None] | None = None) -> list[float]:
+    """perf_counter when each step of a streamed request arrived; `during(k)` runs after its k-th step."""
+    times = []
+    for item in engine.stream(request, timeout=600):
+        times.append(time.perf_counter())
+        if during is not None:
+            during(len(times))
+    return times[:-1]  # the last item is the result, not a step
+
+
+def stage_stall(engine: Engine, decode_s: float, repeats: int) -> dict[str, Any]:
+    """A 60-step stream alone, then again while three 13x256x256 requests (2 steps, float video) are
+    submitted at its 5th step and decoded on the decode stage: its largest step gap in both, and the
+    growth against one decode's time (`decode_s`, timed apart). The decode windows come from the
+    rank's own records (`stage_log`), so a gap counts as "while others decode" only if it overlaps one."""
+    stream = {**requests(1, 60)[0], "guidance_scale": 1.0}
+    others = [{**r, "output_type": "float"} for r in requests(3, 2, LONG)]
+    alone, busy, decodes = [], [], []
+    for _ in range(repeats):
+        times = stream_times(engine, stream)
+        alone.append(max(b - a for a, b in zip(times, times[1:])))
+        futures: list[Any] = []
+        times = stream_times(engine, stream, lambda k: futures.extend(engine.submit(r) for r in others) if k == 5 else None)
+        for future in futures:
+            future.result(timeout=600)
+        log = engine.collective_rpc("stage_log", replica=0)
+        windows = [(t0, t1) for what, _, _, t0, t1 in log if what == "decode" and t0 >= times[0]]
+        decodes += [t1 - t0 for t0, t1 in windows]
+        gaps = [b - a for a, b in zip(times, times[1:]) if any(a < t1 and t0 < b for t0, t1 in windows)]
+        busy.append(max(gaps) if gaps else 0.0)
+    row = {"largest_gap_alone_s": statistics.median(alone), "largest_gap_while_decoding_s": statistics.median(busy),
+           "decode_apart_s": decode_s, "decode_on_stage_median_s": statistics.median(decodes) if decodes else None}
+    row["growth_vs_decode"] = (row["largest_gap_while_decoding_s"] - row["largest_gap_alone_s"]) / decode_s
+    print(f"stage stall: a 60-step stream's largest step gap {row['largest_gap_alone_s'] * 1e3:.0f} ms alone, "
+          f"{row['largest_gap_while_decoding_s'] * 1e3:.0f} ms while 3 other requests decode (one decode "
+          f"{decode_s * 1e3:.0f} ms apart, {(row['decode_on_stage_median_s'] or 0) * 1e3:.0f} ms on the decode stage): "
+          f"growth {row['growth_vs_decode']:.2f}x a decode (target <= 0.5)", flush=True)
+    return row
+
+
+def loop_policy(engine: Engine) -> str:
+    """The admission policy replica 0's iteration loop runs (found by its attribute name)."""
+    seen, todo = set(), [engine._executors[0]]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or not hasattr(obj, "__dict__"):
+            continue
+        seen.add(id(obj))
+        if type(obj).__name__ == "IterationLoop":
+            return repr(obj.policy)
+        todo += [v for v in vars(obj).values() if hasattr(v, "__dict__") and type(v).__module__.startswith("phyai")]
+    return "(not found)"
+
+
+def preview(folder: Path, repeats: int) -> dict[str, Any]:
+    """A 4-step request 0.5 s after a 40-step one, at a per-step budget of one request: its latency vs
+    the 40-step job's."""
+    from phyai_ray.models.diffusers_pipeline import DiffusersPipelineEntry
+
+    long, short = requests(1, 40)[0], {**requests(1, 4)[0], "prompt": "a cat runs fast", "seed": 9}
+    budget = DiffusersPipelineEntry({"model": str(folder)}).sequences(long)[0].cost
+    args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder), "max_latent_tokens_per_step": budget})
+    ratios, shorts = [], []
+    with Engine(args) as engine:
+        policy = loop_policy(engine)
+        engine.step(requests(1, 2)[0])  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            job = engine.submit(long)
+            time.sleep(0.5)
+            sent = time.perf_counter()
+            quick = engine.submit(short)
+            quick.result(timeout=600)
+            shorts.append(time.perf_counter() - sent)
+            job.result(timeout=600)
+            ratios.append(shorts[-1] / (time.perf_counter() - start))
+    row = {"short_4_latency_s": statistics.median(shorts), "ratio": statistics.median(ratios), "budget": budget,
+           "policy": policy}
+    print(f"preview: a 4-step request sent 0.5 s after a 40-step job (per-step budget {budget} latent tokens = one "
+          f"request; admission {policy}): {row['short_4_latency_s']:.2f}s, {row['ratio']:.2f}x the job's time "
+          "(target <= 0.5)", flush=True)
+    return row
+
+
+def inline_runs(folder: Path, results: dict[str, Any], repeats: int, threads: list[int]) -> None:
+    """Parts 1-4 (one inline rank) against WanPipeline in this process; the VAE decode timed apart."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     args = EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder), "max_latent_tokens_per_step": 1 << 20})
+    results["throughput"] = {}
     with Engine(args) as engine:
-        forward = timed(lambda: engine.step({**requests(1, 1)[0], "guidance_scale": 1.0}), repeats)
-        print(f"one forward (1 step, no CFG, 9x64x64): {forward['median_s'] * 1e3:.0f} ms", flush=True)
-        results["throughput"] = throughput(folder, pipe, engine, repeats)
+        for count in threads:
+            torch.set_num_threads(count)
+            results["throughput"][f"threads={count}"] = throughput(pipe, engine, repeats)
+        torch.set_num_threads(threads[0])
         results["mixed_steps"] = mixed(engine, repeats)
-        latents = engine.step(requests(1, 2)[0])["video"]
-        results["vae_decode_one_request"] = decode_time(pipe, latents, repeats)
+        long = engine.step({**requests(1, 2, LONG)[0]})["video"]
+        results["vae_decode_one_request"] = decode_time(pipe, long, repeats)
+        print(f"VAE decode of one 13x256x256 request (timed apart): "
+              f"{results['vae_decode_one_request']['median_s']:.3f}s", flush=True)
+        results["stage_stall"] = stage_stall(engine, results["vae_decode_one_request"]["median_s"], repeats)
         results["peak_rss_mib_inline"] = peak_rss_mib(engine)
-    print(f"VAE decode of one request (timed apart): {results['vae_decode_one_request']['median_s']:.3f}s; "
-          f"peak RSS inline {results['peak_rss_mib_inline']} MiB", flush=True)
+    results["preview"] = preview(folder, repeats)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -231,17 +325,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-ray", action="store_true", help="leave out the CFG / Ulysses runs on Ray")
     parser.add_argument("--only-ray", action="store_true", help="the CFG / Ulysses runs on Ray alone")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for both sides (default 1: "
-                        "on a loaded 2-core machine OpenMP threads spin against each other)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None, help="torch thread counts to measure "
+                        "throughput at (default: torch's default, then 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     opts = parser.parse_args(argv)
-    torch.set_num_threads(opts.threads)
+    threads = opts.threads or [torch.get_num_threads(), 1]
     results: dict[str, Any] = {"machine": machine()}
     print(f"machine: {results['machine']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_folder(Path(tmp) / "wan-bench")
         if not opts.only_ray:
-            inline_runs(folder, results, opts.repeats)
+            inline_runs(folder, results, opts.repeats, threads)
         if not opts.skip_ray:
             results["ray"] = parallel_runs(folder, opts.repeats)
     if opts.json is not None:
@@ -253,13 +347,15 @@ def write_json(path: Path, results: dict[str, Any]) -> None:
     """The results as `benchmarks/results.py` files are (benchmark "world"), for benchmarks/plot.py."""
     import results as files  # benchmarks/results.py, beside this script
 
-    for n, row in results.get("throughput", {}).items():
-        files.record("throughput", n=int(n.split("=")[1]), engine_s=row["engine"]["median_s"],
+    for row in results.get("throughput", {}).values():
+        files.record("throughput", n=8, threads=row["threads"], engine_s=row["engine"]["median_s"],
                      engine_p99_s=row["engine"]["p99_s"], diffusers_one_batch_s=row["diffusers_one_batch"]["median_s"],
                      diffusers_sequential_s=row["diffusers_sequential"]["median_s"],
                      max_abs_diff=row["max_abs_diff_vs_diffusers"])
-    if "mixed_steps" in results:
-        files.record("mixed", **results["mixed_steps"])
+    for name in ("mixed_steps", "stage_stall", "preview"):
+        if name in results:
+            files.record(name.split("_")[0] if name == "mixed_steps" else name,
+                         **{k: v for k, v in results[name].items() if not isinstance(v, (list, dict))})
     for layout, row in results.get("ray", {}).items():
         if isinstance(row, dict):
             for case in ("cfg", "ulysses"):

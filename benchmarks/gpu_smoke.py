@@ -8,7 +8,11 @@ Run on a machine with CUDA GPUs: `.venv/bin/python benchmarks/gpu_smoke.py`
 2. RL weight sync on GPU: `cuda_ipc` (trainer and rank on GPU 0) and, with 2+ GPUs, `nccl` (rank on
    GPU 1); the rank's output equals the trainer's module; `sleep(level=2)` frees the rank's weight
    memory and a weight update refills it.
-Exits 0 when every check passes; exits 2 (and says so) when no GPU is visible.
+3. a world model: Wan2.1-T2V-1.3B's config with random bf16 weights at 480 x 832 x 33 frames, the
+   engine's step time and peak memory against WanPipeline's, and 4 concurrent requests against its
+   4-prompt call (`check_world_model`).
+Exits 0 when every check passes; exits 2 (and says so) when no GPU is visible. `--dry-run`: every
+part at a tiny size on CPU (no GPU needed; the suite runs it).
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ def main() -> int:
     ok = check_weight_sync("cuda_ipc", device=0) and ok
     if gpus > 1:
         ok = check_weight_sync("nccl", device=1) and ok
+    ok = check_world_model() and ok
     print("gpu_smoke:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
@@ -146,5 +151,154 @@ def check_weight_sync(backend: str, device: int) -> bool:
     return ok
 
 
+# -- world model: Wan2.1-T2V-1.3B at a real size, against diffusers' own pipeline ----------------------------
+WAN_1_3B = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+            "rope_max_seq_len": 1024}  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json
+WORLD_REAL = {"height": 480, "width": 832, "num_frames": 33, "num_inference_steps": 4, "guidance_scale": 5.0,
+              "max_sequence_length": 512}
+WORLD_DRY = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 3, "guidance_scale": 5.0,
+             "max_sequence_length": 16}
+
+
+def wan_config(name: str = "Wan2.1-T2V-1.3B") -> dict[str, Any]:
+    """The transformer config committed under tests/data/real_configs/ when there, else the published one."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "tests" / "data" / "real_configs"
+    for path in sorted(root.glob(f"**/{name}*/**/*.json")) + sorted(root.glob(f"**/{name}*.json")):
+        config = json.loads(path.read_text())
+        config = config.get("transformer", config)
+        if config.get("_class_name", "WanTransformer3DModel") == "WanTransformer3DModel" and "num_layers" in config:
+            return {k: v for k, v in config.items() if not k.startswith("_")}
+    return dict(WAN_1_3B)
+
+
+def world_folder(root: Any, dry_run: bool) -> Any:
+    """A WanPipeline folder: dry run the tiny test folder; else Wan2.1-T2V-1.3B's transformer and VAE configs
+    with random bf16 weights, and a 2-layer text encoder of UMT5-XXL's width (one call per request, not per
+    step: its depth does not change what is measured)."""
+    from pathlib import Path
+
+    folder = Path(root) / "wan"
+    if dry_run:
+        from tests.diffusers_folders import build_wan
+
+        return build_wan(folder)
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from tests.diffusers_folders import _tokenizer
+
+    tokenizer = _tokenizer()
+    with torch.device("cuda"):
+        transformer = WanTransformer3DModel(**wan_config()).to(torch.bfloat16)
+        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=4096, d_kv=64, d_ff=10240,
+                                                   num_layers=2, num_heads=64, feed_forward_proj="gated-gelu",
+                                                   pad_token_id=0, eos_token_id=1)).to(torch.bfloat16)
+        vae = AutoencoderKLWan()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+                transformer=transformer).save_pretrained(folder)
+    del transformer, text_encoder, vae
+    torch.cuda.empty_cache()
+    return folder
+
+
+def _step_gaps(times: list[float]) -> float:
+    """The median time between consecutive steps."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] if gaps else float("nan")
+
+
+def _diffusers_call(pipe: Any, shape: dict[str, Any], prompts: list[str]) -> tuple[torch.Tensor, list[float]]:
+    """diffusers' own call for `prompts` (seeds 0..n-1): its latents and when each step ended."""
+    times: list[float] = []
+
+    def stamp(pipe: Any, i: int, t: Any, kwargs: dict) -> dict:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter())
+        return kwargs
+
+    with torch.no_grad():
+        out = pipe(prompt=prompts, negative_prompt=["blurry"] * len(prompts), output_type="latent",
+                   generator=[torch.Generator("cpu").manual_seed(k) for k in range(len(prompts))],
+                   callback_on_step_end=stamp, **shape).frames
+    return torch.as_tensor(out).float().cpu(), times
+
+
+def _peak_reset() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def check_world_model(dry_run: bool = False) -> bool:
+    """Wan2.1-T2V-1.3B (random bf16 weights, VAE fp32) at 480 x 832 x 33 frames on CUDA: the engine's step
+    time and peak memory against WanPipeline's own, its latents against the pipeline's, and 4 concurrent
+    requests against the pipeline's one 4-prompt call. `dry_run`: the same path on CPU at 32 x 32 x 9
+    frames with the tiny test folder (the suite runs it: tests/test_diffusers_stages.py)."""
+    import tempfile
+
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    device, shape = ("cpu", WORLD_DRY) if dry_run else ("cuda", WORLD_REAL)
+    prompts = [f"a robot arm picks up the red cube {k}" for k in range(4)]
+    requests = [{**shape, "prompt": p, "negative_prompt": "blurry", "seed": k, "output_type": "latent"}
+                for k, p in enumerate(prompts)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = world_folder(tmp, dry_run)
+        dtype = torch.float32 if dry_run else torch.bfloat16
+        pipe = WanPipeline.from_pretrained(folder, torch_dtype=dtype,
+                                           vae=AutoencoderKLWan.from_pretrained(folder / "vae")).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        _diffusers_call(pipe, {**shape, "num_inference_steps": 1}, prompts[:1])  # warm-up
+        _peak_reset()
+        want, times = _diffusers_call(pipe, shape, prompts[:1])
+        ref = {"step_s": _step_gaps(times), "peak_gib": _peak_gib()}
+        start = time.perf_counter()
+        batch, _ = _diffusers_call(pipe, shape, prompts)
+        ref["batch_s"] = time.perf_counter() - start
+        del pipe
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        args = EngineArgs(plugin="phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry",
+                          plugin_args={"model": str(folder), "max_latent_tokens_per_step": 1 << 30},
+                          config=EngineConfig(device=DeviceConfig(target=device)))
+        with Engine(args) as engine:
+            engine.step({**requests[0], "num_inference_steps": 1})  # warm-up
+            _peak_reset()
+            stamps = [time.perf_counter() for _ in engine.stream(requests[0], timeout=1800)]
+            got = engine.step(requests[0], timeout=1800)["video"].float()
+            ours = {"step_s": _step_gaps(stamps[:-1]), "peak_gib": _peak_gib()}
+            start = time.perf_counter()
+            futures = [engine.submit(r) for r in requests]
+            [f.result(timeout=1800) for f in futures]
+            ours["batch_s"] = time.perf_counter() - start
+    error = float((got - want[0]).abs().max() / want[0].abs().max())
+    ratio = ref["batch_s"] / ours["batch_s"]
+    label = "dry run (CPU, tiny)" if dry_run else f"{torch.cuda.get_device_name(0)}, bf16"
+    print(f"world model, {label}, {shape['num_frames']}x{shape['height']}x{shape['width']}: step "
+          f"{ours['step_s'] * 1e3:.1f} ms vs diffusers {ref['step_s'] * 1e3:.1f} ms; peak "
+          f"{ours['peak_gib']:.2f} GiB vs {ref['peak_gib']:.2f} GiB; 4 concurrent requests {ours['batch_s']:.2f}s vs "
+          f"diffusers' 4-prompt call {ref['batch_s']:.2f}s ({ratio:.2f}x); latents vs diffusers: relative "
+          f"max error {error:.1e}")
+    return error < (1e-4 if dry_run else 5e-2)
+
+
+def dry_run() -> int:
+    """Every part at a tiny size on CPU (the suite runs this; no GPU needed): 0 when each passes."""
+    ok = check_world_model(dry_run=True)
+    print("gpu_smoke --dry-run:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(dry_run() if "--dry-run" in sys.argv[1:] else main())

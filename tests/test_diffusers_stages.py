@@ -159,3 +159,17 @@ def test_decoder_views_share_the_weights_and_tile_past_the_threshold(model):
     vae = model.components["vae"]
     assert plain is not vae and tiled is not plain and tiled.use_tiling and not plain.use_tiling
     assert not vae.use_tiling and plain.decoder is vae.decoder and tiled.decoder is vae.decoder
+
+
+def test_the_gpu_smoke_world_model_part_dry_runs_on_cpu(capsys):
+    """benchmarks/gpu_smoke.py's world-model part, at a tiny size on CPU: the engine's latents equal
+    WanPipeline's and the comparison line is printed (on a GPU it runs Wan2.1-T2V-1.3B's config)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
+    spec = importlib.util.spec_from_file_location("gpu_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    assert smoke.check_world_model(dry_run=True)
+    assert "world model, dry run (CPU, tiny), 9x32x32: step" in capsys.readouterr().out

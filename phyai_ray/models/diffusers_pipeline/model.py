@@ -174,6 +174,11 @@ class PipelineModel:
         self.family.join(ready)
         self._step_groups(ready)
 
+    def stage_log(self) -> list[tuple]:
+        """(what, ident, thread, start, end) of the latest decodes and iterations on this rank (perf_counter
+        seconds): what a benchmark or a test reads to see that no iteration waited for a decode."""
+        return list(self._stages.log) if self._stages is not None else []
+
     def _step_groups(self, jobs: list[Job]) -> None:
         groups: dict[tuple[int, ...], list[Job]] = {}
         for job in jobs:
