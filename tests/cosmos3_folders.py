@@ -55,11 +55,12 @@ def _tokenizer():
     return tokenizer
 
 
-def _transformer(vocab_size: int, sound: bool):
+def _transformer(vocab_size: int, sound: bool, hidden: int = 32, layers: int = 2):
     from diffusers import Cosmos3OmniTransformer
 
-    return Cosmos3OmniTransformer(head_dim=16, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                                  num_key_value_heads=2, num_hidden_layers=2, latent_channel=LATENT_CHANNELS,
+    return Cosmos3OmniTransformer(head_dim=16, hidden_size=hidden, intermediate_size=hidden * 3 // 2,
+                                  num_attention_heads=hidden // 8, num_key_value_heads=hidden // 16,
+                                  num_hidden_layers=layers, latent_channel=LATENT_CHANNELS,
                                   latent_patch_size=2, patch_latent_dim=4 * LATENT_CHANNELS, rope_axes_dim=(4, 2, 2),
                                   vocab_size=vocab_size, action_gen=True, action_dim=ACTION_DIM,
                                   num_embodiment_domains=32, sound_gen=sound, sound_dim=SOUND_DIM if sound else None,
@@ -88,14 +89,15 @@ def _perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
             p.add_(torch.randn(p.shape, generator=generator) * 0.05)
 
 
-def build_cosmos3(folder: Path, *, sound: bool = True, seed: int = 0) -> Path:
-    """Write a tiny random Cosmos3OmniPipeline folder at `folder` and return it (see the module docstring)."""
+def build_cosmos3(folder: Path, *, sound: bool = True, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
+    """Write a tiny random Cosmos3OmniPipeline folder at `folder` and return it (see the module docstring);
+    `hidden` / `layers` size the transformer (hidden / 8 query heads on hidden / 16 key/value heads)."""
     from diffusers import Cosmos3OmniPipeline, UniPCMultistepScheduler
 
     torch.manual_seed(seed)
     gen = torch.Generator("cpu").manual_seed(seed)
     tokenizer = _tokenizer()
-    transformer, vae = _transformer(len(tokenizer), sound), _vae()
+    transformer, vae = _transformer(len(tokenizer), sound, hidden, layers), _vae()
     sound_tokenizer = _sound_tokenizer() if sound else None
     with torch.no_grad():  # the action heads are embeddings (N(0, 1) at init): scaled as a linear's 1 / sqrt(fan_in)
         transformer.action_proj_in.fc.weight.mul_(ACTION_DIM ** -0.5)
