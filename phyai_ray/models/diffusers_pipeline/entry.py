@@ -6,7 +6,8 @@
 
 plugin_args: `model` (a local folder; never a hub name), `dtype` (default float32 on CPU, else the
 folder's), `max_latent_tokens_per_step` (the per-iteration admission budget, see `cost`),
-`safety_checker` (Cosmos: the guardrail's import path "package.module:Name", required, cosmos.py). The
+`safety_checker` (Cosmos: the guardrail's import path "package.module:Name", required, cosmos.py),
+`vae_tile_pixels` (pixels per frame from which the VAE decodes in tiles, default 1280 x 720, 0 never). The
 folder is checked here, in the dispatcher, before any rank starts (folder.py); each request is
 checked against it (request.py) and refused alone, naming the rule. Each request is ONE sequence
 of the iteration protocol, one denoising step per iteration, batched with every other running
@@ -22,6 +23,7 @@ from typing import Any
 
 from phyai_ray.errors import ParallelConfigError, RequestAbortedError
 from phyai_ray.models.diffusers_pipeline.folder import Folder, PipelineFolderError
+from phyai_ray.models.diffusers_pipeline.stages import tile_pixels
 from phyai_ray.models.diffusers_pipeline.request import Limits, VideoRequest, VideoRequestError
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
@@ -55,12 +57,14 @@ class DiffusersPipelineEntry(Entry):
 
     def configure(self, plugin_args: dict[str, Any]) -> None:
         args = dict(plugin_args or {})
-        unknown = sorted(set(args) - {"model", "dtype", "max_latent_tokens_per_step", "safety_checker"})
+        unknown = sorted(set(args) - {"model", "dtype", "max_latent_tokens_per_step", "safety_checker",
+                                      "vae_tile_pixels"})
         if unknown:
             raise PipelineFolderError(f"diffusers_pipeline: unknown plugin_args {unknown}; known: model, dtype, "
-                                      "max_latent_tokens_per_step, safety_checker")
+                                      "max_latent_tokens_per_step, safety_checker, vae_tile_pixels")
         if args.get("dtype") not in (None, *DTYPES):
             raise PipelineFolderError(f"diffusers_pipeline: dtype={args['dtype']!r} is not one of {list(DTYPES)}")
+        tile_pixels(args)  # refused here, before any rank
         self.folder = _guarded(Folder.open(args.get("model")), args)
         self.args = args
         self.limits = self._limits(self.folder)
@@ -153,7 +157,9 @@ class DiffusersPipelineEntry(Entry):
             dtype = torch.float32 if on_cpu else folder.weights_dtype()
         else:
             dtype = getattr(torch, name)
-        return PipelineModel(folder, dtype, ctx)
+        model = PipelineModel(folder, dtype, ctx)
+        model.family.tile_pixels = tile_pixels(plugin_args)  # the decode stage's tiled VAE from this size up
+        return model
 
     # -- helpers ------------------------------------------------------------------------------------
     def _folder(self) -> Folder:

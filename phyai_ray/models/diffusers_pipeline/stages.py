@@ -91,6 +91,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def tile_pixels(plugin_args: dict[str, Any]) -> int:
+    """plugin_args["vae_tile_pixels"]: the pixels per frame (height x width) from which the VAE decodes in
+    tiles, default 1280 x 720; 0: never."""
+    from phyai_ray.models.diffusers_pipeline.family import TILE_PIXELS
+
+    value = plugin_args.get("vae_tile_pixels", TILE_PIXELS)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"plugin_args['vae_tile_pixels'] = {value!r}: give the pixels per frame (an int >= 0) from "
+                         f"which the VAE decodes in tiles, e.g. {TILE_PIXELS} (1280 x 720), or 0 for never")
+    return value
+
+
 def decoder_views(vae: Any, tile_pixels: int | None) -> tuple[Any, Any]:
     """(plain, tiled): two views of `vae` that share its weights and keep caches of their own; `tiled`
     decodes in spatial tiles (None when `tile_pixels` is None or 0: never tiled)."""
