@@ -152,13 +152,18 @@ def test_a_late_request_is_encoded_beside_the_running_step(model, entry):
     assert len(threads) == 2 and all(name.startswith("phyai-encode") for name in threads)
 
 
-def test_decoder_views_share_the_weights_and_tile_past_the_threshold(model):
-    family = model.family
-    family.tile_pixels = 64 * 64
-    plain, tiled = family.decoder(32, 32), family.decoder(64, 64)
+def test_decoder_views_share_the_weights_and_tile_past_the_threshold(entry, folder):
+    """plugin_args vae_tile_pixels: from 64 x 64 pixels per frame up the decode stage's VAE view is the tiled
+    one; both views share the VAE's modules; a bad value is refused before any rank, naming the key."""
+    ctx = SimpleNamespace(rank=0, device=torch.device("cpu"), parallel=ParallelConfig(), is_output_rank=True,
+                          group_rank=lambda name: 0, group_size=lambda name: 1)
+    model = entry.create({"model": str(folder), "vae_tile_pixels": 64 * 64}, ctx)
+    plain, tiled = model.family.decoder(32, 32), model.family.decoder(64, 64)
     vae = model.components["vae"]
     assert plain is not vae and tiled is not plain and tiled.use_tiling and not plain.use_tiling
     assert not vae.use_tiling and plain.decoder is vae.decoder and tiled.decoder is vae.decoder
+    with pytest.raises(ValueError, match=r"vae_tile_pixels'\] = -1"):
+        DiffusersPipelineEntry({"model": str(folder), "vae_tile_pixels": -1})
 
 
 def test_the_gpu_smoke_world_model_part_dry_runs_on_cpu(capsys):

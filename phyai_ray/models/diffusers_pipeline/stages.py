@@ -236,6 +236,13 @@ class StageWork:
             out[ident] = (video_result(result, video), None)
         return out
 
+    def drain(self) -> None:
+        """Wait for every decode in flight (before the weights move: sleep); their results stay to be
+        returned by the next iterations."""
+        from concurrent.futures import wait as wait_for
+
+        wait_for([future for future, _ in self.decoding.values()])
+
     def forget(self, ident: int) -> None:
         """A dropped request: its decode's result, when it comes, is not returned."""
         self.decoding.pop(ident, None)
