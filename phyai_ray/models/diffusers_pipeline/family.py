@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
+from phyai_ray.models.diffusers_pipeline.stages import TILE_PIXELS, decoder_views
 from phyai_ray.stepwise.schedulers import ScheduledSequence
-
-TILE_PIXELS = 1280 * 720  # the VAE decodes in tiles from 720p frames up (plugin_args "vae_tile_pixels")
 
 
 @dataclass(eq=False, kw_only=True)  # a job is itself: compared (and found in lists) by identity
@@ -137,8 +136,6 @@ class Family:
         """The VAE view the decode stage uses for a video of height x width (stages.decoder_views): tiled
         when height * width >= `tile_pixels` (None or 0: never)."""
         if self._views is None:
-            from phyai_ray.models.diffusers_pipeline.stages import decoder_views
-
             self._views = decoder_views(self.components["vae"], self.tile_pixels)
         plain, tiled = self._views
         return tiled if tiled is not None and height * width >= self.tile_pixels else plain

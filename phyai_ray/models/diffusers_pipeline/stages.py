@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+TILE_PIXELS = 1280 * 720  # the VAE decodes in tiles from 720p frames up (plugin_args "vae_tile_pixels")
 
 class Stage:
     """One worker thread (and CUDA stream) for a rank's per-request work (see the module docstring)."""
@@ -94,8 +95,6 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def tile_pixels(plugin_args: dict[str, Any]) -> int:
     """plugin_args["vae_tile_pixels"]: the pixels per frame (height x width) from which the VAE decodes in
     tiles, default 1280 x 720; 0: never."""
-    from phyai_ray.models.diffusers_pipeline.family import TILE_PIXELS
-
     value = plugin_args.get("vae_tile_pixels", TILE_PIXELS)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"plugin_args['vae_tile_pixels'] = {value!r}: give the pixels per frame (an int >= 0) from "
