@@ -250,6 +250,11 @@ def test_requests_the_folder_cannot_serve_are_refused_naming_the_rule(folder):
             entry.validate_request({**request(), **fields})
     [spec] = entry.sequences(action("policy"))
     assert spec.payload["action"]["mode"] == "policy" and spec.steps == 3
+    capped = DiffusersPipelineEntry({"model": str(folder), "max_frames": 9, "max_pixels": 64 * 64})
+    for fields, rule in [({"num_frames": 13}, "max_frames=9 \\(plugin_args\\['max_frames'\\]"),
+                         ({"height": 128}, "max_pixels=4096"), (action("policy"), "81920 pixels per frame")]:
+        with pytest.raises(VideoRequestError, match=rule):
+            capped.validate_request({**request(), **fields})
 
 
 def test_layouts_other_than_equal_tp_and_cfg_are_refused_before_any_rank(folder):

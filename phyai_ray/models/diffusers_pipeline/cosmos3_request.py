@@ -87,9 +87,11 @@ class Cosmos3Request:
         return (channels, (frames - 1) // limits.temporal + 1, h // limits.spatial, w // limits.spatial)
 
 
-def parse(request: Any, folder: Any) -> Cosmos3Request:
-    """Check `request` against the rules and the folder (a checked `Folder`, or its `FolderLimits`); a
-    VideoRequestError names the rule and the value. A request parsed before is returned as it is."""
+def parse(request: Any, folder: Any, caps: Any = None) -> Cosmos3Request:
+    """Check `request` against the rules and the folder (a checked `Folder`, or its `FolderLimits`) and
+    the serving limits `caps` (request.py's `Limits`: max_frames, max_pixels from plugin_args); a
+    VideoRequestError names the rule, or the limit and the plugin_args key that changes it. A request
+    parsed before is returned as it is."""
     if isinstance(request, Cosmos3Request):
         return request
     limits = folder if isinstance(folder, FolderLimits) else FolderLimits.of(folder)
@@ -121,6 +123,8 @@ def parse(request: Any, folder: Any) -> Cosmos3Request:
                                 f"{values['seed']} in [0, 2**63) and fps={values['fps']} > 0")
     if values.get("output_type", "uint8") not in ("uint8", "float", "latent"):
         raise VideoRequestError(f"output_type={values['output_type']!r} is not one of ['uint8', 'float', 'latent']")
+    if caps is not None:
+        _check_caps(values, caps)
     if values.get("enable_sound") and not limits.sound:
         raise VideoRequestError("enable_sound=True needs a folder with a sound_tokenizer and a transformer trained "
                                 "with sound_gen=True; this folder has none: leave enable_sound unset")
@@ -137,6 +141,26 @@ def _check_size(values: dict[str, Any], limits: FolderLimits) -> None:
                                 f"factor), e.g. {max(s, h // s * s)} x {max(s, w // s * s)}")
     if values.get("video") is not None and frames == 1:
         raise VideoRequestError("video conditioning needs num_frames > 1")
+
+
+def _check_caps(values: dict[str, Any], caps: Any) -> None:
+    """Frames and pixels per frame within plugin_args' max_frames / max_pixels (an action request: its
+    chunk_size + 1 frames and its tier's largest canvas)."""
+    frames, pixels = values.get("num_frames"), None
+    if values.get("action") is not None:
+        from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _ACTION_RESOLUTION_BINS
+
+        frames = values["action"]["chunk_size"] + 1
+        pixels = max(h * w for h, w in _ACTION_RESOLUTION_BINS[str(values["action"]["resolution_tier"])].values())
+    else:
+        pixels = values["height"] * values["width"]
+    max_frames, max_pixels = getattr(caps, "max_frames", None), getattr(caps, "max_pixels", None)
+    if max_frames is not None and frames > max_frames:
+        raise VideoRequestError(f"{frames} frames are over the limit max_frames={max_frames} "
+                                "(plugin_args['max_frames'] changes it)")
+    if max_pixels is not None and pixels > max_pixels:
+        raise VideoRequestError(f"{pixels} pixels per frame are over the limit max_pixels={max_pixels} "
+                                "(plugin_args['max_pixels'] changes it)")
 
 
 def _action(values: dict[str, Any], limits: FolderLimits) -> dict[str, Any]:

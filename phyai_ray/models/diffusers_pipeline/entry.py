@@ -104,7 +104,7 @@ class DiffusersPipelineEntry(Entry):
         if self._folder().class_name == "Cosmos3OmniPipeline":  # its own fields (action, sound): cosmos3_request.py
             from phyai_ray.models.diffusers_pipeline.cosmos3_request import parse
 
-            return parse(request, self._folder())
+            return parse(request, self._folder(), self.limits)
         if self._folder().class_name == "Cosmos2_5_PredictBasePipeline":
             from phyai_ray.models.diffusers_pipeline.cosmos import cosmos_request
 
