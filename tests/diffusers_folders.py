@@ -148,3 +148,28 @@ def build_wan_i2v(folder: Path, *, first_last: bool = False, seed: int = 0) -> P
     index = json.loads(index_file.read_text())
     index_file.write_text(json.dumps({**index, "image_processor": ["transformers", "CLIPImageProcessor"]}, indent=2))
     return folder
+
+
+def build_wan_i2v_a14b(folder: Path, *, seed: int = 0, boundary_ratio: float = 0.6) -> Path:
+    """Write a tiny random Wan 2.2 I2V-A14B folder (WanImageToVideoPipeline with two experts) at `folder`.
+
+    `transformer` (high noise, t >= boundary_ratio x 1000) and `transformer_2` (low noise) each take 16
+    noisy + 4 mask + 16 condition = 36 channels and no image embeddings (image_dim null): the image
+    conditions through the VAE only, and model_index.json names no image_encoder / image_processor, as
+    the real checkpoint. The text encoder, tokenizer and VAE are build_wan's."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    torch.manual_seed(seed)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    tokenizer = _tokenizer()
+    text_encoder = _text_encoder(len(tokenizer))
+    transformer, transformer_2 = _transformer(16 + 4 + 16, 16), _transformer(16 + 4 + 16, 16)
+    vae = _vae(False)
+    for module in (text_encoder, transformer, transformer_2, vae):
+        _perturb(module, gen)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                                   transformer=transformer, transformer_2=transformer_2,
+                                   boundary_ratio=boundary_ratio)
+    pipe.save_pretrained(folder)
+    return folder

@@ -163,7 +163,8 @@ class ThreadRanks:
     """Two ranks as two threads: `all_reduce` sums and `all_gather` stacks their tensors in rank order."""
 
     def __init__(self, size: int = 2) -> None:
-        self.size, self.barrier, self.slots, self.local = size, threading.Barrier(size), [None] * size, threading.local()
+        self.size, self.barrier, self.local = size, threading.Barrier(size), threading.local()
+        self.slots: list = [None] * size
 
     def _exchange(self, x: torch.Tensor) -> list:
         self.slots[self.local.rank] = x.clone()

@@ -275,8 +275,8 @@ def test_bad_folders_are_refused_before_any_rank_starts(folder, tmp_path, edit, 
 
 
 def test_a_transformer_without_the_clip_image_path_is_refused(folder, tmp_path):
-    """The Wan 2.2 A14B I2V transformer takes the 36 channels but no image embeddings (image_dim null):
-    refused naming it; a config that drops image_dim under weights that have it: refused by the tensor check."""
+    """A transformer that takes the 36 channels but no image embeddings (image_dim null) outside the Wan 2.2
+    A14B layout (no boundary_ratio / transformer_2): refused naming it; a config that drops image_dim under weights that have it: refused by the tensor check."""
     from diffusers import WanTransformer3DModel
 
     bad = _edited(folder, tmp_path, "no_clip")
@@ -293,8 +293,11 @@ def test_a_transformer_without_the_clip_image_path_is_refused(folder, tmp_path):
         DiffusersPipelineEntry({"model": str(lying)})
 
 
-def test_cfg_is_the_only_parallel_layout(folder):
+def test_parallel_layouts_are_the_wan_transformers(folder):
+    """CFG, Ulysses and TP as for Wan text-to-video (run in tests/test_diffusers_layouts.py); heads that do not
+    divide are refused by the Wan transformer's rules."""
     entry = DiffusersPipelineEntry({"model": str(folder)})
     entry.check_parallel(ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))
-    with pytest.raises(ParallelConfigError, match="WanImageToVideoPipeline runs outer.cfg_size 1 or 2 only"):
-        entry.check_parallel(ParallelConfig(attention=AttentionParallelConfig(cp_size=2)))
+    entry.check_parallel(ParallelConfig(attention=AttentionParallelConfig(cp_size=2)))
+    with pytest.raises(ParallelConfigError, match="the Wan transformer cannot run .*num_attention_heads=2"):
+        entry.check_parallel(ParallelConfig(attention=AttentionParallelConfig(cp_size=4)))

@@ -30,9 +30,9 @@ diffusers calls two torchvision functions here (the transformer resizes its padd
 `transforms.functional.resize`, the pipeline reads an image with `to_tensor`); without torchvision
 installed, `supply_torchvision` gives diffusers the same two operations.
 
-Sequence parallelism: not for Cosmos (yet). Its attention is over one sequence of latent tokens with
-3-D RoPE, so Ulysses would split like Wan's, but the sharded transformer here is Wan's only; Cosmos
-takes CFG over 2 ranks (`outer.cfg_size=2`) and runs whole on each rank otherwise.
+Parallel layouts: CFG over 2 ranks (`outer.cfg_size=2`), and the transformer split by `parallelize`
+(cosmos_parallel.py): Ulysses over attention.cp_size, heads and FFN over attention.tp_size ==
+dense.tp_size; `shard_of` cuts a weight update's full tensor to this rank's part.
 """
 
 from __future__ import annotations
@@ -200,6 +200,19 @@ class CosmosFamily(Family):
         self.latents_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1).float()  # inverse
         self.channels = self.transformer.config.in_channels - 1  # one channel carries the condition mask
         self.model_dtype = self.transformer.dtype
+
+    # -- parallel ---------------------------------------------------------------------------------
+    def parallelize(self, ctx: Any) -> None:
+        """The transformer becomes this rank's Ulysses / tensor-parallel shard (cosmos_parallel.py)."""
+        from phyai_ray.models.diffusers_pipeline.cosmos_parallel import shard_cosmos
+
+        self.transformer = shard_cosmos(self.transformer, ctx)
+
+    def shard_of(self, name: str, full: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Tensor parallel: this rank's chunk of a split parameter, by diffusers' name."""
+        from phyai_ray.models.diffusers_pipeline.cosmos_parallel import cosmos_shard_of
+
+        return cosmos_shard_of(name, full, ctx)
 
     # -- admission and the encode stage -------------------------------------------------------------
     def begin(self, request: Any) -> Job:

@@ -1,4 +1,4 @@
-"""`Cosmos3Family`: Cosmos3OmniPipeline's math (text-, image-, video-to-world, robot actions, sound), one step at a time.
+"""`Cosmos3Family`: Cosmos3OmniPipeline's math (text-, image-, video-to-world, robot actions, sound), step by step.
 
 What `Cosmos3OmniPipeline.__call__` does for one prompt, split where the iteration protocol needs it:
 
@@ -201,8 +201,8 @@ class Cosmos3Family(Family):
         if cond is not None:
             local = torch.cat([_flat(streams) for streams in cond])
         else:
-            local = torch.cat([_flat(uncond[at[id(job)]]) if id(job) in at else torch.zeros(_numel(s), device=self.device)
-                               for job, s in zip(jobs, shapes)])
+            local = torch.cat([_flat(uncond[at[id(job)]]) if id(job) in at
+                               else torch.zeros(_numel(s), device=self.device) for job, s in zip(jobs, shapes)])
         both_cond, both_uncond = self.branches.gather(local.to(self.device))
         cond_out, uncond_all = _split(both_cond, shapes), _split(both_uncond, shapes)
         return cond_out, [uncond_all[k] for k, job in enumerate(jobs) if id(job) in at]

@@ -50,7 +50,8 @@ class FolderLimits:
     @classmethod
     def of(cls, folder: Any) -> "FolderLimits":
         vae, tf = folder.configs["vae"], folder.transformer_config()
-        return cls(temporal=int(vae.get("scale_factor_temporal") or 4), spatial=int(vae.get("scale_factor_spatial") or 16),
+        return cls(temporal=int(vae.get("scale_factor_temporal") or 4),
+                   spatial=int(vae.get("scale_factor_spatial") or 16),
                    patch=int(tf.get("latent_patch_size", 2)),
                    sound="sound_tokenizer" in folder.components() and bool(tf.get("sound_gen")),
                    action=bool(tf.get("action_gen")), action_dim=int(tf.get("action_dim") or 0))

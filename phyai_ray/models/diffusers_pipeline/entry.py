@@ -14,7 +14,8 @@ of the iteration protocol, one denoising step per iteration, batched with every 
 request; its cost is its latent tokens (F * h/p * w/p) times its guidance branches (2 with CFG).
 
 Parallel layouts: `outer.cfg_size=2` (cond on one rank group, uncond on the other, gathered each
-step) and, for Wan, attention.cp_size (Ulysses) and attention.tp_size == dense.tp_size (wan_parallel.py).
+step) and, for Wan (text- and image-to-video) and Cosmos-Predict2.5, attention.cp_size (Ulysses) and
+attention.tp_size == dense.tp_size (wan_parallel.py, cosmos_parallel.py).
 """
 
 from __future__ import annotations
@@ -86,17 +87,22 @@ class DiffusersPipelineEntry(Entry):
     # -- checks before any rank starts -------------------------------------------------------------
     def validate_parallel(self, parallel: Any) -> None:
         folder = self._folder()  # pipeline stages: refused by check_parallel (no "pipeline" domain)
-        if folder.class_name == "WanPipeline":
+        if folder.class_name in ("WanPipeline", "WanImageToVideoPipeline"):
             from phyai_ray.models.diffusers_pipeline.wan_parallel import validate_wan_parallel
 
             validate_wan_parallel(folder.transformer_config(), parallel)
+        elif folder.class_name == "Cosmos2_5_PredictBasePipeline":
+            from phyai_ray.models.diffusers_pipeline.cosmos_parallel import validate_cosmos_parallel
+
+            validate_cosmos_parallel(folder.transformer_config(), parallel)
         elif folder.class_name == "Cosmos3OmniPipeline":
             from phyai_ray.models.diffusers_pipeline.cosmos3_parallel import validate_cosmos3_parallel
 
             validate_cosmos3_parallel(folder.transformer_config(), parallel)
         elif parallel.split_axes().keys() - {"cfg"}:
             raise ParallelConfigError(f"{folder.class_name} runs outer.cfg_size 1 or 2 only; got "
-                                      f"{parallel.describe()} (sequence and tensor parallel are Wan's)")
+                                      f"{parallel.describe()} (sequence and tensor parallel are Wan's and "
+                                      "Cosmos-Predict2.5's)")
 
     def validate_request(self, request: Any) -> VideoRequest:
         if isinstance(request, VideoRequest):

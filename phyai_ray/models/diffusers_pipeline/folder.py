@@ -38,6 +38,7 @@ class PipelineSpec:
     transformers: tuple[str, ...] = ("transformer",)  # at least the first; the rest are optional experts
     mask_channels: int = 0  # transformer in_channels beyond the VAE's z_dim (Cosmos: the condition mask)
     check: str | None = None  # "module:function" refusing layouts of this class not served (after the checks)
+    optional: tuple[str, ...] = ()  # read and checked when the index names them; `check` says when one is needed
 
 
 PIPELINES: dict[str, PipelineSpec] = {
@@ -48,9 +49,10 @@ PIPELINES: dict[str, PipelineSpec] = {
                                                   ("tokenizer", "text_encoder", "vae", "scheduler"),
                                                   mask_channels=1),
     "WanImageToVideoPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.wan_i2v:WanImageToVideoFamily",
-                                            ("tokenizer", "text_encoder", "vae", "scheduler", "image_encoder",
-                                             "image_processor"), mask_channels=4 + 16,  # mask + condition
-                                            check="phyai_ray.models.diffusers_pipeline.wan_i2v:check_folder"),
+                                            ("tokenizer", "text_encoder", "vae", "scheduler"),
+                                            ("transformer", "transformer_2"), mask_channels=4 + 16,  # mask + condition
+                                            check="phyai_ray.models.diffusers_pipeline.wan_i2v:check_folder",
+                                            optional=("image_encoder", "image_processor")),
     "Cosmos3OmniPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos3:Cosmos3Family",
                                         ("text_tokenizer", "vae", "scheduler")),
 }
@@ -109,13 +111,13 @@ class Folder:
     def _check_components(self) -> None:
         spec, present = self.spec, set(self.components())
         needed = list(spec.required) + [spec.transformers[0]]
-        for name in [n for n in spec.transformers[1:] if n in present] + needed:
+        for name in [n for n in (*spec.transformers[1:], *spec.optional) if n in present] + needed:
             folder = self.path / name
             if name not in present or not folder.is_dir():
                 raise PipelineFolderError(
                     f"{self.path / 'model_index.json'}: {self.class_name} needs component {name!r} "
                     f"(a folder {folder}), which is missing; components it needs: {needed}, optional: "
-                    f"{list(spec.transformers[1:])}")
+                    f"{[*spec.transformers[1:], *spec.optional]}")
             self.configs[name] = _read_config(folder, name, self.index[name])
 
     def _check_tensors(self) -> None:

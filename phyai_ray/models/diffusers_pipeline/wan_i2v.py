@@ -1,4 +1,4 @@
-"""`WanImageToVideoFamily`: WanImageToVideoPipeline's math (the Wan 2.1 I2V layout), one step at a time.
+"""`WanImageToVideoFamily`: WanImageToVideoPipeline's math (Wan 2.1 I2V, Wan 2.2 A14B), one step at a time.
 
 What `WanImageToVideoPipeline.__call__` does for one prompt and one image, split where the iteration
 protocol needs it (the rest is `WanFamily`'s: prompt encoding, cohorts in `join`, guidance, decode):
@@ -22,8 +22,19 @@ First-last-frame folders (FLF2V: the transformer's `pos_embed_seq_len` = 2 x the
 which the transformer folds into one row of 2 x tokens, so jobs stack row pairs in job order), the
 last frame ends the VAE's clip instead of a black one and its mask is 1 as well.
 
-Refused before any rank starts (`check_folder`): the Wan 2.2 layouts (boundary_ratio / transformer_2,
-expand_timesteps), a transformer without `image_dim` (no CLIP path); per request (`i2v_request`): no
+Wan 2.2 I2V-A14B folders (`transformer_2`, `boundary_ratio`, transformers with `image_dim` null and no
+CLIP tower) run WanFamily's two experts: `transformer` while t >= boundary_ratio x 1000 with
+guidance_scale, then `transformer_2` with guidance_scale_2; no image embeddings (`uses_clip` False),
+the image conditions through the VAE's latent_condition only, as in diffusers.
+
+Parallel layouts are WanFamily's (`parallelize`: each expert sharded by wan_parallel.py): the image
+rows are keys and values of the cross-attention (`add_k_proj` / `add_v_proj`, split by head under
+tensor parallel, whole on every rank of a sequence split), the first-last-frame `pos_embed` is added to
+the image rows before them, so neither needs more than Wan 2.1 text-to-video does.
+
+Refused before any rank starts (`check_folder`): the TI2V layout (expand_timesteps), boundary_ratio
+without transformer_2, a transformer without `image_dim` outside the A14B layout, experts that disagree
+on `image_dim`, a CLIP path without its image_encoder / image_processor; per request (`i2v_request`): no
 `image`, a `video`, an image not uint8 [H, W, 3], `last_image` missing on a first-last-frame folder
 or given to another, and max_sequence_length other than 512 (diffusers' Wan attention splits its
 context into image and text tokens at 512 text tokens, hard-coded).
@@ -49,21 +60,44 @@ TEXT_TOKENS = 512  # diffusers' WanAttnProcessor: image tokens = context length 
 
 # -- checks before any rank starts --------------------------------------------------------------------------
 def check_folder(folder: Any) -> None:
-    """Refuse the WanImageToVideoPipeline layouts served here not (Folder.open calls it after its checks)."""
+    """Refuse the WanImageToVideoPipeline layouts not served here (Folder.open calls it after its checks).
+
+    Served: the Wan 2.1 I2V layout (one transformer with `image_dim`, the CLIP `image_encoder` and
+    `image_processor`; first-last-frame with `pos_embed_seq_len`) and the Wan 2.2 A14B layout (two
+    experts: `transformer`, `transformer_2` and `boundary_ratio`; no CLIP path, `image_dim` null)."""
     from phyai_ray.models.diffusers_pipeline.folder import PipelineFolderError
 
     index_file, tf = folder.path / "model_index.json", folder.transformer_config()
     where = folder.path / "transformer" / "config.json"
+    ratio, second = folder.index.get("boundary_ratio"), folder.configs.get("transformer_2")
     refusals = [
-        (folder.index.get("boundary_ratio") is not None or "transformer_2" in folder.components(), index_file,
-         f"boundary_ratio={folder.index.get('boundary_ratio')} / transformer_2 (the Wan 2.2 A14B two-expert layout)"),
+        (ratio is not None and second is None, index_file,
+         f"boundary_ratio={ratio} and no transformer_2 (the low-noise steps need the second expert)"),
         (bool(folder.index.get("expand_timesteps")), index_file, "expand_timesteps=true (the Wan 2.2 TI2V layout)"),
-        (tf.get("image_dim") is None, where, "image_dim=null (a transformer without the CLIP image path)"),
+        (tf.get("image_dim") is None and ratio is None, where, "image_dim=null (a transformer without the CLIP "
+                                                               "image path) and no boundary_ratio / transformer_2"),
+        (second is not None and second.get("image_dim") != tf.get("image_dim"),
+         folder.path / "transformer_2" / "config.json",
+         f"image_dim={(second or {}).get('image_dim')} unlike the transformer's image_dim={tf.get('image_dim')}"),
     ]
     for refused, file, what in refusals:
         if refused:
             raise PipelineFolderError(f"{file}: {PIPELINE} with {what} is not supported; supported: the Wan 2.1 "
-                                      "I2V layout (one transformer with image_dim, CLIP image_encoder)")
+                                      "I2V layout (one transformer with image_dim, CLIP image_encoder) and the Wan "
+                                      "2.2 A14B layout (transformer, transformer_2, boundary_ratio, image_dim null)")
+    if tf.get("image_dim") is not None:
+        _check_clip(folder, tf, where)
+
+
+def _check_clip(folder: Any, tf: dict[str, Any], where: Any) -> None:
+    """The CLIP path of a transformer with `image_dim`: the image encoder and processor present and agreeing."""
+    from phyai_ray.models.diffusers_pipeline.folder import PipelineFolderError
+
+    for name in ("image_encoder", "image_processor"):
+        if name not in folder.configs:
+            raise PipelineFolderError(f"{folder.path / 'model_index.json'}: {PIPELINE} needs component {name!r} "
+                                      f"(the transformer's image_dim={tf['image_dim']} takes CLIP image embeddings), "
+                                      "which the index does not name")
     clip, clip_file = folder.configs["image_encoder"], folder.path / "image_encoder" / "config.json"
     if clip.get("hidden_size") is not None and tf["image_dim"] != clip["hidden_size"]:
         raise PipelineFolderError(f"{where}: image_dim={tf['image_dim']} disagrees with the image encoder's "
@@ -125,12 +159,12 @@ class WanImageToVideoFamily(WanFamily):
         super().__init__(*args, **kwargs)
         from diffusers.video_processor import VideoProcessor
 
-        self.image_encoder, self.image_processor = self.components["image_encoder"], self.components["image_processor"]
+        self.image_encoder = self.components.get("image_encoder")  # none in the A14B layout
+        self.image_processor = self.components.get("image_processor")
+        first = self.transformer if self.transformer is not None else self.transformer_2
+        self.uses_clip = first.config.image_dim is not None  # the Wan 2.2 A14B experts take no image embeddings
         self.video_processor = VideoProcessor(vae_scale_factor=self.spatial)
         self.channels = self.vae.config.z_dim  # the noisy latents; the transformer takes 20 channels more
-
-    def parallelize(self, ctx: Any) -> None:
-        """CFG over 2 ranks only (the entry refuses sequence / tensor parallel for this class)."""
 
     # -- the encode stage ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -143,7 +177,7 @@ class WanImageToVideoFamily(WanFamily):
             r = job.request
             first = Image.fromarray(image_array(r["image"]))
             last = None if r.get("last_image") is None else Image.fromarray(image_array(r["last_image"]))
-            job.cond["image"] = self._embed_image(first if last is None else [first, last])
+            job.cond["image"] = self._embed_image(first if last is None else [first, last]) if self.uses_clip else None
             job.cond["condition"] = self._condition(first, last, r, job.value)
 
     def _embed_image(self, pictures: Any) -> torch.Tensor:
@@ -184,6 +218,8 @@ class WanImageToVideoFamily(WanFamily):
         return torch.cat([latents, torch.cat([job.cond["condition"] for job in jobs]).to(latents.dtype)], dim=1)
 
     def _forward(self, transformer: Any, x: torch.Tensor, ts: torch.Tensor, jobs: list[Job], branch: str) -> torch.Tensor:
-        """WanFamily's forward with each job's image rows (1, or 2 for first and last frame) in job order."""
+        """WanFamily's forward with each job's image rows (1, or 2 for first and last frame) in job order; none
+        for the Wan 2.2 A14B experts, which take no image embeddings."""
+        images = torch.cat([job.cond["image"] for job in jobs]) if self.uses_clip else None
         return self.denoise(transformer, x, self._timestep(ts, x), torch.cat([job.cond[branch] for job in jobs]),
-                            encoder_hidden_states_image=torch.cat([job.cond["image"] for job in jobs]))
+                            encoder_hidden_states_image=images)

@@ -63,7 +63,7 @@ def tp_shard_dim(name: str) -> int | None:
 def validate_wan_parallel(config: Mapping[str, Any] | Any, parallel: Any) -> None:
     """Raise `ParallelConfigError` naming every part of `parallel` that a Wan transformer with
     `config` (its `config.json` or `transformer.config`) cannot run. Pure: no torch, no ranks."""
-    heads, ffn = int(_field(config, "num_attention_heads")), int(_field(config, "ffn_dim"))
+    heads, ffn = int(config_field(config, "num_attention_heads")), int(config_field(config, "ffn_dim"))
     att, dense, moe = parallel.attention, parallel.dense, parallel.moe
     split = att.tp_size * att.cp_size
     rules = [
@@ -90,7 +90,8 @@ def validate_wan_parallel(config: Mapping[str, Any] | Any, parallel: Any) -> Non
             "dense=DenseParallelConfig(tp_size=2))")
 
 
-def _field(config: Any, name: str) -> Any:
+def config_field(config: Any, name: str) -> Any:
+    """`name` of a config.json dict or of a model's `config` object."""
     if isinstance(config, Mapping):
         return config[name]
     return getattr(config, name)
@@ -113,7 +114,7 @@ def shard_wan(transformer: torch.nn.Module, ctx: Any) -> torch.nn.Module:
         if tp[1] > 1:
             _shard_attention(block.attn1, *tp)
             _shard_attention(block.attn2, *tp)
-            _shard_ffn(block.ffn, ctx.group_rank("dense_tp"), ctx.group_size("dense_tp"))
+            shard_feed_forward(block.ffn, ctx.group_rank("dense_tp"), ctx.group_size("dense_tp"))
         block.attn1.set_processor(ParallelSelfAttention(cp, head_dim))
     if cp.count > 1:
         _install_sequence_split(transformer, cp)
@@ -143,8 +144,9 @@ def _shard_attention(attn: Any, index: int, count: int) -> None:
     attn.kv_inner_dim //= count
 
 
-def _shard_ffn(ffn: Any, index: int, count: int) -> None:
-    """Hidden units index*F/count .. (index+1)*F/count of a diffusers FeedForward (GELU, Linear)."""
+def shard_feed_forward(ffn: Any, index: int, count: int) -> None:
+    """Hidden units index*F/count .. (index+1)*F/count of a diffusers FeedForward (GELU, Linear): the
+    up projection column-parallel, the down projection row-parallel over `dense_tp` (Wan's and Cosmos' FFN)."""
     up, down = ffn.net[0], ffn.net[2]
     if not hasattr(up, "proj") or not isinstance(down, torch.nn.Linear):
         raise ValueError(f"cannot split FeedForward {ffn.net}: expected net[0].proj and net[2] linears")
