@@ -251,6 +251,12 @@ def test_requests_the_folder_cannot_serve_are_refused_naming_the_rule(folder):
             entry.validate_request({**request(), **fields})
     [spec] = entry.sequences(action("policy"))
     assert spec.payload["action"]["mode"] == "policy" and spec.steps == 3
+    from phyai_ray.models.diffusers_pipeline.cosmos3_request import FolderLimits, parse
+
+    mute = FolderLimits(temporal=4, spatial=16, patch=2, sound=False, action=False, action_dim=0)
+    for fields, rule in [({"enable_sound": True}, "sound_tokenizer"), (action("policy"), "no action head")]:
+        with pytest.raises(VideoRequestError, match=rule):
+            parse({**request(), **fields}, mute)
     capped = DiffusersPipelineEntry({"model": str(folder), "max_frames": 9, "max_pixels": 64 * 64})
     for fields, rule in [({"num_frames": 13}, "max_frames=9 \\(plugin_args\\['max_frames'\\]"),
                          ({"height": 128}, "max_pixels=4096"), (action("policy"), "81920 pixels per frame")]:
