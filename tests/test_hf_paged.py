@@ -195,8 +195,9 @@ def test_sleep_level2_frees_the_weights_and_the_cache_and_an_update_after_wake_s
         assert_matches(submit_all(eng, [PROMPTS[0]])[0], want)
         weights = sum(p.numel() * 4 for p in model.parameters())
         before = resident_bytes()
-        eng.sleep(level=2)
+        [report] = eng.sleep(level=2)
         freed = before - resident_bytes()
+        assert report.ranks[0]["freed_bytes"] == weights + kv_bytes  # what the model says it freed
         sender = WeightSender("gloo")  # the weights first (the update refills them), then wake_up
         sender.init_transfer(eng)
         sender.update(eng, model.named_parameters(), version=1)
