@@ -264,6 +264,36 @@ def test_requests_the_folder_cannot_serve_are_refused_naming_the_rule(folder):
             capped.validate_request({**request(), **fields})
 
 
+def test_the_guardrail_checks_the_prompt_in_the_dispatcher_and_the_video_after_decode(folder, pipe, family):
+    import json
+
+    from phyai_ray.errors import GuardrailError
+    from phyai_ray.models.diffusers_pipeline import DiffusersPipelineEntry
+    from phyai_ray.models.diffusers_pipeline.guardrail import Guardrail, GuardrailConfigError
+    from tests.diffusers_cosmos import STAND_IN
+
+    entry = DiffusersPipelineEntry({"model": str(folder), "safety_checker": STAND_IN})
+    with pytest.raises(GuardrailError, match="refused the prompt"):
+        entry.validate_request(request(prompt="a forbidden cube"))
+    entry.validate_request(request())
+    index = folder / "model_index.json"  # a folder that keeps enable_safety_checker needs a checker
+    saved = index.read_text()
+    try:
+        index.write_text(json.dumps({**json.loads(saved), "enable_safety_checker": True}))
+        with pytest.raises(GuardrailConfigError, match="safety_checker"):
+            DiffusersPipelineEntry({"model": str(folder)})
+    finally:
+        index.write_text(saved)
+    r = request(seed=12, num_inference_steps=2)
+    family.components["safety_checker"] = Guardrail.load(STAND_IN)  # the stand-in passes every video through
+    try:
+        [got] = run(family, [r])
+    finally:
+        del family.components["safety_checker"]
+    frames = (reference(pipe, r)["video"].numpy() * 255).astype(np.uint8)  # the pipeline's uint8 round trip
+    torch.testing.assert_close(got["video"], torch.from_numpy(frames.astype(np.float32) / 255.0), rtol=0, atol=1e-6)
+
+
 def test_layouts_other_than_equal_tp_and_cfg_are_refused_before_any_rank(folder):
     from phyai_ray import AttentionParallelConfig, DenseParallelConfig, OuterParallelConfig, ParallelConfig
     from phyai_ray.errors import ParallelConfigError

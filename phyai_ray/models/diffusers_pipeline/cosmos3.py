@@ -14,7 +14,9 @@ What `Cosmos3OmniPipeline.__call__` does for one prompt, split where the iterati
               count, step), ONE over the uncond rows of the guided ones (the pipeline's two passes,
               so one request alone equals it bit for bit); velocities masked on the conditioning
               positions, v = u + g (c - u), then each stream's scheduler step
-    decode    latents * std + mean -> the VAE -> float [frames, H, W, 3] in [0, 1] ("np")
+    decode    latents * std + mean -> the VAE -> float [frames, H, W, 3] in [0, 1] ("np"), through the
+              guardrail's video check when the folder has one (the output rank's
+              components["safety_checker"]; the prompt was checked once, in the dispatcher)
     outputs   {"action": [chunk, raw_action_dim]} (policy, inverse_dynamics), {"sound": [ch, samples]}
 
 The transformer is diffusers' `Cosmos3OmniTransformer`, its attention processor replaced by
@@ -217,7 +219,11 @@ class Cosmos3Family(Family):
         mean = pipe._vae_latents_mean.to(device=latents.device, dtype=vae.dtype).view(1, -1, 1, 1, 1)
         inv_std = pipe._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype).view(1, -1, 1, 1, 1)
         decoded = vae.decode(latents.to(vae.dtype) / inv_std + mean).sample.to(latents.dtype)
-        return torch.from_numpy(pipe.video_processor.postprocess_video(decoded, output_type="np")[0])
+        frames = pipe.video_processor.postprocess_video(decoded, output_type="np")[0]
+        guard = self.components.get("safety_checker")  # the output rank's Guardrail, when the folder has one
+        if guard is not None:  # as the pipeline's _apply_video_safety_check of "np" frames
+            frames = guard.check_video((frames * 255).astype(np.uint8)).astype(np.float32) / 255.0
+        return torch.from_numpy(frames)
 
     @torch.no_grad()
     def outputs(self, job: Job) -> dict[str, Any]:

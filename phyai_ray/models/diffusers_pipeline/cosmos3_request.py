@@ -144,6 +144,15 @@ def _check_size(values: dict[str, Any], limits: FolderLimits) -> None:
         raise VideoRequestError("video conditioning needs num_frames > 1")
 
 
+def guardrail_wanted(folder: Any, plugin_args: dict[str, Any]) -> bool:
+    """Whether a folder runs behind a safety checker: a Cosmos3 folder whose model_index.json keeps
+    `enable_safety_checker` (the default; then one is required, as for every Cosmos checkpoint), or one
+    whose plugin_args name one. Other pipeline classes: False (their own rule applies)."""
+    if folder.class_name != "Cosmos3OmniPipeline":
+        return False
+    return bool(folder.index.get("enable_safety_checker", True)) or plugin_args.get("safety_checker") is not None
+
+
 def _check_caps(values: dict[str, Any], caps: Any) -> None:
     """Frames and pixels per frame within plugin_args' max_frames / max_pixels (an action request: its
     chunk_size + 1 frames and its tier's largest canvas)."""
