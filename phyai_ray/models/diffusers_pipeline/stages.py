@@ -58,7 +58,7 @@ class Stage:
             with torch.no_grad():
                 if self.stream is None:
                     return fn(*args)
-                with torch.cuda.stream(self.stream):
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # the rank's GPU, not cuda:0
                     self.stream.wait_event(ready)
                     out = fn(*args)
                 self.stream.synchronize()  # this thread waits for its kernels; the loop's stream never does
