@@ -182,6 +182,9 @@ def world_folder(root: Any, dry_run: bool) -> Any:
     step: its depth does not change what is measured)."""
     from pathlib import Path
 
+    repo = str(Path(__file__).resolve().parents[1])  # the tests' folder builders, run from anywhere
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
     folder = Path(root) / "wan"
     if dry_run:
         from tests.diffusers_folders import build_wan
