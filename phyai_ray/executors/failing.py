@@ -2,7 +2,7 @@
 
     failed_alone(running, live, forget, errors)    the requests of sequences that failed alone
     failed_all(index, running, forget, error)       every running request (the shared forward failed)
-    reply_parts(reply)                              an iteration's deltas, and {seq_id: error} of those that failed alone
+    reply_parts(reply)                              the deltas, and {seq_id: error} of those that failed alone
 
 A request's failure is its own: a sequence whose `admit` raised on every rank, one a `SequenceError`
 named, or one whose Delta ended it with `stop_reason="error"` fails its request alone, with its own
@@ -66,3 +66,4 @@ def reply_parts(reply: RankIteration | dict[int, Delta] | None) -> tuple[dict[in
         deltas, errors = reply or {}, {}
     errors.update(delta_errors(deltas))
     return deltas, errors
+
