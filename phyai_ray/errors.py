@@ -15,8 +15,8 @@ like, so callers may catch either:
     ├── EngineOverloadedError(RuntimeError)
     │                                     every healthy replica's queue is full; the request was
     │                                     not admitted (nothing else is affected): retry later
-    ├── RequestTimeoutError(TimeoutError) one request passed its deadline (execution_timeout_s
-    │   │                                 from submission); the replica keeps serving
+    ├── RequestTimeoutError(TimeoutError) one request passed its own limit (execution_timeout_s
+    │   │                                 from submission, or its estimate); the replica keeps serving
     │   └── DeadlineMissedError           its own deadline (submit(deadline_s=)) passed before it
     │                                     started: answered at once, never run
     ├── RequestAbortedError(RuntimeError) a queued request dropped by pause(mode="abort")
@@ -176,11 +176,14 @@ class EngineOverloadedError(PhyAIError, RuntimeError):
 
 
 class RequestTimeoutError(PhyAIError, TimeoutError):
-    """A request was not finished `execution_timeout_s` after submission (queueing included).
+    """A request was not finished within its own limit: `execution_timeout_s` after submission
+    (queueing included) when that is set, else the hang limit for a step, or, for an iterative
+    request, its planned iterations x the recent iteration time, twice, plus the hang limit.
 
     Only that request fails: a request still queued is dropped before it reaches a rank, and the
-    replica stays healthy. (A replica fails as a whole only when ONE request has been running on
-    its ranks for `execution_timeout_s`; that is an `EngineUnavailableError` with reason "timeout".)
+    replica stays healthy. (A replica fails as a whole only when ONE rank call has been running on
+    its ranks for the hang limit, `rank_call_timeout_s`; that is an `EngineUnavailableError` with
+    reason "timeout".)
     """
 
     def __init__(self, message: str, *, replica: int | None = None, waited_s: float | None = None,
