@@ -19,6 +19,7 @@ venv (scripts/lerobot_reference/bench_reference.py; `make lerobot-reference`); p
 4. openpi-client robots (the clients' venv of tests/client_venv.py) on a Serve app of the policy, via
    the group's direct ingress: one robot's non-model overhead per frame (round trip minus the server's
    infer_ms), then 8 robots at 20 Hz with 100 ms deadlines: the fraction on time, batch sizes.
+5. Joins (bench_joins.py): a running robot's step gaps while 8 others join, prefixes whole vs prefix_budget.
 Prints the machine first, medians and p99, ratios side by side, the issue's targets met or NOT MET.
 """
 
@@ -379,6 +380,9 @@ def main() -> None:
             lines.append(f"  failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
         if opts.no_openpi:
             lines.append("  skipped (--no-openpi)")
+    from bench_joins import joins_part  # beside this script; it imports this one's helpers
+
+    lines.append(joins_part(opts.rounds))
     print("\n".join(lines + targets(num, fleet)), flush=True)
     results.write(opts.json, "policy", machine())
 

@@ -171,8 +171,8 @@ def test_camera_frames_over_the_limit_are_refused_in_the_dispatcher_naming_the_k
         entry.validate_request({**cases.frame(0), "observation.state": torch.zeros(99)})
     with pytest.raises(ValueError, match="3 channels"):
         entry.validate_request({**cases.frame(0), top: torch.zeros(4, 8, 8)})
-    assert LeRobotPolicyEntry({**args_of("smolvla"), "max_image_side": 4096}).validate_request(big).images[top].shape[-1] \
-        == 3000
+    wider = LeRobotPolicyEntry({**args_of("smolvla"), "max_image_side": 4096})
+    assert wider.validate_request(big).images[top].shape[-1] == 3000
     with Engine(EngineArgs(plugin="lerobot_policy", plugin_args=args_of("smolvla"))) as engine:
         with pytest.raises(RequestRejectedError, match="max_image_side"):
             engine.step(big)

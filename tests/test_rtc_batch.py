@@ -26,7 +26,8 @@ def test_a_batch_is_guided_as_each_row_alone(rule):
               for s in specs]
     x = torch.randn(len(specs), chunk, dim, generator=gen)
     v = torch.randn(len(specs), chunk, dim, generator=gen)
-    remaining = torch.tensor([1.0, 0.5, 0.3, 0.9, 0.1] if rule.max_guidance_weight is None else [1.0, 0.5, 0.0, 0.7, 1.0])
+    pulled = rule.max_guidance_weight is None  # divides by remaining: never 0 there
+    remaining = torch.tensor([1.0, 0.5, 0.3, 0.9, 0.1] if pulled else [1.0, 0.5, 0.0, 0.7, 1.0])
     got = GuidanceBatch(guides).velocity(x, v, remaining)
     for row, guide in enumerate(guides):
         want = v[row] if guide is None else guide.velocity(x[row], v[row], float(remaining[row]))

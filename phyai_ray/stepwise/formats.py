@@ -84,7 +84,8 @@ def from_format(frame: Any, name: str | None, cameras: list[str], state_key: str
     present = [c for c in fmt.cameras if c in source]
     unknown = sorted(set(source) - set(fmt.cameras)) if fmt.nested else []
     if unknown:
-        raise ValueError(f"unknown cameras {unknown} in {fmt.nested!r}; openpi's {name!r} format names {list(fmt.cameras)}")
+        raise ValueError(f"unknown cameras {unknown} in {fmt.nested!r}; openpi's {name!r} format names "
+                         f"{list(fmt.cameras)}")
     for policy_camera, client_camera in zip(cameras, present):
         out[policy_camera] = source[client_camera]
     return out

@@ -15,6 +15,9 @@ plugin_args:
                ((cameras x image tokens + tokenizer_max_length [+ 1 state]) x VLM layers each) fit it
     batch_prefixes  true (default): the frames admitted in one plan run their prefixes as ONE VLM pass
                (right-padded, masked); false: one pass per frame (the same numbers; for measuring)
+    prefix_budget  joining frames' prefix work per iteration (tokens x layers, SigLIP's and the VLM's);
+               a larger pass goes on in the next iterations, so running robots keep their step
+               cadence while others join (joins.py); default: none (every prefix whole at once)
     dtype      "float32", "bfloat16" or "float16"; default: bfloat16 on CUDA (the checkpoint's own
                `dtype` field where it has one), float32 on CPU (memory.py)
     max_image_side  the largest height or width a camera frame may have (default 2048): a larger one
@@ -89,9 +92,15 @@ class LeRobotPolicyEntry(Entry):
             raise ValueError(f'lerobot_policy: plugin_args["batch_prefixes"] must be true or false (one VLM pass for '
                              f"the frames admitted together, or one per frame), got {self._batch_prefixes!r}")
         self._dtype = plugin_args.get("dtype")
+        budget = plugin_args.get("prefix_budget")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f'lerobot_policy: plugin_args["prefix_budget"] must be an int >= 1 (tokens x layers of '
+                             f"prefix work per iteration) or null, got {budget!r}")
+        self._prefix_budget = budget
         side = plugin_args.get("max_image_side", DEFAULT_MAX_IMAGE_SIDE)
         if isinstance(side, bool) or not isinstance(side, int) or side < 1:
-            raise ValueError(f'lerobot_policy: plugin_args["max_image_side"] must be an int >= 1 (pixels), got {side!r}')
+            raise ValueError(f'lerobot_policy: plugin_args["max_image_side"] must be an int >= 1 (pixels), '
+                             f"got {side!r}")
         self._max_side = side
         self.folder = folder
         self.layout = frame_layout(folder, plugin_args.get("openpi_keys"), plugin_args.get("openpi_format"))
@@ -108,10 +117,10 @@ class LeRobotPolicyEntry(Entry):
         for key, image in frame.images.items():
             height, width = image.shape[1:]
             if max(height, width) > self._max_side:
+                cfg = self.folder.config
                 raise ValueError(f"'{key}' is {height} x {width} pixels; this policy takes cameras up to "
-                                 f"{self._max_side} pixels a side (plugin_args['max_image_side']; the "
-                                 "checkpoint resizes to "
-                                 f"{self.folder.config.get('resize_imgs_with_padding') or self.folder.config.get('image_resolution')})")
+                                 f"{self._max_side} pixels a side (plugin_args['max_image_side']; the checkpoint "
+                                 f"resizes to {cfg.get('resize_imgs_with_padding') or cfg.get('image_resolution')})")
         return frame
 
     def sequences(self, request: Any) -> list[SequenceSpec]:
@@ -158,4 +167,5 @@ class LeRobotPolicyEntry(Entry):
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> LeRobotPolicy:
         if self.folder is None:
             self.configure(plugin_args)
-        return LeRobotPolicy(self.folder, ctx, batch_prefixes=self._batch_prefixes, dtype=self._dtype)
+        return LeRobotPolicy(self.folder, ctx, batch_prefixes=self._batch_prefixes, dtype=self._dtype,
+                             prefix_budget=self._prefix_budget)

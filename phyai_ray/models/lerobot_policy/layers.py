@@ -14,6 +14,7 @@ The prefix pass of the frames admitted together stacks their embeddings the same
 from __future__ import annotations
 
 import math
+from typing import Any, Generator
 
 import torch
 
@@ -63,6 +64,15 @@ def by_shape(images: list[torch.Tensor], fn) -> list[torch.Tensor]:
         for i, row in zip(members, fn(torch.stack([images[i] for i in members]))):
             out[i] = row
     return out
+
+
+def run_steps(steps: Generator[int, None, Any]) -> Any:
+    """Run a generator of layer steps (`prefix_steps`) to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def pad_mask(lengths: list[int], length: int, device: torch.device) -> torch.Tensor:

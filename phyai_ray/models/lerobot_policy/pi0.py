@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import numpy as np
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, by_shape, pad_mask, \
+from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, pad_mask, run_steps, \
     stack_right, time_embedding
 from phyai_ray.nn.norm import GemmaRMSNorm
 from phyai_ray.nn.rotary import gemma_rope
@@ -180,18 +180,23 @@ class PiZero(nn.Module):
     @torch.inference_mode()
     def encode_prefixes(self, images: list[list[torch.Tensor]], tokens: list[torch.Tensor],
                         states: torch.Tensor) -> list[Prefix]:
-        """B frames' prefix caches from ONE pass: images[b] the frame's cameras [3, H, W] (resized, in
-        [-1, 1]), tokens[b] its prompt [T_b] (pi0.5's holds the state; `states` is unused here).
+        """B frames' prefix caches from ONE pass (`prefix_steps` run to its end)."""
+        return run_steps(self.prefix_steps(images, tokens, states))
+
+    def prefix_steps(self, images: list[list[torch.Tensor]], tokens: list[torch.Tensor],
+                     states: torch.Tensor) -> Generator[int, None, list[Prefix]]:
+        """B frames' prefix caches from ONE pass, one layer at a time: yields each layer's work (tokens
+        through it) after running it, returns the caches. images[b] the frame's cameras [3, H, W]
+        (resized, in [-1, 1]), tokens[b] its prompt [T_b] (pi0.5's holds the state; `states` unused).
 
         Frame b's prefix is [its cameras' SigLIP tokens, in camera order] ++ [its prompt], L_b tokens,
         all seeing each other. Prompts differ in length, so the rows are padded on the right to L_max:
         a padded key is masked out of every real token's attention and its positions run on 0..L_b-1,
-        so row b computes what frame b alone computes; its cache is cut back to L_b afterwards.
+        so row b computes what frame b alone computes; its cache is cut back to L_b afterwards. The
+        cameras of one size go through SigLIP together, layer by layer.
         """
         pg = self.paligemma_with_expert.paligemma.model
-        tower, project = pg.vision_tower.vision_model, pg.multi_modal_projector.linear
-        flat = by_shape([img for frame in images for img in frame],
-                        lambda px: project(tower(pixel_values=px).last_hidden_state))
+        flat = yield from self._vision_steps([img for frame in images for img in frame])
         embed, rows, at = pg.language_model.embed_tokens, [], 0
         for frame, ids in zip(images, tokens):
             lang = embed(ids)
@@ -210,8 +215,28 @@ class PiZero(nn.Module):
             keys.append(k)
             values.append(v)
             x = layer.finish(x, attend(q, k, v, mask), gate, None)
+            yield len(rows) * lmax
         return [Prefix([k[b, :n].clone() for k in keys], [v[b, :n].clone() for v in values], n)
                 for b, n in enumerate(lengths)]
+
+    def _vision_steps(self, images: list[torch.Tensor]) -> Generator[int, None, list[torch.Tensor]]:
+        """SigLIP + the projector over the cameras, one group of one image size and one layer at a time
+        (what `SiglipVisionModel` computes: embeddings, encoder layers, post_layernorm); each camera's
+        tokens, in the given order."""
+        tower = self.paligemma_with_expert.paligemma.model.vision_tower.vision_model
+        project = self.paligemma_with_expert.paligemma.model.multi_modal_projector.linear
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, img in enumerate(images):
+            groups.setdefault(tuple(img.shape), []).append(i)
+        out: list[Any] = [None] * len(images)
+        for members in groups.values():
+            h = tower.embeddings(torch.stack([images[i] for i in members]))
+            for layer in tower.encoder.layers:
+                h = layer(h, None)
+                yield h.shape[0] * h.shape[1]
+            for i, row in zip(members, project(tower.post_layernorm(h))):
+                out[i] = row
+        return out
 
     # -- one expert step for a stack of frames --------------------------------------------------------
     def _suffix(self, x: torch.Tensor, time: torch.Tensor, states: torch.Tensor | None):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+from phyai_ray.models.lerobot_policy.joins import PrefixPhase
 from phyai_ray.models.lerobot_policy.layers import StackedPrefixes
 from phyai_ray.models.lerobot_policy.memory import checkpoint_tensors, compute, drop_weights, move_weights, \
     serving_dtype, tensor_bytes
@@ -91,7 +92,8 @@ class Expert(Sequence):
 class LeRobotPolicy:
     """The per-rank model of `lerobot_policy` (see the module docstring)."""
 
-    def __init__(self, folder: PolicyFolder, ctx: Any, batch_prefixes: bool = True, dtype: str | None = None) -> None:
+    def __init__(self, folder: PolicyFolder, ctx: Any, batch_prefixes: bool = True, dtype: str | None = None,
+                 prefix_budget: int | None = None) -> None:
         self.folder, self.ctx, self.batch_prefixes = folder, ctx, batch_prefixes
         self.device = torch.device(getattr(ctx, "device", "cpu") or "cpu")
         cfg = folder.config
@@ -118,7 +120,8 @@ class LeRobotPolicy:
         self.cameras = list(folder.features("VISUAL"))
         [(self.action_key, (self.action_dim, *_))] = folder.features("ACTION").items()
         self.running: Running[Expert] = Running()
-        self.prefix_passes: Counter[int] = Counter()  # {frames in one VLM prefix pass: how many such passes}
+        self.joins = PrefixPhase(self.net, prefix_budget, batch_prefixes)
+        self.prefix_passes: Counter[int] = self.joins.passes  # {frames in one VLM prefix pass: how many such passes}
         self._stacked: tuple[tuple[int, ...], Stacked] | None = None
         self.weight_version: Any = None
 
@@ -146,9 +149,13 @@ class LeRobotPolicy:
         return deltas
 
     def _encode_and_advance(self, frames: list[Expert]) -> None:
+        """The prefix phase (joins.py: whole, or within plugin_args["prefix_budget"]), then one step of
+        every frame whose prefix is ready."""
         with compute(self.device, self.dtype):
-            self._encode([f for f in frames if f.prefix is None])
-            self._advance(frames)
+            self.joins.run([f for f in frames if f.prefix is None])
+            ready = [f for f in frames if f.prefix is not None]
+            if ready:
+                self._advance(ready)
 
     @torch.inference_mode()
     def step(self, payload: RobotFrame) -> dict[str, torch.Tensor]:
@@ -202,12 +209,14 @@ class LeRobotPolicy:
             else:
                 target.copy_(source)
         self._stacked = None
+        self.joins.reset()
 
     # -- sleep / wake (C2: the bytes freed on this rank, host and device) -------------------------------
     def sleep(self, level: int) -> int:
         """Level 1: the stacked prefix cache freed and, on CUDA, the weights moved to the host; level 2:
         the weights dropped as well (the next weight update refills them). The bytes freed."""
         freed = self.reset_cache()
+        self.joins.reset()
         if level >= 2:
             return freed + drop_weights(self.net)
         if self.device.type == "cuda":
@@ -239,15 +248,11 @@ class LeRobotPolicy:
         return frames
 
     def _encode(self, frames: list[Expert]) -> None:
-        """The frames' prefix caches: ONE pass of the VLM over all of them (or one pass per frame with
-        batch_prefixes off); counted in `prefix_passes` by frames per pass."""
-        groups = [frames] if self.batch_prefixes else [[f] for f in frames]
-        for group in filter(None, groups):
-            images, tokens = zip(*(f.inputs for f in group))
-            prefixes = self.net.encode_prefixes(list(images), list(tokens), torch.stack([f.state for f in group]))
-            for frame, prefix in zip(group, prefixes):
-                frame.prefix, frame.inputs = prefix, None
-            self.prefix_passes[len(group)] += 1
+        """The frames' prefix caches, whole: ONE pass of the VLM over all of them (or one pass per frame
+        with batch_prefixes off); counted in `prefix_passes` by frames per pass."""
+        whole = PrefixPhase(self.net, None, self.batch_prefixes)
+        whole.run(frames)
+        self.prefix_passes.update(whole.passes)
 
     def _start(self, payload: RobotFrame) -> Expert:
         """The frame at time 1, preprocessed as LeRobot does (its prefix not yet run): the state

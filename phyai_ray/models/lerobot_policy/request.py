@@ -25,7 +25,8 @@ from phyai_ray.stepwise.formats import check_format
 from phyai_ray.stepwise.frames import FrameLayout, openpi_aliases
 
 
-def frame_layout(folder: PolicyFolder, openpi_keys: dict[str, str] | None, openpi_format: str | None = None) -> FrameLayout:
+def frame_layout(folder: PolicyFolder, openpi_keys: dict[str, str] | None,
+                 openpi_format: str | None = None) -> FrameLayout:
     """The frames of `folder`'s checkpoint: its one state feature, its cameras, its action chunk; openpi's
     client formats (phyai_ray/stepwise/formats.py) detected from the keys unless `openpi_format` names
     one, or openpi_keys are given (then the frames are taken by those names only)."""
