@@ -55,8 +55,8 @@ def test_eight_samples_sharing_a_prompt_in_bfloat16_match_unshared_within_bfloat
                                                                                        monkeypatch) -> None:
     folder = write_checkpoint(tmp_path / "llama", "llama")
     calls = []
-    kernel = ragged.cascade_attention
-    monkeypatch.setattr(ragged, "cascade_attention", lambda *a: calls.append(1) or kernel(*a))
+    kernel = ragged.cascade_merge
+    monkeypatch.setattr(ragged, "cascade_merge", lambda *a: calls.append(1) or kernel(*a))
     shared = torch.tensor(run(folder, "bfloat16", True))
     assert calls  # the cascade path served the shared rows
     plain = torch.tensor(run(folder, "bfloat16", False))

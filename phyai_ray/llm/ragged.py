@@ -6,9 +6,11 @@
     out = batch.attend(q, keys, values)             # [N, heads, d]
     logits at batch.last                            # the last token of every chunk that samples
 
-Decode rows (a chunk of one token) come first and attend together: each gathers its keys
-through its block table, [D, kv, W * block_size, d] with W the longest table, and a length mask
-hides the columns past its own length (memory D x T, no query dimension).
+Decode rows (a chunk of one token) come first and attend together over the pool's blocks
+(`paged_decode_attention`): the blocks every row reads are listed once, with the row each belongs to
+and which of its columns lie within that row's length; only those blocks are read (one copy, no
+padding to the longest row), and a segment softmax per row joins them. Transient memory: the KV
+read, plus a few scores per block.
 
 Cascade (decode rows that share cached prefix blocks, e.g. the n samples of one GRPO prompt):
 the shared blocks are gathered ONCE for the group and every row's queries attend to them
@@ -20,8 +22,8 @@ the causal part of its own, an [n, cached + n] mask. Nothing is B x S x T.
 
 Grouped-query attention: the G = heads / kv_heads queries that read one key/value head are
 stacked, so the blocks hold kv heads only. This module prepares the tables, masks and gathers;
-the kernels are `phyai_ray.nn.attention`'s `decode_attention`, `cascade_attention` and
-`chunk_attention` (the attention entry's backends, boolean masks: True may attend).
+the kernels are `phyai_ray.nn.attention`'s `paged_decode_attention`, `paged_attention_lse` with
+`cascade_merge`, and `chunk_attention` (the attention entry's backends, boolean masks: True may attend).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from phyai_ray.llm.paged import Chunk
 from phyai_ray.llm.sequence import tensor_of as _tensor
-from phyai_ray.nn.attention import cascade_attention, chunk_attention, decode_attention
+from phyai_ray.nn.attention import cascade_merge, chunk_attention, paged_attention_lse, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,7 @@ class RaggedBatch:
     write_rows: torch.Tensor  # [N]: row inside the block
     last: torch.Tensor  # [R]: index of the last token of each chunk that samples, in the order of the chunks
     decodes: int  # D: tokens 0 .. D-1 are decode rows
-    table: torch.Tensor | None  # [D, W] block ids after a row's shared prefix (0 past a table's end: masked)
-    visible: torch.Tensor | None  # [D, 1, 1, W * block_size] bool
+    reads: tuple | None  # decode rows' own blocks (after a shared prefix): (blocks [B], rows [B], valid [B, bs])
     prefills: tuple[Prefill, ...]
     shared: tuple[Shared, ...] = ()  # decode rows whose leading blocks are the same blocks (cascade)
 
@@ -85,12 +86,12 @@ class RaggedBatch:
         packed = _tensor("q", [v for part in parts for v in part]).to(device).split([len(p) for p in parts])
         decodes = sum(1 for c in chunks if c.n == 1)
         skip, shared = _shared_prefixes(ordered[:decodes], block_size, device)
-        table, visible = _decode_table(ordered[:decodes], skip, block_size, device)
+        reads = _decode_reads(ordered[:decodes], skip, block_size, device)
         prefills, start = [], decodes
         for c in ordered[decodes:]:
             prefills.append(_prefill(c, start, block_size, device))
             start += c.n
-        return cls(*packed, decodes, table, visible, tuple(prefills), shared)
+        return cls(*packed, decodes, reads, tuple(prefills), shared)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k / v [N, kv, d] in their blocks' rows."""
@@ -103,13 +104,14 @@ class RaggedBatch:
         The keys are gathered here through the block tables; the kernels are `phyai_ray.nn.attention`'s."""
         out = q.new_empty(q.shape)
         if self.decodes:
-            dq, k, v = q[:self.decodes], _gather(keys, self.table), _gather(values, self.table)
+            dq = q[:self.decodes]
             if self.shared:
                 prefixes = ((s.rows, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]))
                             for s in self.shared)  # gathered one group at a time
-                out[:self.decodes] = cascade_attention(dq, k, v, self.visible, prefixes)
+                own, lse = paged_attention_lse(dq, keys, values, *self.reads)
+                out[:self.decodes] = cascade_merge(dq, own, lse, prefixes)
             else:
-                out[:self.decodes] = decode_attention(dq, k, v, self.visible)
+                out[:self.decodes] = paged_decode_attention(dq, keys, values, *self.reads)
         for p in self.prefills:
             k = _gather(keys, p.blocks[None])[:, :, :p.length]
             v = _gather(values, p.blocks[None])[:, :, :p.length]
@@ -152,17 +154,20 @@ def _shared_prefixes(chunks: list[Chunk], block_size: int, device: Any) -> tuple
     return skip, tuple(shared)
 
 
-def _decode_table(chunks: list[Chunk], skip: list[int], block_size: int, device: Any) -> tuple[Any, Any]:
-    """Each decode row's blocks after its first `skip` ones, padded to the longest, and which of
-    their columns it sees (its own length less the skipped columns)."""
+def _decode_reads(chunks: list[Chunk], skip: list[int], block_size: int, device: Any) -> tuple | None:
+    """The blocks decode rows read after their first `skip` ones: (blocks [B], rows [B], valid [B, bs]),
+    only as many blocks as each row's length needs, its columns past that length not valid."""
     if not chunks:
-        return None, None
-    own = [c.seq.blocks[n:] for c, n in zip(chunks, skip)]
-    width = max(len(t) for t in own)
-    table = _tensor("q", [b for t in own for b in t + [0] * (width - len(t))])
-    lengths = _tensor("q", [c.seq.cached + 1 - n * block_size for c, n in zip(chunks, skip)])
-    visible = torch.arange(width * block_size)[None, :] < lengths[:, None]
-    return table.view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
+        return None
+    blocks, rows, lengths = [], [], []
+    for i, (c, n) in enumerate(zip(chunks, skip)):
+        length = c.seq.cached + 1 - n * block_size  # its own columns, the new token's included
+        own = c.seq.blocks[n:n + -(-length // block_size)]
+        blocks += own
+        rows += [i] * len(own)
+        lengths += [length - j * block_size for j in range(len(own))]  # its columns from this block on
+    valid = torch.arange(block_size)[None, :] < _tensor("q", lengths)[:, None]
+    return _tensor("q", blocks).to(device), _tensor("q", rows).to(device), valid.to(device)
 
 
 def _prefill(c: Chunk, start: int, block_size: int, device: Any) -> Prefill:

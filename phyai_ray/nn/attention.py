@@ -14,9 +14,12 @@
     merge_lse(o1, lse1, o2, lse2)               softmaxes over disjoint keys (cascade attention: a shared
                                                 prefix read once, each row's own suffix apart)
     over a paged KV cache (keys gathered per row from its blocks by `phyai_ray.llm.ragged`):
-    decode_attention(q, k, v, visible)          one new query per row over its own keys
+    decode_attention(q, k, v, visible)          one new query per row over its own keys (padded)
+    paged_decode_attention(q, keys, values, blocks, rows, valid)
+                                                the same read from the pool's blocks, no padded copy
     chunk_attention(q, k, v, mask)              a prompt chunk's queries over its sequence's keys
     cascade_attention(q, k, v, visible, prefixes)   decode rows whose groups share a prefix, read once
+    cascade_merge(q, out, lse, prefixes)        the same from rows' own (out, lse) (`paged_attention_lse`)
 
 A new kernel is one `register_backend(name, fn)` call and reaches every model at once.
 
@@ -171,10 +174,18 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     (`attention_lse`), and rounded to q's dtype once. With the n samples of one prompt, the prompt's
     keys are read once instead of n times."""
     r, h, d = q.shape
-    kv = k.shape[1]
+    out, lse = attention_lse(q.view(r, k.shape[1], h // k.shape[1], d), k, v, visible)
+    return cascade_merge(q, out, lse, prefixes)
+
+
+def cascade_merge(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  prefixes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Each row's own attention (out [R, KV, G, D] and lse [R, KV, G, 1], float32) merged with its
+    group's shared prefix (see `cascade_attention`) -> [R, H, D] in q's dtype."""
+    r, h, d = q.shape
+    kv = out.shape[1]
     groups = h // kv
     dq = q.view(r, kv, groups, d)
-    out, lse = attention_lse(dq, k, v, visible)
     for rows, keys, values in prefixes:
         m = rows.numel()
         gq = dq[rows].permute(1, 0, 2, 3).reshape(1, kv, m * groups, d)  # the group's queries, per kv head
@@ -183,3 +194,40 @@ def cascade_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
         plse = plse.view(kv, m, groups, 1).transpose(0, 1)
         out[rows] = merge_lse(out[rows], lse[rows], po, plse)
     return out.view(r, h, d).to(q.dtype)
+
+
+def paged_attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
+                        rows: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per row over ITS blocks of a paged cache, reading only those blocks (no padding).
+
+    q [R, H, D]; keys / values the pool [N, bs, KV, D]; blocks [B]: every block some row reads, rows
+    [B]: the row it belongs to, valid [B, bs]: its columns within that row's length. Returns out
+    [R, KV, G, D] and lse [R, KV, G, 1] (float32 at least). Per block: scores [KV, G, bs], their max;
+    per row the max over its blocks (`scatter_reduce`), the exponentials' sums and the weighted
+    values added up (`index_add_`): a segment softmax. Transient memory: one copy of the blocks
+    read (the keys in float32: 1.5x that in bfloat16) plus G x bs scores per block and key/value
+    head, never R x (longest row)."""
+    r, h, d = q.shape
+    kv = keys.shape[2]
+    acc = accumulation_dtype(q.dtype)
+    k = keys[blocks].to(acc)  # [B, bs, KV, D]: the keys this iteration reads, in float32 (scores stay exact)
+    qb = q.view(r, kv, h // kv, d)[rows].to(acc)  # [B, KV, G, D]
+    scores = torch.einsum("nkgd,nbkd->nkgb", qb, k) * d ** -0.5
+    del k
+    v = values[blocks]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    block_max = scores.amax(-1)  # [B, KV, G]
+    row_max = block_max.new_full((r, *block_max.shape[1:]), float("-inf"))
+    row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
+    weights = torch.exp(scores - row_max[rows][..., None])
+    total = row_max.new_zeros(row_max.shape).index_add_(0, rows, weights.sum(-1))
+    part = torch.einsum("nkgb,nbkd->nkgd", weights.to(v.dtype), v).to(acc)
+    out = part.new_zeros((r, *part.shape[1:])).index_add_(0, rows, part) / total[..., None]
+    return out, (row_max + total.log())[..., None]
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
+                           rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`paged_attention_lse`'s output as [R, H, D] in q's dtype (decode rows sharing no prefix)."""
+    out, _ = paged_attention_lse(q, keys, values, blocks, rows, valid)
+    return out.view(q.shape).to(q.dtype)
