@@ -8,6 +8,8 @@ Run on a machine with CUDA GPUs: `.venv/bin/python benchmarks/gpu_smoke.py`
 2. RL weight sync on GPU: `cuda_ipc` (trainer and rank on GPU 0) and, with 2+ GPUs, `nccl` (rank on
    GPU 1); the rank's output equals the trainer's module; `sleep(level=2)` frees the rank's weight
    memory and a weight update refills it.
+4. a robot policy: pi0.5's real config with random bf16 weights (`check_policy`): its chunk against the same
+   weights in float32, a lone frame's latency, 16 robots per expert step against one at a time.
 3. a world model: Wan2.1-T2V-1.3B's config with random bf16 weights at 480 x 832 x 33 frames, the
    engine's step time and peak memory against WanPipeline's, and 4 concurrent requests against its
    4-prompt call (`check_world_model`).
@@ -100,6 +102,7 @@ def main() -> int:
     if gpus > 1:
         ok = check_weight_sync("nccl", device=1) and ok
     ok = check_world_model() and ok
+    ok = check_policy() and ok
     print("gpu_smoke:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
@@ -296,9 +299,119 @@ def check_world_model(dry_run: bool = False) -> bool:
     return error < (1e-4 if dry_run else 5e-2)
 
 
+# -- robot policy: pi0.5's real config, random bf16 weights, a lone frame and 16 robots per expert step -------
+def policy_rank(root: Any, dry_run: bool, dtype: str | None = None, weights: dict | None = None) -> Any:
+    """A `lerobot_policy` rank of pi0.5 (the real variants: PaliGemma 2B, Gemma 300M expert, SigLIP so400m, 224 x
+    224 cameras, chunk 50 x 32; dry run: the tests' tiny pi0.5) with random weights (or `weights`), built
+    without writing model.safetensors; bf16 on CUDA by default."""
+    import json
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from phyai_ray.models.lerobot_policy.folder import PolicyFolder
+    from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy, build_network
+
+    data = Path(__file__).resolve().parents[1] / "tests" / "data" / "lerobot" / "pi05"
+    folder = Path(root) / "pi05"
+    if not folder.exists():
+        shutil.copytree(data / "pretrained_model", folder)
+        config = json.loads((folder / "config.json").read_text())
+        if not dry_run:
+            config.update(chunk_size=50, max_state_dim=32, max_action_dim=32, image_resolution=[224, 224],
+                          tokenizer_max_length=200, num_inference_steps=10)
+        (folder / "config.json").write_text(json.dumps(config))
+    args = {"model": str(folder), "tokenizer": str(data / "backbone")}
+    if dry_run:
+        args["sizes"] = json.loads((data / "cases.json").read_text())["sizes"]
+    opened = PolicyFolder.open(args)
+    device = "cpu" if dry_run else "cuda"
+    if weights is None:
+        torch.manual_seed(0)
+        weights = build_network(opened, device).state_dict()
+    opened.load_weights = lambda prefix="": weights  # the random weights, as model.safetensors would give them
+    return LeRobotPolicy(opened, SimpleNamespace(device=device), dtype=dtype), weights
+
+
+def _policy_frame(r: int, size: int) -> dict:
+    gen = torch.Generator().manual_seed(r)
+    image = lambda: (torch.rand(size, size, 3, generator=gen) * 255).to(torch.uint8)  # noqa: E731
+    return {"observation.state": torch.randn(6, generator=gen), "task": f"pick up the red cube {r}",
+            "observation.images.top": image(), "observation.images.wrist": image()}
+
+
+def _timed(fn: Any) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def check_policy(dry_run: bool = False) -> bool:
+    """pi0.5 at its real size in bf16 on CUDA (dry run: tiny, float32 on CPU, where bf16 matmuls are slow; the
+    suite checks bf16 on CPU in tests/test_lerobot_policy_memory.py): the chunk against the same weights in
+    float32 (bf16 tolerance), a lone frame's latency, and 16 robots batched per expert step (chunks/s, p99
+    of a batch's latency) against the same 16 frames one at a time, and against LeRobot's
+    predict_action_chunk when LeRobot is installed (it is not in this project's venv)."""
+    import statistics
+    import tempfile
+
+    from phyai_ray.models.lerobot_policy.request import frame_layout
+    from phyai_ray.stepwise.frames import parse_frame
+
+    rounds, robots = (1, 4) if dry_run else (5, 16)  # the dry run checks the path, cheaply
+    with tempfile.TemporaryDirectory() as tmp:
+        rank, weights = policy_rank(tmp, dry_run)  # the default dtype: bf16 on CUDA, float32 on CPU
+        layout = frame_layout(rank.folder, None)
+        size = 32 if dry_run else 224
+        frames = [parse_frame(_policy_frame(r, size), layout) for r in range(robots)]
+        got = want = rank.step(frames[0])["actions"]
+        if rank.dtype != torch.float32:  # the same weights in float32: what bf16 changes
+            reference, _ = policy_rank(tmp, dry_run, dtype="float32", weights=weights)
+            want = reference.step(frames[0])["actions"]
+            del reference
+        del weights
+        error = float((got - want).abs().max() / want.abs().max())
+        rank.step(frames[1])  # warm
+        lone = [_timed(lambda: rank.step(frames[0])) for _ in range(rounds)]
+
+        def batch() -> None:
+            for i, f in enumerate(frames):
+                rank.admit(i, f)
+            while len(rank.running):
+                rank.iterate()
+
+        batch()  # warm
+        batched = [_timed(batch) for _ in range(rounds)]
+        one_at_a_time = _timed(lambda: [rank.step(f) for f in frames])
+    chunks_s = robots / statistics.median(batched)
+    p99 = sorted(batched)[min(len(batched) - 1, int(0.99 * len(batched)))]
+    label = f"dry run (CPU, tiny, {rank.dtype})" if dry_run else \
+        f"{torch.cuda.get_device_name(0)}, {rank.dtype}"
+    print(f"policy pi0.5, {label}: chunk vs float32 relative max error {error:.1e}; lone frame "
+          f"{statistics.median(lone) * 1e3:.1f} ms; {robots} robots per expert step {chunks_s:.1f} chunks/s "
+          f"(a batch p50 {statistics.median(batched) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms) vs one at a time "
+          f"{robots / one_at_a_time:.1f} chunks/s ({chunks_s * one_at_a_time / robots:.2f}x); LeRobot's "
+          f"predict_action_chunk: {_lerobot_note()}")
+    return bool(torch.isfinite(got).all()) and got.shape == want.shape and error < 5e-2
+
+
+def _lerobot_note() -> str:
+    try:
+        import lerobot  # noqa: F401
+    except ImportError:
+        return ("not installed here (scripts/lerobot_reference/build_venv.sh builds its venv; "
+                "bench_policy.py compares)")
+    return "installed, not compared by this check (bench_policy.py does)"
+
+
 def dry_run() -> int:
     """Every part at a tiny size on CPU (the suite runs this; no GPU needed): 0 when each passes."""
     ok = check_world_model(dry_run=True)
+    ok = check_policy(dry_run=True) and ok
     print("gpu_smoke --dry-run:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
