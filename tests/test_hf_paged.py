@@ -245,3 +245,17 @@ def test_sleep_returns_the_bytes_it_freed(llama, model) -> None:
     assert rank.sleep(1) == kv_bytes  # on CPU level 1 frees the cache only (the weights stay where they are)
     assert rank.sleep(1) == 0
     assert rank.sleep(2) == weights  # then the weights, counted once
+
+
+def test_the_cuda_kv_budget_is_vllm_arithmetic_with_other_processes_counted() -> None:
+    from phyai_ray.models.hf_causal_lm.config import CudaMemory, cuda_kv_budget
+
+    gib = 1 << 30
+    alone = CudaMemory(total=80 * gib, free_at_start=80 * gib, free_now=64 * gib, peak_activations=2 * gib)
+    assert cuda_kv_budget(alone, 0.9) == 72 * gib - 16 * gib - 2 * gib  # 54 GiB
+    trainer = alone.model_copy(update={"free_at_start": 40 * gib, "free_now": 24 * gib})  # a trainer holds 40 GiB
+    assert cuda_kv_budget(trainer, 0.45) == int(0.45 * 80 * gib) - 16 * gib - 2 * gib
+    with pytest.raises(ValueError, match=r"only 42949672960 were free .* lower gpu_memory_utilization to at most 0.500"):
+        cuda_kv_budget(trainer, 0.9)
+    with pytest.raises(ValueError, match="leaves nothing for the KV cache"):
+        cuda_kv_budget(alone, 0.2)

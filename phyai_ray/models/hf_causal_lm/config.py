@@ -10,8 +10,12 @@ engine's `DeviceConfig.params_dtype`; a dtype name is used as given. `max_model_
 defaults to the checkpoint's `max_position_embeddings`, capped at DEFAULT_MAX_LEN.
 
 The KV cache is a pool of blocks of `block_size` tokens (`phyai_ray.llm.blocks`), sized at load:
-`kv_cache_bytes` when given; else on CUDA `gpu_memory_utilization` x the device's memory minus what
-the process holds after loading the weights; else (CPU) DEFAULT_CPU_KV_BYTES, or less when 64
+`kv_cache_bytes` when given; else on CUDA as vLLM sizes it (`cuda_kv_budget`): this engine may use
+`gpu_memory_utilization` x the device's memory; what it took since it started (weights, allocator,
+libraries: `torch.cuda.mem_get_info` before loading and after a profile run of one iteration of
+`max_num_batched_tokens` tokens) and that iteration's peak activations are taken from it, and the
+rest holds the KV cache; memory other processes hold (a colocated trainer) is never counted as free;
+else (CPU) DEFAULT_CPU_KV_BYTES, or less when 64
 sequences of `max_model_len` need less (a tiny model does not reserve 256 MiB), and never less than
 two such sequences (so one long sequence always fits). `max_num_batched_tokens` bounds the new
 tokens of one iteration (a longer prompt is prefilled in chunks).
@@ -25,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from phyai_ray.models.hf_causal_lm.checkpoint import DEFAULT_MAX_LEN, Architecture
 
-__all__ = ["DEFAULT_CPU_KV_BYTES", "DEFAULT_MAX_LEN", "HFCausalLMConfig"]
+__all__ = ["DEFAULT_CPU_KV_BYTES", "DEFAULT_MAX_LEN", "CudaMemory", "HFCausalLMConfig", "cuda_kv_budget"]
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -44,8 +48,9 @@ class HFCausalLMConfig(BaseModel):
                                       description="Longest prompt + completion; default min(max_position, 4096).")
     kv_cache_bytes: int | None = Field(None, ge=1 << 12, description="Bytes of the KV block pool (every layer, "
                                        "keys and values); default: see gpu_memory_utilization, and 256 MiB on CPU.")
-    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="On CUDA: the share of the "
-                                                 "device's memory weights + KV cache may hold; default 0.9.")
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description="On CUDA: the fraction of the "
+                                                 "device this engine may use (weights, activations, KV cache); "
+                                                 "default 0.9.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     max_num_batched_tokens: int = Field(2048, ge=1, le=1 << 20, description="Most new tokens per iteration; "
                                         "longer prompts (and rebuilds) are prefilled in chunks.")
@@ -79,19 +84,43 @@ class HFCausalLMConfig(BaseModel):
             return "float32"
         return "bfloat16" if arch.dtype in ("float32", "float64") else arch.dtype
 
-    def kv_cache_budget(self, *, device: Any, per_token: int, max_len: int) -> int:
-        """Bytes of the KV block pool (see the module docstring); `per_token`: bytes one token takes."""
+    def kv_cache_budget(self, *, device: Any, per_token: int, max_len: int,
+                        memory: "CudaMemory | None" = None) -> int:
+        """Bytes of the KV block pool (see the module docstring); `per_token`: bytes one token takes;
+        `memory`: on CUDA, what the load and the profile run measured."""
         if self.kv_cache_bytes is not None:
             return self.kv_cache_bytes
-        if getattr(device, "type", "cpu") == "cuda":
-            import torch
-
-            total = torch.cuda.get_device_properties(device).total_memory
-            held = torch.cuda.memory_reserved(device)
-            budget = int((self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) * total) - held
-            if budget <= 0:
-                raise ValueError(f"hf_causal_lm: gpu_memory_utilization x {total} bytes leaves nothing for the KV "
-                                 f"cache beside the {held} bytes the weights hold; raise gpu_memory_utilization or "
-                                 "give kv_cache_bytes")
-            return budget
+        if getattr(device, "type", "cpu") == "cuda" and memory is not None:
+            return cuda_kv_budget(memory, self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
         return max(min(DEFAULT_CPU_KV_BYTES, 64 * max_len * per_token), 2 * max_len * per_token)
+
+
+class CudaMemory(BaseModel):
+    """What one rank measured on its GPU: `torch.cuda.mem_get_info` before loading (free_at_start,
+    total) and after the profile run (free_now), and the profile iteration's peak activations."""
+
+    total: int
+    free_at_start: int
+    free_now: int
+    peak_activations: int
+
+
+def cuda_kv_budget(m: CudaMemory, utilization: float) -> int:
+    """vLLM's arithmetic: this engine may use utilization x total; what it took since it started
+    (free_at_start - free_now: weights, allocator, libraries) and one iteration's peak activations
+    come off that; the rest is the KV cache. 80 GiB at 0.9, 16 GiB taken, 2 GiB peak: 54 GiB.
+    Memory other processes hold is never free: asking for more than was free at start is an error."""
+    requested = int(utilization * m.total)
+    if requested > m.free_at_start:
+        raise ValueError(f"hf_causal_lm: gpu_memory_utilization={utilization} asks for {requested} of the device's "
+                         f"{m.total} bytes, but only {m.free_at_start} were free when this engine started (other "
+                         f"processes hold {m.total - m.free_at_start}); lower gpu_memory_utilization to at most "
+                         f"{m.free_at_start / m.total:.3f} or free the device")
+    taken = max(m.free_at_start - m.free_now, 0)
+    budget = requested - taken - m.peak_activations
+    if budget <= 0:
+        raise ValueError(f"hf_causal_lm: gpu_memory_utilization={utilization} x {m.total} bytes leaves nothing for "
+                         f"the KV cache beside the {taken} bytes this engine holds (weights and libraries) and the "
+                         f"{m.peak_activations} bytes of one iteration's activations; raise gpu_memory_utilization, "
+                         "lower max_num_batched_tokens, or give kv_cache_bytes")
+    return budget

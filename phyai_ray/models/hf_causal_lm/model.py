@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint
-from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
+from phyai_ray.models.hf_causal_lm.config import CudaMemory, HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.llm.tokenizer import TextCodec
@@ -57,25 +57,55 @@ class HFCausalLM(PagedDecoder):
         self.dtype = getattr(torch, dtype) if dtype else ctx.dtype
         self.plan = ShardPlan.for_rank(self.arch, ctx)
         self.shapes = self.plan.full_shapes()
+        on_cuda = getattr(ctx.device, "type", "cpu") == "cuda"
+        free_at_start = torch.cuda.mem_get_info(ctx.device)[0] if on_cuda else 0  # before the weights
         self.w = {name: self._read(ckpt, name, shape) for name, shape in self.shapes.items()}
         self._tie()
         self.inv_freq = self.arch.rope.inverse_frequencies(self.arch.head_dim).to(ctx.device)
         self.codec: TextCodec | None = None  # loaded when a whole request (step / stream) brings text
         self.stage = WeightStage()  # a fleet update's weights, received while these serve
-        self.paged = PagedSequences(self._block_pool(), max_seq=self.max_len, vocab=self.arch.vocab,
+        memory = self._profile(free_at_start) if on_cuda and cfg.kv_cache_bytes is None else None
+        self.paged = PagedSequences(self._block_pool(memory), max_seq=self.max_len, vocab=self.arch.vocab,
                                     token_budget=cfg.max_num_batched_tokens,
                                     stop_scan=lambda stops: StopScan(self._text_codec(), stops))
         logger.info("hf_causal_lm rank %d: %s, %d layers, heads %d/%d kv %d/%d on this rank, vocab rows %d, %s",
                     ctx.rank, self.arch.family, self.arch.layers, self.plan.local_heads, self.arch.heads,
                     self.plan.local_kv_heads, self.arch.kv_heads, self.plan.vocab_rows, self.dtype)
 
-    def _block_pool(self) -> BlockPool:
+    def _pool(self, num_blocks: int) -> BlockPool:
+        a, cfg = self.arch, self.cfg
+        return BlockPool(num_blocks=num_blocks, block_size=cfg.block_size, layers=a.layers,
+                         kv_heads=self.plan.local_kv_heads, head_dim=a.head_dim,
+                         to={"device": self.ctx.device, "dtype": self.dtype}, prefix_caching=cfg.enable_prefix_caching)
+
+    @torch.inference_mode()
+    def _profile(self, free_at_start: int) -> CudaMemory:
+        """On CUDA: one iteration of max_num_batched_tokens prompt tokens over a pool of one sequence,
+        its peak activations, and what this process has taken since `free_at_start` (vLLM's profile run)."""
+        n = min(self.cfg.max_num_batched_tokens, self.max_len - 1)
+        seqs = PagedSequences(self._pool(blocks_for(self.max_len, self.cfg.block_size)), max_seq=self.max_len,
+                              vocab=self.arch.vocab, token_budget=n)
+        seqs.admit(-1, {"prompt": [0] * n, "max_tokens": 1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
+                        "stop_token_ids": []})
+        device = self.ctx.device
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        self.run(seqs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del seqs
+        torch.cuda.empty_cache()
+        free_now, total = torch.cuda.mem_get_info(device)
+        return CudaMemory(total=total, free_at_start=free_at_start, free_now=free_now, peak_activations=peak)
+
+    def _block_pool(self, memory: CudaMemory | None = None) -> BlockPool:
         """The KV blocks of this rank's kv heads, as many as the budget holds (`HFCausalLMConfig.kv_cache_budget`)."""
         a, cfg = self.arch, self.cfg
         shape = dict(layers=a.layers, kv_heads=self.plan.local_kv_heads, head_dim=a.head_dim)
         per_block = block_bytes(**shape, block_size=cfg.block_size, dtype=self.dtype)
         budget = cfg.kv_cache_budget(device=self.ctx.device, per_token=-(-per_block // cfg.block_size),
-                                     max_len=self.max_len)
+                                     max_len=self.max_len, memory=memory)
         num_blocks = budget // per_block
         if num_blocks < blocks_for(self.max_len, cfg.block_size):
             raise ValueError(f"hf_causal_lm: a KV cache of {budget} bytes holds {num_blocks} blocks of "
@@ -86,8 +116,7 @@ class HFCausalLM(PagedDecoder):
                     "%d tokens per iteration", self.ctx.rank, num_blocks, cfg.block_size,
                     num_blocks * per_block / 2 ** 20, "on" if cfg.enable_prefix_caching else "off",
                     cfg.max_num_batched_tokens)
-        return BlockPool(num_blocks=num_blocks, block_size=cfg.block_size, **shape,
-                         to={"device": self.ctx.device, "dtype": self.dtype}, prefix_caching=cfg.enable_prefix_caching)
+        return self._pool(num_blocks)
 
     def _read(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         ckpt.check({name: shape})  # the entry checked them all before any rank started; the folder may have changed
