@@ -178,3 +178,20 @@ def test_camera_frames_over_the_limit_are_refused_in_the_dispatcher_naming_the_k
             engine.step(big)
     with pytest.raises(ValueError, match="max_image_side"):
         LeRobotPolicyEntry({**args_of("smolvla"), "max_image_side": 0})
+
+
+def test_engine_sleep_reports_the_bytes_and_an_update_refills_the_weights():
+    saved = load_file(str(DATA / "pi0" / "pretrained_model" / "model.safetensors"))
+    cases = Cases("pi0")
+    with Engine(EngineArgs(plugin="lerobot_policy", plugin_args=args_of("pi0"))) as engine:
+        [report] = engine.sleep(level=2)
+        sender = WeightSender("gloo")
+        sender.init_transfer(engine)
+        sender.update(engine, list(saved.items()), version=3)
+        engine.wake_up()
+        got = engine.step(cases.frame(0))["actions"]
+    [rank] = report.ranks
+    skipped = ("lm_head", "language_model.norm")  # not held (the tied embedding's lm_head name: not counted)
+    held = sum(t.numel() * t.element_size() for k, t in saved.items() if not any(s in k for s in skipped))
+    assert rank["level"] == 2 and rank["freed_bytes"] >= held
+    torch.testing.assert_close(got, cases.t["alone"][0], rtol=1e-5, atol=1e-5)
