@@ -178,3 +178,28 @@ def test_the_gpu_smoke_world_model_part_dry_runs_on_cpu(capsys):
     spec.loader.exec_module(smoke)
     assert smoke.check_world_model(dry_run=True)
     assert "world model, dry run (CPU, tiny), 9x32x32: step" in capsys.readouterr().out
+
+
+def test_through_the_engine_a_failed_decode_fails_that_request_alone(folder, monkeypatch):
+    """An inline engine: B's decode raises; B's future fails with that error, A's video equals
+    WanPipeline's, and the engine serves the next request."""
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.models.diffusers_pipeline.wan import WanFamily
+
+    real = WanFamily.decode
+
+    def decode(self, job):
+        if job.request["seed"] == 32:
+            raise ValueError("the decode of seed 32 failed")
+        return real(self, job)
+
+    monkeypatch.setattr(WanFamily, "decode", decode)
+    a = {**BASE, "num_inference_steps": 3, "seed": 31, "output_type": "float"}
+    b = {**BASE, "prompt": "a cat", "num_inference_steps": 2, "seed": 32, "output_type": "float"}
+    plugin = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
+    with Engine(EngineArgs(plugin=plugin, plugin_args={"model": str(folder)})) as engine:
+        futures = [engine.submit(r) for r in (a, b)]
+        with pytest.raises(ValueError, match="seed 32"):
+            futures[1].result(timeout=120)
+        torch.testing.assert_close(futures[0].result(timeout=120)["video"], reference(folder, a), rtol=0, atol=1e-5)
+        assert engine.step({**a, "output_type": "latent"}, timeout=120)["steps"] == 3
