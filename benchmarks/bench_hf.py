@@ -32,6 +32,18 @@ lm_head: about 39M parameters, 157 MB in fp32) is written by transformers into a
    decoders' inter-token p99 while it prefills stays <= 3x their p50. CHUNK is 64: the 32 decodes
    come first, so each iteration carries 32 of the prompt's tokens; on a CPU an iteration's time
    grows with its tokens (at 128, i.e. 96 prompt tokens beside 32 decodes, the p99 read 4.1x).
+7. Cascade precision (`--only cascade`): bfloat16, 8 rows sharing 2,016 prefix keys + 32 own each
+   (2,048 keys, d 128): the cascade kernel's relative error against float64 over SDPA's own on the
+   same bfloat16 inputs (target <= 1.5x).
+8. Decode memory (`--only memory`): 64 decode rows of mixed lengths (16..2,048 tokens, 8 kv heads of
+   128, block 16) over a paged pool: the peak of the tensors one decode attention call allocates
+   (an aten-level dispatch mode adds every new storage and subtracts it when freed), over the KV
+   bytes the rows read (target <= 1.2x), beside the padded copy it replaced.
+9. Fleet update (`--only fleet`): `--fleet-groups` Ray groups of TP=`--fleet-tp` (default 4 x 2) of
+   this checkpoint under steady requests; `WeightSender.update(groups, params, version)` stages,
+   verifies and switches them: the pause (no replica serving), the staging (transfer into every
+   rank), and the verification (sender's sha256 plus the slowest rank's) over the staging (target
+   <= 1x the transfer).
 Prints the machine first, then every measurement, then each ratio with its target.
 """
 
@@ -274,21 +286,33 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="64,256")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--only", choices=("throughput", "grpo", "mixed"), help="run one part only")
+    parser.add_argument("--only", choices=("throughput", "grpo", "mixed", "cascade", "memory", "fleet"),
+                        help="run one part only")
+    parser.add_argument("--fleet-groups", type=int, default=4)
+    parser.add_argument("--fleet-tp", type=int, default=2)
     opts = parser.parse_args(argv)
     print(machine(), flush=True)
+    lines = []
+    if opts.only in (None, "cascade"):
+        lines += part_cascade()
+    if opts.only in (None, "memory"):
+        lines += part_decode_memory()
+    if opts.only in ("cascade", "memory"):
+        print("ratios:", *lines, sep="\n")
+        return
     folder = Path(tempfile.mkdtemp(prefix="bench-hf-")) / "qwen2-bench"
     params = write_checkpoint(folder)
     print(f"checkpoint: Qwen2-shaped, {params / 1e6:.1f}M parameters, {params * 4 / 2 ** 20:.0f} MB fp32, in {folder}",
           flush=True)
     reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    lines = []
     if opts.only in (None, "throughput"):
         lines += part_throughput(folder, reference, params, [int(n) for n in opts.requests.split(",")], opts.tokens)
     if opts.only in (None, "grpo"):
         lines += part_grpo(folder, reference)
     if opts.only in (None, "mixed"):
         lines += part_mixed(folder)
+    if opts.only in (None, "fleet"):
+        lines += part_fleet(folder, reference, opts.fleet_groups, opts.fleet_tp)
     print("ratios:")
     for line in lines:
         print(line)
@@ -356,6 +380,132 @@ def part_throughput(folder: Path, reference: Any, params: int, sizes: list[int],
     lines.append(verdict("TP=2 peak RSS per rank / (0.6 x TP=1 weights + overhead)", max(results[2][2]) / budget,
                          1.0, False))
     return lines
+
+
+def part_cascade() -> list[str]:
+    import torch.nn.functional as F
+
+    from phyai_ray.nn.attention import cascade_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv, d, prefix, own = 8, 4, 2, 128, 2016, 32
+    q = torch.randn(rows, heads, d, generator=g).bfloat16()
+    pk, pv = (torch.randn(1, kv, prefix, d, generator=g).bfloat16() for _ in range(2))
+    ok, ov = (torch.randn(rows, kv, own, d, generator=g).bfloat16() for _ in range(2))
+    out = cascade_attention(q, ok, ov, torch.ones(rows, 1, 1, own, dtype=torch.bool), [(torch.arange(rows), pk, pv)])
+    keys = torch.cat([pk.expand(rows, -1, -1, -1), ok], 2).repeat_interleave(heads // kv, 1)
+    values = torch.cat([pv.expand(rows, -1, -1, -1), ov], 2).repeat_interleave(heads // kv, 1)
+
+    def sdpa(dtype: torch.dtype) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q.to(dtype)[:, :, None], keys.to(dtype), values.to(dtype))[:, :, 0]
+
+    exact = sdpa(torch.float64)
+    ours, theirs = ((o.double() - exact).norm().item() / exact.norm().item() for o in (out, sdpa(torch.bfloat16)))
+    print(f"cascade in bfloat16 at 2,048 keys: relative error {ours:.2e} (SDPA on the same inputs {theirs:.2e})")
+    return [verdict("cascade error / SDPA's error (bf16, 2,048 keys)", ours / theirs, 1.5, False)]
+
+
+class PeakTensors:
+    """The peak bytes of tensors allocated inside a `with` block (aten-level, freed ones subtracted)."""
+
+    def __enter__(self) -> "PeakTensors":
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        outer = self
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in outer.seen:
+                        ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                        outer.seen.add(ptr)
+                        outer.live += size
+                        outer.peak = max(outer.peak, outer.live)
+                        weakref.finalize(t, outer.freed, ptr, size)
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def freed(self, ptr: int, size: int) -> None:
+        self.seen.discard(ptr)
+        self.live -= size
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+def part_decode_memory() -> list[str]:
+    from phyai_ray.nn.attention import decode_attention, paged_decode_attention
+
+    rows, heads, kv, d, bs = 64, 32, 8, 128, 16
+    lengths = [16 + (i * 977) % 2033 for i in range(rows)]
+    tables, start = [], 1
+    for n in lengths:
+        tables.append(list(range(start, start + -(-n // bs))))
+        start += len(tables[-1])
+    keys, values = (torch.randn(start, bs, kv, d, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(rows, heads, d, dtype=torch.bfloat16)
+    blocks = torch.tensor([b for t in tables for b in t])
+    owner = torch.tensor([i for i, t in enumerate(tables) for _ in t])
+    valid = torch.arange(bs)[None, :] < torch.tensor([n - j * bs for n, t in zip(lengths, tables)
+                                                       for j in range(len(t))])[:, None]
+    read = 2 * blocks.numel() * bs * kv * d * 2
+    with PeakTensors() as paged:
+        paged_decode_attention(q, keys, values, blocks, owner, valid)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    visible = (torch.arange(width * bs)[None, :] < torch.tensor(lengths)[:, None]).view(rows, 1, 1, -1)
+    with PeakTensors() as padded:
+        k = keys[table].view(rows, width * bs, kv, d).transpose(1, 2)
+        v = values[table].view(rows, width * bs, kv, d).transpose(1, 2)
+        decode_attention(q, k, v, visible)
+        del k, v
+    print(f"decode attention, 64 rows of 16..2,048 tokens (bf16, 8 kv heads x 128): KV read {read / 2 ** 20:.0f} MiB; "
+          f"peak allocated over blocks {paged.peak / 2 ** 20:.0f} MiB, as a padded copy {padded.peak / 2 ** 20:.0f} MiB")
+    return [verdict("decode attention peak / the KV it reads (over blocks)", paged.peak / read, 1.2, False),
+            f"  decode attention peak / the KV it reads (padded copy){'':<12} {padded.peak / read:7.2f}x  (no target)"]
+
+
+def part_fleet(folder: Path, reference: Any, groups: int, tp: int) -> list[str]:
+    import ray
+
+    from phyai_ray import WeightSender
+
+    ray.init(num_cpus=max(8, groups * tp), include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    try:
+        engines = [ray_engine("hf_causal_lm", {"model": str(folder), "max_model_len": 512}, tp) for _ in range(groups)]
+        sender, stop = WeightSender(), threading.Event()
+        sender.update(engines, reference.named_parameters(), version=1)
+
+        def steady(engine: Engine) -> None:
+            while not stop.is_set():
+                engine.step(request(prompts(1)[0], 8))
+
+        threads = [threading.Thread(target=steady, args=(e,), daemon=True) for e in engines]
+        for t in threads:
+            t.start()
+        reports = [sender.update(engines, reference.named_parameters(), version=v) for v in (2, 3, 4)]
+        stop.set()
+        for t in threads:
+            t.join(120)
+        for e in engines:
+            e.close()
+    finally:
+        ray.shutdown()
+    r = sorted(reports, key=lambda x: x.pause_s)[1]
+    print(f"fleet update, {groups} groups x TP={tp}, {r.bytes_sent / 2 ** 20:.0f} MiB (median of 3): staging "
+          f"{r.stage_s:.2f} s, verify {r.verify_s:.2f} s, pause {r.pause_s * 1e3:.0f} ms", flush=True)
+    return [verdict("fleet verify / transfer (staging)", r.verify_s / r.stage_s, 1.0, False),
+            f"  fleet pause (no replica serving){'':<30} {r.pause_s * 1e3:7.0f} ms (no target)"]
 
 
 if __name__ == "__main__":

@@ -202,28 +202,32 @@ def paged_attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     q [R, H, D]; keys / values the pool [N, bs, KV, D]; blocks [B]: every block some row reads, rows
     [B]: the row it belongs to, valid [B, bs]: its columns within that row's length. Returns out
-    [R, KV, G, D] and lse [R, KV, G, 1] (float32 at least). Per block: scores [KV, G, bs], their max;
-    per row the max over its blocks (`scatter_reduce`), the exponentials' sums and the weighted
-    values added up (`index_add_`): a segment softmax. Transient memory: one copy of the blocks
-    read (the keys in float32: 1.5x that in bfloat16) plus G x bs scores per block and key/value
-    head, never R x (longest row)."""
+    [R, KV, G, D] and lse [R, KV, G, 1] (float32 at least). One key/value head at a time, per
+    block: scores [G, bs] in float32 and their max; per row the max over its blocks
+    (`scatter_reduce`), the exponentials' sums and the weighted values added up (`index_add_`): a
+    segment softmax. Transient memory: one head's keys (in float32) and values of the blocks read,
+    about 3 / (2 KV) of the KV read, never R x (longest row)."""
     r, h, d = q.shape
     kv = keys.shape[2]
+    g = h // kv
     acc = accumulation_dtype(q.dtype)
-    k = keys[blocks].to(acc)  # [B, bs, KV, D]: the keys this iteration reads, in float32 (scores stay exact)
-    qb = q.view(r, kv, h // kv, d)[rows].to(acc)  # [B, KV, G, D]
-    scores = torch.einsum("nkgd,nbkd->nkgb", qb, k) * d ** -0.5
-    del k
-    v = values[blocks]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    block_max = scores.amax(-1)  # [B, KV, G]
-    row_max = block_max.new_full((r, *block_max.shape[1:]), float("-inf"))
-    row_max = row_max.scatter_reduce(0, rows[:, None, None].expand_as(block_max), block_max, "amax")
-    weights = torch.exp(scores - row_max[rows][..., None])
-    total = row_max.new_zeros(row_max.shape).index_add_(0, rows, weights.sum(-1))
-    part = torch.einsum("nkgb,nbkd->nkgd", weights.to(v.dtype), v).to(acc)
-    out = part.new_zeros((r, *part.shape[1:])).index_add_(0, rows, part) / total[..., None]
-    return out, (row_max + total.log())[..., None]
+    qb = q.view(r, kv, g, d)[rows].to(acc)  # [B, KV, G, D]
+    hidden = ~valid[:, None, :]
+    out = torch.empty(r, kv, g, d, dtype=acc, device=q.device)
+    lse = torch.empty(r, kv, g, 1, dtype=acc, device=q.device)
+    for head in range(kv):
+        k = keys[blocks, :, head].to(acc)  # [B, bs, D]: this head's keys of the blocks read
+        scores = torch.bmm(qb[:, head], k.transpose(1, 2)).mul_(d ** -0.5).masked_fill_(hidden, float("-inf"))
+        del k
+        block_max = scores.amax(-1)  # [B, G]
+        row_max = block_max.new_full((r, g), float("-inf")).scatter_reduce(
+            0, rows[:, None].expand_as(block_max), block_max, "amax")
+        weights = torch.exp(scores.sub_(row_max[rows][..., None]))
+        total = row_max.new_zeros(r, g).index_add_(0, rows, weights.sum(-1))
+        part = torch.bmm(weights.to(values.dtype), values[blocks, :, head]).to(acc)  # [B, G, D]
+        out[:, head] = part.new_zeros(r, g, d).index_add_(0, rows, part) / total[..., None]
+        lse[:, head] = (row_max + total.log())[..., None]
+    return out, lse
 
 
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor,
