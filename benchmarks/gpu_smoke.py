@@ -10,6 +10,9 @@ Run on a machine with CUDA GPUs: `.venv/bin/python benchmarks/gpu_smoke.py`
    memory and a weight update refills it.
 4. a robot policy: pi0.5's real config with random bf16 weights (`check_policy`): its chunk against the same
    weights in float32, a lone frame's latency, 16 robots per expert step against one at a time.
+5. an LLM: Qwen3-1.7B's real config with random bf16 weights (`check_llm`): 64 one-prompt requests of
+   32 tokens through hf_causal_lm against transformers' one padded `generate` batch, tokens/s of
+   both, the engine's peak memory, and how many first tokens agree.
 3. a world model: Wan2.1-T2V-1.3B's config with random bf16 weights at 480 x 832 x 33 frames, the
    engine's step time and peak memory against WanPipeline's, and 4 concurrent requests against its
    4-prompt call (`check_world_model`).
@@ -103,6 +106,7 @@ def main() -> int:
         ok = check_weight_sync("nccl", device=1) and ok
     ok = check_world_model() and ok
     ok = check_policy() and ok
+    ok = check_llm() and ok
     print("gpu_smoke:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
@@ -408,10 +412,62 @@ def _lerobot_note() -> str:
     return "installed, not compared by this check (bench_policy.py does)"
 
 
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6)
+LLM_DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512)
+
+
+def check_llm(dry_run: bool = False) -> bool:
+    """hf_causal_lm on Qwen3-1.7B's config (random bf16 weights) against transformers' batched generate:
+    64 one-prompt requests of 32 tokens. `dry_run`: a tiny float32 Qwen3 on CPU, 8 requests of 4 tokens."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
+    count, tokens = (8, 4) if dry_run else (64, 32)
+    shape = LLM_DRY if dry_run else QWEN3_1_7B
+    prompts = [[(31 * i + 7 * j + 1) % shape["vocab_size"] for j in range(8 + i % 17)] for i in range(count)]
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        reference = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=dtype)
+        reference.save_pretrained(tmp)
+        reference = reference.to(device).eval()
+        args = EngineArgs(plugin="hf_causal_lm", plugin_args={"model": tmp, "max_model_len": 512},
+                          config=EngineConfig(device=DeviceConfig(target=device)))
+        _peak_reset()
+        with Engine(args) as engine:
+            engine.step({"prompts": prompts[:2], "max_tokens": 2})  # warm-up
+            start = time.perf_counter()
+            futures = [engine.submit({"prompts": [p], "max_tokens": tokens, "ignore_eos": True}) for p in prompts]
+            ours = [f.result(timeout=600)[0].token_ids for f in futures]
+            ours_s = time.perf_counter() - start
+        peak = _peak_gib()
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            theirs = reference.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                                        do_sample=False, pad_token_id=0, eos_token_id=None)[:, width:].tolist()
+        theirs_s = time.perf_counter() - start
+    agree = sum(a[0] == b[0] for a, b in zip(ours, theirs))
+    label = "dry run (CPU, tiny, fp32)" if dry_run else f"{torch.cuda.get_device_name(0)}, Qwen3-1.7B config, bf16"
+    print(f"llm hf_causal_lm, {label}: {count} one-prompt requests x {tokens} tokens: {count * tokens / ours_s:.0f} "
+          f"tok/s, transformers one padded batch {count * tokens / theirs_s:.0f} tok/s, ratio {theirs_s / ours_s:.2f}x; "
+          f"peak memory {peak:.2f} GiB; first tokens equal {agree}/{count}")
+    full = all(len(t) == tokens for t in ours)
+    return full and agree >= (count if dry_run else int(0.9 * count))
+
+
 def dry_run() -> int:
     """Every part at a tiny size on CPU (the suite runs this; no GPU needed): 0 when each passes."""
     ok = check_world_model(dry_run=True)
     ok = check_policy(dry_run=True) and ok
+    ok = check_llm(dry_run=True) and ok
     print("gpu_smoke --dry-run:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
