@@ -52,18 +52,17 @@ def test_bfloat16_on_cpu_is_lerobot_within_bfloat16_tolerance(policy):
     entry, rank = rank_of(args_of(policy), "bfloat16")
     assert {p.dtype for p in rank.net.parameters()} == {torch.bfloat16}
     cases = Cases(policy)
-    frames = [entry.validate_request(cases.frame(i)) for i in range(cases.n)]
-    got = rank.step(frames[0])["actions"]  # one alone (bfloat16 matmuls are slow on CPUs without them) ...
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, cases.t["alone"][0], **BF16)
-    assert not torch.allclose(got, cases.t["alone"][0], rtol=1e-5, atol=1e-5)  # it ran in bfloat16
-    for i, frame in enumerate(frames):  # ... and all batched per expert step, in the iteration protocol
-        rank.admit(i, frame)
+    n = 2 if policy == "smolvla" else cases.n  # SmolVLA's 512 x 512 cameras cost most in bfloat16 on a CPU
+    frames = [entry.validate_request(cases.frame(i)) for i in range(n)]
+    for i, frame in enumerate(frames):  # batched per expert step, in the iteration protocol (bfloat16
+        rank.admit(i, frame)           # matmuls are slow on CPUs without them: one batch, not each alone)
     done = {}
     while len(done) < len(frames):
         done.update({k: d.value["actions"] for k, d in rank.iterate().items()})
-    for i in range(cases.n):
+    for i in range(n):
+        assert done[i].dtype == torch.float32
         torch.testing.assert_close(done[i], cases.t["alone"][i], **BF16)
+        assert not torch.allclose(done[i], cases.t["alone"][i], rtol=1e-5, atol=1e-5)  # it ran in bfloat16
 
 
 # -- 4. a whole checkpoint as an update -------------------------------------------------------------
@@ -109,14 +108,14 @@ def rss_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def wide_pi0(tmp_path_factory) -> dict:
-    """The tiny pi0 folder at widths whose tensors are large enough to measure in RSS (~50 MB), random weights."""
+    """The tiny pi0 folder at widths whose tensors are large enough to measure in RSS (~21 MB), random weights."""
     folder = tmp_path_factory.mktemp("wide") / "pretrained_model"
     shutil.copytree(DATA / "pi0" / "pretrained_model", folder)
     args = {**args_of("pi0"), "model": str(folder)}
     sizes = json.loads(json.dumps(args["sizes"]))
-    sizes["paligemma"].update(width=512, mlp_dim=2048)
-    sizes["action_expert"].update(width=256, mlp_dim=1024)
-    sizes["vision"].update(hidden_size=256, intermediate_size=1024)
+    sizes["paligemma"].update(width=384, mlp_dim=1536)
+    sizes["action_expert"].update(width=192, mlp_dim=768)
+    sizes["vision"].update(hidden_size=192, intermediate_size=768)
     args["sizes"] = sizes
     from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 
@@ -131,7 +130,7 @@ def test_sleep_2_frees_the_weights_rss_and_an_update_after_waking_serves_the_sam
     frame = entry.validate_request(Cases("pi0").frame(0))
     before = rank.step(frame)["actions"]
     weights = sum(t.numel() * t.element_size() for t in rank.net.state_dict().values())
-    assert weights > 30e6
+    assert weights > 20e6
     gc.collect()
     rss = rss_bytes()
     freed = rank.sleep(2)

@@ -10,6 +10,7 @@ the same, with the format detected from the keys or named by plugin_args["openpi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
 from phyai_ray.stepwise.fields import as_image
 from phyai_ray.stepwise.formats import detect
+from phyai_ray.stepwise.frames import parse_frame
 from tests.test_lerobot_policy import Cases, args_of
 
 
@@ -60,7 +62,7 @@ def test_each_openpi_format_gives_the_chunk_of_the_same_frame_in_lerobots_keys(s
     want = rank.step(entry.validate_request(lerobot))["actions"]
     got = rank.step(entry.validate_request(payload))["actions"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    named = LeRobotPolicyEntry({**args_of("pi0"), "openpi_format": name}).validate_request(payload)
+    named = parse_frame(payload, replace(entry.layout, openpi_format=name))  # plugin_args["openpi_format"]'s layout
     torch.testing.assert_close(named.state, entry.validate_request(lerobot).state, rtol=0, atol=0)
 
 
