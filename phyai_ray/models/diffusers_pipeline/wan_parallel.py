@@ -24,6 +24,11 @@ rank's range), the angle table of `transformer.rope` and the first block's input
 rank's range, and `proj_out`'s output is gathered. Every block's `attn1` gets `ParallelSelfAttention`.
 The layers themselves (token ranges, the Ulysses exchange, column / row linears, the head-sharded
 q/k norm) are `phyai_ray.nn`'s: this module only says which of diffusers' modules each one replaces.
+
+Image-to-video transformers (Wan 2.1 I2V, first-last-frame, the Wan 2.2 A14B experts) shard the same
+way: the image rows are keys and values of `attn2` (`add_k_proj` / `add_v_proj` / `norm_added_k`, split
+by head like the text's), whole on every rank of a sequence split; the first-last-frame `pos_embed` is
+added to them before, in the replicated `condition_embedder`. `shard_feed_forward` serves Cosmos' FFN too.
 """
 
 from __future__ import annotations
