@@ -58,10 +58,10 @@ class TurnSteps(torch.nn.Module):
         seq = self.running[ident]
         self.running.admit(ident, Named(value=torch.zeros(()), steps=seq.steps, name=seq.name))
 
-    def pause(self, ident: int) -> None:
+    def pause_sequence(self, ident: int) -> None:
         self.running.pause(ident)
 
-    def resume(self, ident: int) -> None:
+    def resume_sequence(self, ident: int) -> None:
         self.running.resume(ident)
 
     def iterate(self) -> dict:
@@ -288,6 +288,47 @@ def test_per_step_takes_the_model_default_unless_the_deployment_or_the_plugin_se
 def test_a_model_without_pause_is_told_what_turns_need():
     runner = RankRunner.__new__(RankRunner)
     runner.entry, runner.model = TurnStepsEntry(), object()
-    with pytest.raises(TypeError, match=r"turn_steps: its admission policy takes turns .* no pause\(seq_id\)"):
+    with pytest.raises(TypeError, match=r"turn_steps: its admission policy takes turns .* no pause_sequence\(seq_id\)"):
         runner._take_turns(IterationPlan(pause=(1,)))
     assert IterationPlan(resume=(1,)).empty is False and IterationPlan().empty
+
+
+# -- diffusers_pipeline: a request that sits out parts from its scheduler cohort ----------------------
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_video_request_that_sits_out_parts_from_its_cohort_and_equals_its_run_alone(tmp_path_factory):
+    """Three Wan requests admitted together share one scheduler (a cohort); request 1 sits out two
+    steps (pause: it parts with its own copy of the scheduler, its rows only), then resumes: every
+    result equals the request run alone (`step`, itself equal to WanPipeline in test_diffusers_pipeline)."""
+    from phyai_ray import ParallelConfig
+    from phyai_ray.models.diffusers_pipeline.entry import DiffusersPipelineEntry
+    from tests.diffusers_folders import build_wan
+
+    folder = str(build_wan(tmp_path_factory.mktemp("turns") / "wan21"))
+    entry = DiffusersPipelineEntry({"model": folder})
+    ctx = SimpleNamespace(rank=0, device=torch.device("cpu"), parallel=ParallelConfig(), is_output_rank=True,
+                          group_rank=lambda name: 0, group_size=lambda name: 1)
+    model = entry.create({"model": folder}, ctx)
+    payloads = {i: entry.sequences({"prompt": prompt, "negative_prompt": "blue box", "height": 32, "width": 32,
+                                    "num_frames": 9, "num_inference_steps": 4, "guidance_scale": 4.0,
+                                    "seed": 30 + i, "output_type": "latent"})[0].payload
+                for i, prompt in enumerate(["a robot arm", "a dog runs left", "a cat"])}
+    alone = {i: model.step(payload)["video"] for i, payload in payloads.items()}
+    for i, payload in payloads.items():
+        model.admit(i, payload)
+    model.iterate()
+    cohort = model.jobs[0].cohort
+    assert cohort is not None and model.jobs[1].cohort is cohort, "joined together: one scheduler"
+    model.pause_sequence(1)
+    assert model.jobs[1].cohort is None and model.jobs[1].scheduler is not cohort.scheduler
+    assert cohort.jobs == [model.jobs[0], model.jobs[2]]
+    for _ in range(2):
+        assert set(model.iterate()) == {0, 2}, "the paused request neither steps nor reports"
+    assert (model.jobs[0].index, model.jobs[1].index) == (3, 1)
+    model.resume_sequence(1)
+    done: dict[int, Any] = {}
+    for _ in range(6):
+        done.update({k: d.value for k, d in model.iterate().items() if d.stop_reason == "completed"})
+    assert sorted(done) == [0, 1, 2] and not model.jobs
+    for i in done:
+        torch.testing.assert_close(done[i]["video"], alone[i], rtol=0, atol=1e-5)

@@ -60,7 +60,9 @@ class BatchingConfig(ConfigModel):
         "before it starts is answered at once with DeadlineMissedError and never runs.")
     default_deadline_s: float | None = Field(
         10.0, gt=0, le=86_400, description="The queue-order deadline of a request that gives none of its own: "
-        "earliest-deadline-first sorts it as due this long after arrival (it is never failed for it). 10 s: "
+        "earliest-deadline-first sorts it as due this long after arrival (it is never failed for it); the "
+        "iteration loop adds its planned steps x the recent iteration time, so a long job never sorts ahead of "
+        "a deadline request due before it could end (executors/turns.py). 10 s: "
         "far behind any robot deadline (tens to hundreds of ms), so those still go first, yet well inside "
         "the 30-60 s a typical HTTP client waits, so a bulk request beside a saturated fleet is served "
         "instead of waiting for execution_timeout_s (600 s). None: such requests sort by that timeout.")

@@ -131,8 +131,8 @@ class Turns:
     priority order (earliest deadline, then least remaining work: executors/turns.py), skipping the
     ones it refuses: those sit out this iteration. A waiting sequence joins only when it gets a turn
     and a resident slot is free. `policy` must cost a sequence in every iteration it steps
-    (CostBudget, a GroupLimit of one); the per-rank model needs pause / resume
-    (phyai_ray.stepwise.sequence.Running has them)."""
+    (CostBudget, a GroupLimit of one); the per-rank model needs pause_sequence / resume_sequence
+    (delegated to its phyai_ray.stepwise.sequence.Running)."""
 
     def __init__(self, policy: AdmissionPolicy, resident: int) -> None:
         _positive("Turns", resident=resident)

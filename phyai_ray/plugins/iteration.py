@@ -34,7 +34,7 @@ latent shapes, per iteration).
 Every plan reaches every rank of the replica in the same order, so ranks that share collectives
 run the same iterations; only the output rank's deltas are read. `RankRunner.iterate(plan)` applies
 a plan: drops, then recomputes, then admits, then pauses and resumes (turns), then one `iterate()`.
-Turns need two more methods of the per-rank model, `pause(seq_id)` and `resume(seq_id)` (a model
+Turns need two more methods of the per-rank model, `pause_sequence(seq_id)` and `resume_sequence(seq_id)` (a model
 built on `phyai_ray.stepwise.sequence.Running` delegates them to it); see `IterationPlan`.
 
 A request's failure is its own: an `admit` that raises (the model keeps nothing of that sequence),
@@ -138,8 +138,8 @@ class IterationPlan:
 
     `recompute` lists sequences whose state is rebuilt from their history (see the module docstring).
     Turns (an admission policy `phyai_ray.plugins.admission.Turns`): `pause` lists running sequences
-    that sit out from this iteration on (the rank keeps their state; `model.pause(seq_id)`), `resume`
-    the paused ones that step again from this iteration on (`model.resume(seq_id)`). A newly admitted
+    that sit out from this iteration on (the rank keeps their state; `model.pause_sequence(seq_id)`), `resume`
+    the paused ones that step again from this iteration on (`model.resume_sequence(seq_id)`). A newly admitted
     sequence always steps in its first iteration; a plan without turns leaves both empty."""
 
     admit: tuple[tuple[int, Any], ...] = ()  # (seq_id, payload)

@@ -150,13 +150,13 @@ class RankRunner:
         return answer(out, failed, self.ctx.is_output_rank)  # a RankIteration; None: nothing to say
 
     def _take_turns(self, plan: Any) -> None:
-        """The plan's pauses, then its resumes (`IterationPlan`); a model without pause / resume was
+        """The plan's pauses, then its resumes (`IterationPlan`); a model without pause_sequence was
         given an admission policy with turns it cannot take: a TypeError naming both."""
-        pause, resume = getattr(self.model, "pause", None), getattr(self.model, "resume", None)
+        pause, resume = getattr(self.model, "pause_sequence", None), getattr(self.model, "resume_sequence", None)
         if not (callable(pause) and callable(resume)):
             raise TypeError(f"plugin {self.entry.display_name()}: its admission policy takes turns (Turns), but "
-                            f"per-rank model {type(self.model).__name__} has no pause(seq_id) / resume(seq_id); "
-                            "delegate them to its stepwise Running, or admit without Turns")
+                            f"per-rank model {type(self.model).__name__} has no pause_sequence(seq_id) / "
+                            "resume_sequence(seq_id); delegate them to its stepwise Running, or admit without Turns")
         for ident in plan.pause:
             pause(ident)
         for ident in plan.resume:

@@ -17,7 +17,8 @@ running set, the step counting and the deltas are written once, here.
 Turns (`IterationPlan.pause` / `resume`): a paused sequence stays in the set with its value, but
 `batch()` leaves it out, so `iterate` neither steps it nor reports it; a sequence admitted (or
 started again) while paused joins (`joined()`) at its first step after `resume`. A per-rank model
-gets turns by delegating its `pause(seq_id)` and `resume(seq_id)` to its `Running`.
+gets turns by delegating its `pause_sequence(seq_id)` and `resume_sequence(seq_id)` to its `Running`
+(`pause` / `resume` without a sequence are the engine's control hooks of the whole model).
 """
 
 from __future__ import annotations

@@ -140,10 +140,9 @@ class DiffusersPipelineEntry(Entry):
         """Every running request re-costs its latent tokens x branches in every iteration (one denoising
         step each): `CostBudget` of plugin_args["max_latent_tokens_per_step"] (default: the batching
         config's max_num_batched_tokens). A request larger than the budget runs alone."""
-        from phyai_ray.plugins.admission import CostBudget
+        from phyai_ray.plugins.admission import per_step  # Turns: what the budget cannot hold takes turns
 
-        budget = self.args.get("max_latent_tokens_per_step") or batching.max_num_batched_tokens
-        return CostBudget(batching.max_num_seqs, int(budget))
+        return per_step(batching, batching.max_num_batched_tokens, given=self.args.get("max_latent_tokens_per_step"))
 
     def gather(self, request: Any, outputs: list[Any]) -> dict[str, Any]:
         [out] = outputs

@@ -37,7 +37,7 @@ import torch
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
 from phyai_ray.models.diffusers_pipeline.stages import PendingDecode, StageWork, video_result
 from phyai_ray.plugins.iteration import Delta
-from phyai_ray.stepwise.schedulers import leave_cohort
+from phyai_ray.stepwise.schedulers import leave_cohort, part_cohort
 from phyai_ray.stepwise.sequence import Running
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,14 @@ class PipelineModel:
         leave_cohort(self.jobs.drop(ident))
         if self._stages is not None:
             self._stages.forget(ident)
+
+    def pause_sequence(self, ident: int) -> None:
+        """Turns (IterationPlan.pause): it sits out the next steps, its latents kept (out of its cohort)."""
+        part_cohort(self.jobs[ident] if ident in self.jobs else None)
+        self.jobs.pause(ident)
+
+    def resume_sequence(self, ident: int) -> None:
+        self.jobs.resume(ident)
 
     def recompute(self, ident: int) -> None:
         """Start the request again from its noise: the transformer changed under it."""
