@@ -77,6 +77,27 @@ class ReferenceDiT:
                 new_blocks[index] = self._block(index, _complete(part, w, W.block_weights(self.cfg, index)))
         self.blocks = [new_blocks[i] for i in self.block_ids]
 
+    def sleep(self, level: int) -> int:
+        """Nothing is cached here. Level 1 moves the weights to the host (a CPU rank's stay: 0 bytes),
+        level 2 drops them (the next weight update refills every part); the bytes freed on this rank."""
+        freed = 0
+        for holder, key, tensor in self._weights():
+            if tensor.numel() and (level == 2 or tensor.device.type != "cpu"):
+                freed += tensor.numel() * tensor.element_size()
+                holder[key] = tensor.to("cpu") if level == 1 else torch.empty(0, dtype=tensor.dtype)
+        return freed
+
+    def wake_up(self, tags: list[str]) -> None:
+        """"weights": back on this rank's device (after level 2 the update has refilled them there)."""
+        if "weights" in tags:
+            for holder, key, tensor in self._weights():
+                holder[key] = tensor.to(self.ctx.device)
+
+    def _weights(self) -> list[tuple[dict, str, torch.Tensor]]:
+        """(holder, key, tensor) of every weight this rank holds: its layers' attributes, embeddings, head."""
+        holders = [vars(layer) for block in self.blocks for layer in block] + [self.embed or {}, self.head or {}]
+        return [(h, k, t) for h in holders for k, t in list(h.items()) if isinstance(t, torch.Tensor)]
+
     @torch.inference_mode()
     def step(self, request: Any) -> torch.Tensor | None:
         """Logits [B, S, vocab] float32 on the output rank, None elsewhere."""
