@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 STAND_IN = "tests.diffusers_cosmos:StandInSafetyChecker"
-UNSAFE_WORD = "forbidden"
+UNSAFE_WORD = "forbidden"  # a prompt holding it is refused
+UNSAFE_HEIGHT = 48  # a video of this height is refused (check_video_safety returns None)
 WORDS = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "a", "robot", "arm",
          "welds", "metal", "in", "the", "snow", "bus", "moves", "city", "red", "green", "video", "of", "poor",
          "quality", "you", "are", "helpful", "who", "will", "provide", "prompts", "to", "an", "image",
@@ -37,18 +38,28 @@ MAX_SEQUENCE_LENGTH = 32  # the pipeline pads every prompt to this many tokens (
 
 
 class StandInSafetyChecker:
-    """A stand-in for the Cosmos guardrail with its interface: `check_text_safety(prompt) -> bool` refuses
-    prompts holding the word "forbidden"; `check_video_safety(uint8 [frames, H, W, 3]) -> same` passes every
-    video through unchanged; `to(device)` returns itself. It holds no weights."""
+    """A stand-in for the Cosmos guardrail with its interface that refuses something real:
+    `check_text_safety(prompt) -> bool` refuses prompts holding the word "forbidden";
+    `check_video_safety(uint8 [frames, H, W, 3])` returns None (refused, as NVIDIA's checker does for an
+    unsafe video) for a video UNSAFE_HEIGHT pixels high, else the video unchanged; `to(device)` records
+    the device and returns itself. It holds no weights; `calls` counts the checks made in this process."""
 
-    def to(self, *args: Any, **kwargs: Any) -> "StandInSafetyChecker":
+    calls = {"text": 0, "video": 0}
+
+    def __init__(self) -> None:
+        self.device = None
+
+    def to(self, device: Any = None, *args: Any, **kwargs: Any) -> "StandInSafetyChecker":
+        self.device = device
         return self
 
     def check_text_safety(self, prompt: str) -> bool:
+        StandInSafetyChecker.calls["text"] += 1
         return UNSAFE_WORD not in prompt.lower()
 
-    def check_video_safety(self, video: np.ndarray) -> np.ndarray:
-        return video
+    def check_video_safety(self, video: np.ndarray) -> np.ndarray | None:
+        StandInSafetyChecker.calls["video"] += 1
+        return None if video.shape[1] == UNSAFE_HEIGHT else video
 
 
 def diffusers_stand_in() -> Any:

@@ -44,11 +44,12 @@ def pipe(folder):
 
 @pytest.fixture(scope="module")
 def family(pipe):
-    from phyai_ray.models.diffusers_pipeline.cosmos import CosmosFamily, load_guardrail
+    from phyai_ray.models.diffusers_pipeline.cosmos import CosmosFamily
     from phyai_ray.models.diffusers_pipeline.family import Branches
+    from phyai_ray.models.diffusers_pipeline.guardrail import Guardrail
 
     parts = {name: getattr(pipe, name) for name in ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")}
-    parts["safety_checker"] = load_guardrail(dc.STAND_IN)
+    parts["safety_checker"] = Guardrail.load(dc.STAND_IN, device="cpu")
     return CosmosFamily(parts, {"_class_name": "Cosmos2_5_PredictBasePipeline"}, Branches(), "cpu", torch.float32)
 
 
@@ -131,25 +132,43 @@ def test_decoded_video_after_the_guardrail_equals_pipeline(family, pipe):
                                   np.round(want * 255).astype(np.uint8))
 
 
-def test_guardrail_refuses_an_unsafe_prompt(family):
-    from phyai_ray.models.diffusers_pipeline.cosmos import GuardrailError
+def test_guardrail_refuses_a_marked_prompt_and_video_without_repeating_them():
+    from phyai_ray.errors import RequestRejectedError
+    from phyai_ray.models.diffusers_pipeline.guardrail import Guardrail, GuardrailError
 
-    with pytest.raises(GuardrailError, match="guardrail refused the prompt"):
-        family.start(request(prompt=f"a {dc.UNSAFE_WORD} video"))
+    guard = Guardrail.load(dc.STAND_IN, device="cpu")
+    assert guard.checker.device == "cpu"  # moved to the model's device
+    prompt = f"a {dc.UNSAFE_WORD} video of a red bus"
+    with pytest.raises(GuardrailError, match="guardrail .* refused the prompt") as info:
+        guard.check_text(prompt)
+    assert isinstance(info.value, RequestRejectedError) and dc.UNSAFE_WORD not in str(info.value)
+    guard.check_text("a red bus")  # passes
+    video = np.zeros((5, dc.UNSAFE_HEIGHT, 32, 3), dtype=np.uint8)
+    with pytest.raises(GuardrailError, match="refused the generated video"):
+        guard.check_video(video)
+    assert guard.check_video(video[:, :32]).shape == (5, 32, 32, 3)
+
+
+def test_decode_of_a_refused_video_is_a_guardrail_error(family):
+    from phyai_ray.models.diffusers_pipeline.guardrail import GuardrailError
+
+    [job] = run(family, [request("text", num_inference_steps=1, seed=6, height=dc.UNSAFE_HEIGHT)])
+    with pytest.raises(GuardrailError, match="refused the generated video"):
+        family.decode(job)
 
 
 def test_a_folder_without_guardrail_is_refused(folder):
-    from phyai_ray.models.diffusers_pipeline.cosmos import GuardrailError, guardrail_path
+    from phyai_ray.models.diffusers_pipeline.guardrail import GuardrailConfigError, required_spec, resolve
 
-    with pytest.raises(GuardrailError) as info:
-        guardrail_path({"model": str(folder)}, folder)
+    with pytest.raises(GuardrailConfigError) as info:
+        required_spec({"model": str(folder)}, folder, "Cosmos2_5_PredictBasePipeline")
     message = str(info.value)
     assert "NVIDIA Open Model License" in message and "plugin_args['safety_checker']" in message
     assert "package.module:Name" in message and str(folder) in message
-    assert guardrail_path({"safety_checker": dc.STAND_IN}, folder) == dc.STAND_IN
+    assert required_spec({"safety_checker": dc.STAND_IN}, folder, "x") == dc.STAND_IN
     for bad in ("tests.diffusers_cosmos", "tests.diffusers_cosmos:Nothing", "tests.diffusers_cosmos:WORDS"):
-        with pytest.raises(GuardrailError, match="safety_checker"):
-            guardrail_path({"safety_checker": bad}, folder)
+        with pytest.raises(GuardrailConfigError, match="safety_checker"):
+            resolve(bad)
 
 
 @pytest.mark.parametrize("fields, rule", [
@@ -222,9 +241,9 @@ def test_engine_refuses_bad_cosmos_requests_and_serves_on(engine, pipe):
 
 def test_engine_refuses_a_cosmos_folder_without_guardrail_before_any_rank(folder):
     from phyai_ray import Engine, EngineArgs
-    from phyai_ray.models.diffusers_pipeline.cosmos import GuardrailError
+    from phyai_ray.models.diffusers_pipeline.guardrail import GuardrailConfigError
 
-    with pytest.raises(GuardrailError, match="licensed") as info:
+    with pytest.raises(GuardrailConfigError, match="licensed") as info:
         Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}))
     assert "plugin_args['safety_checker']" in str(info.value) and "'package.module:Name'" in str(info.value)
 
@@ -240,8 +259,14 @@ def test_conditioning_frames_are_refused_for_text_only_pipelines():
     assert parsed.image is IMAGE and parsed.video is None
 
 
-def test_engine_refuses_an_unsafe_prompt_and_serves_on(engine, pipe):
-    with pytest.raises(Exception, match="guardrail refused the prompt"):
+def test_engine_refuses_an_unsafe_prompt_once_and_serves_on(engine, pipe):
+    from phyai_ray.errors import RequestRejectedError
+
+    before = dict(dc.StandInSafetyChecker.calls)
+    with pytest.raises(RequestRejectedError, match="guardrail .* refused the prompt") as info:
         engine.step(wire(request(prompt=f"a {dc.UNSAFE_WORD} robot", num_inference_steps=1)))
+    assert dc.UNSAFE_WORD not in str(info.value)
+    assert dc.StandInSafetyChecker.calls["text"] == before["text"] + 1  # once, in the dispatcher
+    assert dc.StandInSafetyChecker.calls["video"] == before["video"]  # it never reached a rank
     r = request("image", num_inference_steps=1, seed=26)
     assert_close(torch.as_tensor(engine.step(wire(r))["video"]), reference(pipe, r))

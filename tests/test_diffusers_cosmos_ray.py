@@ -3,9 +3,10 @@
 Run: flock /tmp/phyai-ray-tests.lock .venv/bin/python -m pytest tests/test_diffusers_cosmos_ray.py -q
 
 Cfg rank 0 runs the cond rows and cfg rank 1 the uncond rows of every request, gathered each step;
-each rank loads the stand-in guardrail by its import path. Text-, image- and video-to-world requests
-of different step counts and guidance (one without) batched per step equal diffusers' pipeline and
-one rank (1e-6 of the largest latent); the decoded video passes the guardrail on the output rank.
+the dispatcher checks each prompt with the stand-in guardrail and the output rank each video (only it
+holds a guardrail). Text-, image- and video-to-world requests of different step counts and guidance
+(one without) batched per step equal diffusers' pipeline and one rank (1e-6 of the largest latent);
+the decoded video passes the guardrail on the output rank; a refused prompt or video fails alone.
 The group lives for the module and is checked for leaks when it closes (`closed_without_leaks`).
 """
 
@@ -59,5 +60,31 @@ def test_cfg2_video_passes_the_guardrail_on_the_output_rank(cfg2, pipe):  # noqa
     video = torch.as_tensor(cfg2.step(wire(r))["video"])
     want = np.round(reference(pipe, r, output_type="np") * 255).astype(np.uint8)
     np.testing.assert_array_equal(video.numpy(), want)
-    with pytest.raises(Exception, match="guardrail refused the prompt"):
-        cfg2.step(wire(request(prompt=f"a {dc.UNSAFE_WORD} scene", num_inference_steps=1)))
+
+
+def test_cfg2_guardrail_refusals_fail_their_request_alone(cfg2, pipe):  # noqa: F811
+    """A refused prompt (in the dispatcher) and a refused video (on the output rank) among 3 requests in
+    flight: each refusal is a GuardrailError (400) for its request alone, never an EngineUnavailableError;
+    the 3 succeed; no error carries the refused prompt; the group serves on."""
+    from phyai_ray.errors import EngineUnavailableError, GuardrailError, RequestRejectedError
+
+    secret = f"a {dc.UNSAFE_WORD} scene of a red bus"
+    good = [request("text", num_inference_steps=3, seed=41), request("image", num_inference_steps=2, seed=42),
+            request("text", num_inference_steps=2, guidance_scale=1.0, seed=43)]
+    unsafe_video = request("text", num_inference_steps=1, seed=44, height=dc.UNSAFE_HEIGHT, output_type="uint8")
+    cfg2.pause(mode="keep")
+    futures = [cfg2.submit(wire(r)) for r in good]
+    refused_video = cfg2.submit(wire(unsafe_video))
+    with pytest.raises(RequestRejectedError, match="GuardrailError: .* refused the prompt") as prompt_error:
+        cfg2.submit(wire(request(prompt=secret, num_inference_steps=1)))  # refused in the dispatcher, at once
+    assert GuardrailError in (type(prompt_error.value), type(prompt_error.value.__cause__))
+    cfg2.resume()
+    wait([*futures, refused_video], timeout=120)
+    with pytest.raises(GuardrailError, match="refused the generated video") as video_error:
+        refused_video.result()
+    for error in (prompt_error.value, video_error.value):
+        assert not isinstance(error, EngineUnavailableError) and "red bus" not in str(error)
+    for future, r in zip(futures, good):
+        assert_close(torch.as_tensor(future.result()["video"]), reference(pipe, r))
+    r = request("text", num_inference_steps=1, seed=45)
+    assert_close(torch.as_tensor(cfg2.step(wire(r))["video"]), reference(pipe, r))  # the same group serves on

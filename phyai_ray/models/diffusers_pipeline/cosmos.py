@@ -3,9 +3,8 @@
 What `Cosmos2_5_PredictBasePipeline.__call__` does for one prompt, split where the iteration protocol
 needs it:
 
-    begin     the guardrail reads the prompt (refused if unsafe); latents ~ randn [1, C, (F-1)/4+1,
-              H/8, W/8] from Generator("cpu").manual_seed(seed); its own scheduler copy with its
-              timesteps set (stepwise's own_scheduler)
+    begin     latents ~ randn [1, C, (F-1)/4+1, H/8, W/8] from Generator("cpu").manual_seed(seed);
+              its own scheduler copy with its timesteps set (stepwise's own_scheduler)
     encode    (the encode stage) prompt -> Qwen2.5-VL chat template, padded to max_sequence_length
               -> every hidden state after the embeddings, each normalised over its channels, concatenated (cond; the negative prompt, uncond, when
               guidance_scale > 1, diffusers' long default negative prompt when none is given);
@@ -20,11 +19,12 @@ needs it:
               latents0 - cond_latent; noise = c + g (c - u) (Cosmos' form, not u + g (c - u));
               then the job's own scheduler step (stepwise's advance)
     decode    latents / latents_std + latents_mean -> VAE decode -> uint8 frames -> the guardrail's
-              check_video_safety -> float [frames, H, W, 3] in [0, 1], as diffusers returns them
+              check_video (`guarded_video`) -> float [frames, H, W, 3] in [0, 1], as diffusers returns them
 
-Cosmos checkpoints are licensed (NVIDIA Open Model License) with a guardrail: `guardrail_path` says
-which safety checker serves a folder and refuses to start without one; every rank loads it
-(`load_guardrail`), every rank checks each prompt (so all refuse alike), the output rank each video.
+Cosmos checkpoints are licensed (NVIDIA Open Model License) with a guardrail: the entry refuses a
+Cosmos folder without one (`guardrail.required_spec`) and checks each prompt once, in the
+dispatcher; only the output rank holds the `Guardrail` (components["safety_checker"]) and checks
+each video it decodes (guardrail.py).
 
 diffusers calls two torchvision functions here (the transformer resizes its padding mask with
 `transforms.functional.resize`, the pipeline reads an image with `to_tensor`); without torchvision
@@ -37,71 +37,22 @@ dense.tp_size; `shard_of` cuts a weight update's full tensor to this rank's part
 
 from __future__ import annotations
 
-import importlib
 import types
 from typing import Any
 
 import numpy as np
 import torch
 
-from phyai_ray.errors import PhyAIError
 from phyai_ray.models.diffusers_pipeline.family import Family, Job
 from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
 from phyai_ray.stepwise.schedulers import advance, own_scheduler
 
 PIPELINE = "Cosmos2_5_PredictBasePipeline"
-GUARDRAIL = "cosmos_guardrail:CosmosSafetyChecker"
 CONDITIONING_TIMESTEP = 0.0001  # the pipeline's conditional_frame_timestep
 VIDEO_LATENT_FRAMES = 2  # the pipeline's num_latent_conditional_frames: 4 * (2 - 1) + 1 = 5 pixel frames
 SYSTEM_PROMPT = "You are a helpful assistant who will provide prompts to an image generator."
 DEFAULTS = {"height": 704, "width": 1280, "num_frames": 93, "num_inference_steps": 36, "guidance_scale": 7.0,
             "max_sequence_length": 512}  # Cosmos2_5_PredictBasePipeline.__call__'s defaults
-
-
-class GuardrailError(PhyAIError, ValueError):
-    """A Cosmos folder without a safety checker, a checker that cannot be loaded, or a prompt it refuses."""
-
-
-# -- the guardrail ----------------------------------------------------------------------------------------
-def guardrail_path(plugin_args: dict[str, Any], folder: Any) -> str:
-    """The import path of the safety checker that serves `folder`: plugin_args["safety_checker"], else
-    NVIDIA's `cosmos_guardrail` when installed; else a GuardrailError saying why and how (before any rank)."""
-    path = plugin_args.get("safety_checker")
-    if path is None:
-        try:
-            importlib.import_module(GUARDRAIL.split(":")[0])
-            return GUARDRAIL
-        except ImportError:
-            raise GuardrailError(
-                f"{folder}: {PIPELINE} checkpoints are licensed under the NVIDIA Open Model License, which "
-                f"requires the Cosmos guardrail on every prompt and every video, and none is given: "
-                f"plugin_args has no 'safety_checker' and the package cosmos_guardrail is not installed. "
-                f"Give one as an import path, e.g. plugin_args['safety_checker'] = '{GUARDRAIL}' (after "
-                f"`pip install cosmos_guardrail`), or 'package.module:Name' of your own class with "
-                f"check_text_safety(prompt) -> bool and check_video_safety(uint8 [frames, H, W, 3]) -> video"
-            ) from None
-    load_guardrail(path)  # refuse a bad path here, before any rank starts
-    return path
-
-
-def load_guardrail(path: Any) -> Any:
-    """'package.module:Name' -> the checker (a class is instantiated with no arguments)."""
-    if not isinstance(path, str) or path.count(":") != 1:
-        raise GuardrailError(f"plugin_args['safety_checker'] must be an import path 'package.module:Name', "
-                             f"got {path!r}")
-    module_name, name = path.split(":")
-    try:
-        found = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise GuardrailError(f"plugin_args['safety_checker'] = {path!r} cannot be imported ({exc}); it must "
-                             "name a class importable on every rank") from exc
-    checker = found() if isinstance(found, type) else found
-    missing = [m for m in ("check_text_safety", "check_video_safety") if not callable(getattr(checker, m, None))]
-    if missing:
-        raise GuardrailError(f"plugin_args['safety_checker'] = {path!r} lacks {missing}: it needs "
-                             "check_text_safety(prompt) -> bool and check_video_safety(uint8 [frames, H, W, 3]) "
-                             "-> video")
-    return checker
 
 
 # -- torchvision's two operations ---------------------------------------------------------------------------
@@ -186,10 +137,7 @@ class CosmosFamily(Family):
 
         supply_torchvision()
         c = self.components
-        if c.get("safety_checker") is None:
-            raise GuardrailError(f"{PIPELINE} runs only with its safety checker: components['safety_checker'] "
-                                 "is missing (set plugin_args['safety_checker'] = 'package.module:Name')")
-        self.guard = c["safety_checker"]
+        self.guard = c.get("safety_checker")  # the output rank's Guardrail (loading.py); None elsewhere
         self.tokenizer, self.text_encoder, self.vae = c["tokenizer"], c["text_encoder"], c["vae"]
         self.transformer, self.scheduler = c["transformer"], c["scheduler"]
         self.temporal = 2 ** sum(self.vae.temperal_downsample)
@@ -216,11 +164,8 @@ class CosmosFamily(Family):
 
     # -- admission and the encode stage -------------------------------------------------------------
     def begin(self, request: Any) -> Job:
-        """The guardrail reads the prompt (every rank refuses alike); the latents and the scheduler copy."""
+        """The latents and the scheduler copy (the prompt was checked in the dispatcher)."""
         r = request
-        if not self.guard.check_text_safety(r["prompt"]):
-            raise GuardrailError(f"the Cosmos guardrail refused the prompt {r['prompt']!r}: the NVIDIA Open Model "
-                                 "License forbids it; send another prompt")
         shape = (1, self.channels, (r["num_frames"] - 1) // self.temporal + 1, r["height"] // self.spatial,
                  r["width"] // self.spatial)
         from diffusers.utils.torch_utils import randn_tensor
@@ -357,9 +302,18 @@ class CosmosFamily(Family):
         mean, std = (x.to(latents.device, latents.dtype) for x in (self.latents_mean, self.latents_std))
         video = vae.decode((latents / std + mean).to(vae.dtype), return_dict=False)[0]
         frames = self.processor.postprocess_video(video, output_type="np")
-        checked = self.guard.check_video_safety((frames[0] * 255).astype(np.uint8))
+        checked = guarded_video(self.guard, (frames[0] * 255).astype(np.uint8))
         video = torch.from_numpy(np.asarray(checked).astype(np.float32)[None] / 255.0 * 2 - 1).permute(0, 4, 1, 2, 3)
         return torch.from_numpy(self.processor.postprocess_video(video, output_type="np")[0])
+
+
+def guarded_video(guard: Any, frames: np.ndarray) -> np.ndarray:
+    """uint8 [F, H, W, 3] after the guardrail's video check (GuardrailError when it refuses); a Cosmos
+    video is never returned unchecked, so a rank without the guardrail refuses to decode one."""
+    if guard is None:
+        raise RuntimeError(f"{PIPELINE}: this rank holds no guardrail, and only the output rank decodes "
+                           "Cosmos videos (it holds the guardrail: loading.py)")
+    return guard.check_video(frames)
 
 
 def _default_negative() -> str:

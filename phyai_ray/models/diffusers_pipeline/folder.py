@@ -38,6 +38,8 @@ class PipelineSpec:
     transformers: tuple[str, ...] = ("transformer",)  # at least the first; the rest are optional experts
     mask_channels: int = 0  # transformer in_channels beyond the VAE's z_dim (Cosmos: the condition mask)
     check: str | None = None  # "module:function" refusing layouts of this class not served (after the checks)
+    recommended: tuple[int, int, int] = (480, 832, 81)  # (height, width, frames): the pipeline's default request
+    vae_encodes: bool = False  # the VAE encodes conditioning frames on every rank (else: only the output rank decodes)
     optional: tuple[str, ...] = ()  # read and checked when the index names them; `check` says when one is needed
 
 
@@ -47,14 +49,15 @@ PIPELINES: dict[str, PipelineSpec] = {
                                 ("transformer", "transformer_2")),
     "Cosmos2_5_PredictBasePipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos:CosmosFamily",
                                                   ("tokenizer", "text_encoder", "vae", "scheduler"),
-                                                  mask_channels=1),
+                                                  mask_channels=1, recommended=(704, 1280, 93), vae_encodes=True),
     "WanImageToVideoPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.wan_i2v:WanImageToVideoFamily",
                                             ("tokenizer", "text_encoder", "vae", "scheduler"),
                                             ("transformer", "transformer_2"), mask_channels=4 + 16,  # mask + condition
                                             check="phyai_ray.models.diffusers_pipeline.wan_i2v:check_folder",
-                                            optional=("image_encoder", "image_processor")),
+                                            vae_encodes=True, optional=("image_encoder", "image_processor")),
     "Cosmos3OmniPipeline": PipelineSpec("phyai_ray.models.diffusers_pipeline.cosmos3:Cosmos3Family",
-                                        ("text_tokenizer", "vae", "scheduler")),
+                                        ("text_tokenizer", "vae", "scheduler"), recommended=(720, 1280, 189),
+                                        vae_encodes=True, optional=("sound_tokenizer",)),
 }
 
 MODEL_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder", "image_encoder")  # weights checked against configs
@@ -68,7 +71,7 @@ class Folder:
     index: dict[str, Any]
     spec: PipelineSpec
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    guardrail: str | None = None  # import path of the safety checker (Cosmos; the entry sets it from plugin_args)
+    guardrail: tuple | None = None  # (safety_checker, its args, download allowed): Cosmos; set by the entry (guardrail.py)
 
     @property
     def class_name(self) -> str:
@@ -81,8 +84,9 @@ class Folder:
                 and name != "safety_checker"]  # a guardrail is named by plugin_args, never loaded from here
 
     @classmethod
-    def open(cls, model: Any) -> "Folder":
-        """Read and check the folder at `model` (see the module docstring)."""
+    def open(cls, model: Any, *, weights: bool = True) -> "Folder":
+        """Read and check the folder at `model` (see the module docstring); `weights=False` reads the
+        configs only (a folder of config.json files, as plans.py sizes real models without their weights)."""
         if not isinstance(model, (str, Path)) or not str(model):
             raise PipelineFolderError("plugin_args['model'] must be the path of a local diffusers pipeline folder "
                                       f"(holding model_index.json), got {model!r}")
@@ -100,7 +104,8 @@ class Folder:
                                       f"{sorted(PIPELINES)}")
         folder = cls(path, index, PIPELINES[name])
         folder._check_components()
-        folder._check_tensors()
+        if weights:
+            folder._check_tensors()
         folder._check_agreement()
         if folder.spec.check is not None:
             module, function = folder.spec.check.split(":")
@@ -147,14 +152,37 @@ class Folder:
     def transformer_config(self) -> dict[str, Any]:
         return self.configs[self.spec.transformers[0]]
 
-    def weights_dtype(self) -> Any:
-        """The dtype the transformer's weights are stored in (the folder's dtype)."""
-        import torch
-        from safetensors import safe_open
+    def recommended(self) -> tuple[int, int, int]:
+        """(height, width, frames) of the folder's recommended request: its pipeline's defaults, and Wan
+        2.2 TI2V's own 704 x 1280 x 121 (a WanPipeline folder with expand_timesteps)."""
+        if self.class_name == "WanPipeline" and self.index.get("expand_timesteps"):
+            return (704, 1280, 121)
+        return self.spec.recommended
 
-        file = sorted((self.path / self.spec.transformers[0]).glob("*.safetensors"))[0]
-        with safe_open(str(file), framework="pt") as handle:
-            return handle.get_tensor(next(iter(handle.keys()))).dtype if handle.keys() else torch.float32
+    def factors(self) -> tuple[int, int, tuple[int, ...]]:
+        """(VAE temporal factor, VAE spatial factor, transformer patch (t, h, w))."""
+        vae, tf = self.configs["vae"], self.transformer_config()
+        return (int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8),
+                tuple(int(p) for p in tf.get("patch_size", (1, 2, 2))))
+
+    def positional_range(self) -> tuple[int, int, int]:
+        """(frames, height, width) the transformer's positions reach: Wan's rope_max_seq_len patches per
+        axis, Cosmos' max_size latent positions per axis (beyond them its forward fails)."""
+        temporal, spatial, patch = self.factors()
+        tf = self.transformer_config()
+        if "max_size" in tf:  # CosmosTransformer3DModel: latent positions (t, h, w)
+            t, h, w = (int(n) for n in tf["max_size"])
+        else:  # WanTransformer3DModel: rope_max_seq_len positions of patches per axis
+            n = int(tf.get("rope_max_seq_len", 1024))
+            t, h, w = n * patch[0], n * patch[1], n * patch[2]
+        return temporal * (t - 1) + 1, h * spatial, w * spatial
+
+    def text_range(self) -> int:
+        """The text tokens the text encoder's positions reach (max_position_embeddings), else 512 (diffusers'
+        default, what Wan's UMT5 relative positions were trained at)."""
+        text = self.configs.get("text_encoder", {})
+        found = text.get("max_position_embeddings") or (text.get("text_config") or {}).get("max_position_embeddings")
+        return int(found or 512)
 
 
 def _read_config(folder: Path, name: str, entry: list) -> dict[str, Any]:

@@ -29,20 +29,18 @@ import importlib
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
+from phyai_ray.models.diffusers_pipeline.loading import TRAINABLE, SleepState, load_components, materialize
 from phyai_ray.models.diffusers_pipeline.stages import PendingDecode, StageWork, video_result
 from phyai_ray.plugins.iteration import Delta
 from phyai_ray.stepwise.schedulers import leave_cohort, part_cohort
 from phyai_ray.stepwise.sequence import Running
 
 logger = logging.getLogger(__name__)
-
-TRAINABLE = ("transformer", "transformer_2")  # components a weight update may change
 
 
 def family_class(path: str) -> type[Family]:
@@ -51,47 +49,22 @@ def family_class(path: str) -> type[Family]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_components(folder: Any, device: Any, dtype: torch.dtype) -> dict[str, Any]:
-    """Every component of the (checked) folder, by the class its model_index.json names."""
-    out: dict[str, Any] = {}
-    for name in folder.components():
-        library, class_name = folder.index[name]
-        path = Path(folder.path) / name
-        if name in ("tokenizer", "text_tokenizer"):
-            from transformers import AutoTokenizer
-
-            out[name] = AutoTokenizer.from_pretrained(path)
-            continue
-        if name == "image_processor":  # no weights; transformers picks its backend (PIL without torchvision)
-            from transformers import AutoImageProcessor
-
-            out[name] = AutoImageProcessor.from_pretrained(path)
-            continue
-        cls = getattr(importlib.import_module(library), class_name)
-        if name == "scheduler":
-            out[name] = cls.from_pretrained(path)
-        elif library == "transformers":
-            out[name] = cls.from_pretrained(path, dtype=dtype).to(device).eval()
-        else:
-            out[name] = cls.from_pretrained(path, torch_dtype=dtype).to(device).eval()
-    if folder.guardrail is not None:  # Cosmos: the safety checker plugin_args names (cosmos.py)
-        from phyai_ray.models.diffusers_pipeline.cosmos import load_guardrail
-
-        out["safety_checker"] = load_guardrail(folder.guardrail)
-    return out
-
-
 class PipelineModel:
     """One rank: the components, the family's loop, the running jobs (see the module docstring)."""
 
-    def __init__(self, folder: Any, dtype: torch.dtype, ctx: Any) -> None:
+    def __init__(self, folder: Any, dtypes: dict[str, torch.dtype], ctx: Any) -> None:
+        """Components loaded (transformers empty), the family built, the transformers sharded while
+        empty, then only this rank's slices read from the files (loading.py)."""
         self.ctx, self.folder = ctx, folder
-        self.components = load_components(folder, ctx.device, dtype)
+        self.components = load_components(folder, ctx, dtypes)
         branches = Branches(ctx.group_rank("cfg"), ctx.group_size("cfg"))
+        dtype = dtypes["transformer"]
         self.family = family_class(folder.spec.family)(self.components, folder.index, branches, ctx.device, dtype)
         self.full_shapes = {f"{name}.{key}": tuple(p.shape) for name in TRAINABLE if name in self.components
                             for key, p in self.components[name].state_dict().items()}
         self.family.parallelize(ctx)
+        materialize(self.components, folder, self.family, ctx)
+        self.memory = SleepState(self.components, ctx.device)
         self.jobs: Running[Job] = Running()  # the denoising set (and the ones admitted in this plan)
         self._stages: StageWork | None = None  # the encode and decode stages (stages.py)
         self._failed: dict[int, BaseException] = {}  # jobs whose own stage failed in this iteration
@@ -219,10 +192,23 @@ class PipelineModel:
 
     @torch.no_grad()
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy each full tensor into the component parameter of that name (checked before, by weight_specs)."""
+        """Copy each full tensor into the component parameter of that name (checked before, by weight_specs);
+        after sleep(2) the dropped parameters get their storage back here."""
         states = {name: self.components[name].state_dict() for name in TRAINABLE if name in self.components}
         for name, full in weights:
             component, key = name.split(".", 1)
-            target = states[component][key]
+            target = self.memory.refill(name, states[component][key])
             part = self.family.shard_of(name, full, self.ctx)
             target.copy_(part.to(device=target.device, dtype=target.dtype))
+
+    # -- sleep: memory back to a colocated trainer (loading.py) -----------------------------------------
+    def sleep(self, level: int) -> int:
+        """Level 1: caches freed, every component's weights moved to the host on CUDA; level 2: the
+        transformers' weights dropped too (the next weight update refills them). Bytes freed."""
+        if self._stages is not None:  # no decode reads the VAE while its weights move
+            self._stages.drain()
+        return self.memory.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """"weights": the components back on the rank's device (dropped ones wait for the update)."""
+        self.memory.wake_up(tags)

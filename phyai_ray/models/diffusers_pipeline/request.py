@@ -21,7 +21,11 @@
 
 Where diffusers rounds a bad size down with a warning, a request here is refused with the rule
 named: num_frames must be 4k+1 (the VAE's temporal factor), height and width multiples of the VAE's
-spatial factor times the transformer's patch (and of 16, diffusers' own check).
+spatial factor times the transformer's patch (and of 16, diffusers' own check). Sizes the folder
+cannot serve are refused too, before any rank sees them (`Limits`, set by the entry from the
+folder's configs): height or width beyond the transformer's positional range, more frames or
+pixels per frame than the plugin_args `max_frames` / `max_pixels` allow (default: the folder's
+recommended shape with a margin), a text longer than `max_sequence_length` tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class Limits:
     two_experts: bool  # boundary_ratio set: guidance_scale_2 allowed
     conditioning: bool = False  # image / video conditioning frames allowed (Cosmos)
     last_image: bool = False  # a last frame allowed (WanImageToVideoPipeline; wan_i2v.py checks the layout)
+    max_frames: int | None = None  # frames per video (plugin_args max_frames)
+    max_pixels: int | None = None  # height x width per frame (plugin_args max_pixels)
+    max_side: tuple[int, int] | None = None  # (height, width) the transformer's positions reach
+    max_sequence_length: int | None = None  # text tokens (plugin_args max_sequence_length)
 
     @property
     def size_multiple(self) -> tuple[int, int]:
@@ -117,6 +125,7 @@ class VideoRequest:
                 f"height x width = {self.height} x {self.width} breaks the rule: height a multiple of {mh} and "
                 f"width a multiple of {mw} (VAE spatial factor {limits.spatial} x patch {limits.patch[1:]}, "
                 f"and 16); use e.g. {max(mh, self.height // mh * mh)} x {max(mw, self.width // mw * mw)}")
+        self._check_bounds(limits)
         if self.num_inference_steps < 1:
             raise VideoRequestError(f"num_inference_steps={self.num_inference_steps} must be at least 1")
         if self.max_sequence_length < 1:
@@ -134,6 +143,24 @@ class VideoRequest:
             raise VideoRequestError(f"output_type={self.output_type!r} is not one of {list(OUTPUT_TYPES)}")
         if not 0 <= self.seed < 2 ** 63:
             raise VideoRequestError(f"seed={self.seed} must be in [0, 2**63)")
+
+    def _check_bounds(self, limits: Limits) -> None:
+        """What the folder cannot serve, refused before any rank: each message names the limit and its key."""
+        if limits.max_side is not None and (self.height > limits.max_side[0] or self.width > limits.max_side[1]):
+            raise VideoRequestError(
+                f"height x width = {self.height} x {self.width} is beyond the transformer's positional range "
+                f"(at most {limits.max_side[0]} x {limits.max_side[1]}, from its config.json); send a smaller video")
+        if limits.max_pixels is not None and self.height * self.width > limits.max_pixels:
+            raise VideoRequestError(
+                f"height x width = {self.height} x {self.width} = {self.height * self.width} pixels per frame is "
+                f"over the limit max_pixels={limits.max_pixels} (plugin_args['max_pixels'] changes it)")
+        if limits.max_frames is not None and self.num_frames > limits.max_frames:
+            raise VideoRequestError(f"num_frames={self.num_frames} is over the limit max_frames={limits.max_frames} "
+                                    "(plugin_args['max_frames'] changes it)")
+        if limits.max_sequence_length is not None and self.max_sequence_length > limits.max_sequence_length:
+            raise VideoRequestError(
+                f"max_sequence_length={self.max_sequence_length} text tokens is over the limit "
+                f"max_sequence_length={limits.max_sequence_length} (plugin_args['max_sequence_length'] changes it)")
 
     def latent_shape(self, channels: int, limits: Limits) -> tuple[int, int, int, int]:
         """[C, F, h, w] of this request's latents."""
