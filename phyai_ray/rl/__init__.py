@@ -13,7 +13,11 @@ A mismatch refuses the update before any weight changes (`WeightUpdateRefusedErr
 keep their previous version); a lease that expires returns an untouched replica and fails one
 that loaded part of the update (`phyai_ray.executors.updates`, `phyai_ray.rank.loading`).
 
-This package is what a trainer holds: `EngineActor` (actor.py), `WeightSender` (sender.py) and the
-sending half of a transfer (transfer.py). What a rank runs (its control lane, loading, receiving
+A list of targets, `sender.update([engine_a, engine_b, actor_c], params, version=v)`, is one
+fleet: staged on every rank while v - 1 serves, each rank's digest verified, then switched
+together, or rolled back everywhere (`fleet.py`: `FleetReport`, `FleetUpdateError`).
+
+This package is what a trainer holds: `EngineActor` (actor.py), `WeightSender` (sender.py), fleet
+updates (fleet.py) and the sending half of a transfer (transfer.py). What a rank runs (its control lane, loading, receiving
 buckets) is in `phyai_ray.rank`; nothing below the engine imports this package.
 """
