@@ -1,6 +1,7 @@
 """Robot fleets on one group of `reference_flow_policy`: deadlines, per-step batching, overhead per frame.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_fleet.py [--seconds 4] [--fleets 4,8,16,32] [--only a|b|c|d|e]`
+(`--policy lerobot`: a pi0-shaped lerobot_policy's fleet numbers and join stall instead, benchmarks/fleet_policy.py)
 
 One Serve group (TP=1, its rank inline in the Serve replica) behind the openpi WebSocket; robots are
 asyncio sessions in this process speaking openpi's msgpack frames (each sends its next frame when the
@@ -299,8 +300,18 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=2, help="(e): clients without a deadline beside the fleet")
     parser.add_argument("--multiples", default="1.25,2,3", help="(e): fleets as multiples of the capacity")
     parser.add_argument("--rounds", type=int, default=3, help="(e): runs per admission rule and fleet, alternated")
+    parser.add_argument("--policy", choices=("reference", "lerobot"), default="reference",
+                        help="lerobot: a pi0-shaped lerobot_policy instead (fleet_policy.py, then bench_joins.py)")
     results.add_flag(parser)
     opts = parser.parse_args()
+    if opts.policy == "lerobot":
+        from bench_joins import joins_part
+        from fleet_policy import fleet_part
+
+        print(machine(), flush=True)
+        print(fleet_part(opts.seconds), flush=True)
+        print(joins_part(opts.rounds), flush=True)
+        return
     import ray
     from ray import serve
 

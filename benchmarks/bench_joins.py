@@ -39,12 +39,12 @@ DATA = ROOT / "tests" / "data" / "lerobot" / "pi0"
 STEPS, JOINERS = 60, 8
 
 
-def pi0_shaped(root: Path) -> dict:
-    """The tests' tiny pi0 folder widened to a prefix pass of tens of ms, random weights, 60 steps."""
+def pi0_shaped(root: Path, steps: int = STEPS) -> dict:
+    """The tests' tiny pi0 folder widened to a prefix pass of tens of ms, random weights, `steps` steps."""
     folder = root / "pretrained_model"
     shutil.copytree(DATA / "pretrained_model", folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(num_inference_steps=STEPS, image_resolution=[96, 96])
+    config.update(num_inference_steps=steps, image_resolution=[96, 96])
     (folder / "config.json").write_text(json.dumps(config))
     sizes = json.loads((DATA / "cases.json").read_text())["sizes"]
     sizes["paligemma"].update(width=256, depth=4, mlp_dim=1024, num_heads=4, head_dim=32)
