@@ -5,8 +5,8 @@
     report.pause_s, report.verify_s, report.stage_s
 
 1. stage     every rank of every replica of every target receives the buckets (the trainer's flat
-             tensors; Ray ObjectRefs when Ray runs, else the tensors themselves) and keeps its
-             slices BESIDE its live weights (`stage_weights` on the per-rank model, through
+             tensors, as `collective_rpc` arguments: a Ray group's same-node lane shares them in
+             shared memory, one copy for all its ranks) and keeps its slices BESIDE its live weights (`stage_weights` on the per-rank model, through
              `collective_rpc`): the fleet keeps serving version v - 1 meanwhile.
 2. verify    each rank answers the sha256 of the bytes it received (`phyai_ray.llm.staging`); the
              sender computes the same over what it sent. Any rank that differs, or any stage that
@@ -73,7 +73,7 @@ def update_fleet(targets: list, named_parameters: Iterable[tuple[str, Any]], ver
     started = time.perf_counter()
     expected = digest_of(planned)
     sender_digest_s = time.perf_counter() - started
-    payload = _payload(planned)
+    payload = planned  # the tensors themselves: the same-node lane puts them in shared memory once for every rank
     started = time.perf_counter()
     replies = _on_all(targets, "collective_rpc", "stage_weights", version, payload, all_ranks=True,
                       timeout=timeout_s)
@@ -93,18 +93,6 @@ def update_fleet(targets: list, named_parameters: Iterable[tuple[str, Any]], ver
     return FleetReport(version, sum(f.numel() * f.element_size() for _, f in planned), stage_s,
                        sender_digest_s + slowest, switched - paused, paused, switched,
                        [r for reports in done for r in _value(reports)])
-
-
-def _payload(planned: list) -> list:
-    """The buckets as the ranks receive them: ObjectRefs when Ray runs (one put, shared), else tensors."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return [(bucket, ray.put(flat)) for bucket, flat in planned]
-    except ImportError:
-        pass
-    return planned
 
 
 def _on_all(targets: list, name: str, *args: Any, **kwargs: Any) -> list:
