@@ -263,6 +263,8 @@ def test_running_skips_a_paused_sequence_and_joins_it_when_it_steps():
     running.pause(1)  # 1 has taken 1 of its 2 steps: it sits out now
     out = running.iterate(advance_all, lambda s: int(s.value))
     assert out == {} and running.joined() == [running[2]] and batches == [1]  # 2 stepped once, joins now
+    running.admit(1, Sequence(value=torch.zeros(()), steps=2))  # started again (recompute): it steps
+    assert running.paused() == [] and running.joined() == [running[1]]
     assert running.drop(1) is not None and running.paused() == []
 
 

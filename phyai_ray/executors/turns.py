@@ -82,8 +82,8 @@ class TurnTaker:
         `head(key)`: the loop's next waiting head (`head` None: admission is closed); a rebuilt
         sequence starts its steps again."""
         residents = list(running)
-        for seq in rebuild:
-            seq.taken = 0
+        for seq in rebuild:  # recompute starts it again, stepping (Running.admit)
+            seq.taken, seq.paused = 0, False
         key = self.key(pace_s)
         stepping, admitted = take_turns(residents, self.policy, key, (lambda: head(key)) if head else lambda: None,
                                         join)

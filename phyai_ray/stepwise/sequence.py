@@ -15,10 +15,10 @@ subclasses `Sequence` for what its math adds (a prefix cache, a scheduler, RTC g
 running set, the step counting and the deltas are written once, here.
 
 Turns (`IterationPlan.pause` / `resume`): a paused sequence stays in the set with its value, but
-`batch()` leaves it out, so `iterate` neither steps it nor reports it; a sequence admitted (or
-started again) while paused joins (`joined()`) at its first step after `resume`. A per-rank model
-gets turns by delegating its `pause_sequence(seq_id)` and `resume_sequence(seq_id)` to its `Running`
-(`pause` / `resume` without a sequence are the engine's control hooks of the whole model).
+`batch()` leaves it out, so `iterate` neither steps it nor reports it; `admit` (a start, or a start
+again) makes it step, and one paused before its first step joins (`joined()`) when it steps. A
+per-rank model gets turns by delegating its `pause_sequence(seq_id)` and `resume_sequence(seq_id)`
+to its `Running` (`pause` / `resume` without a sequence are the engine's hooks for the whole model).
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ class Running(Generic[S]):
         self._paused: set[int] = set()
 
     def admit(self, ident: int, seq: S) -> None:
-        """`seq` runs from the next step on; an ident already running starts again as `seq` in its place."""
+        """`seq` runs from the next step on; an ident already running starts again as `seq` in its place
+        (stepping: a paused one is resumed)."""
         self._by_ident[ident] = seq
+        self._paused.discard(ident)
         if ident not in self._joining:
             self._joining.append(ident)
 
