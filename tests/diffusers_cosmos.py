@@ -146,3 +146,14 @@ def load_cosmos_pipeline(folder: Path) -> Any:
     supply_torchvision()
     return Cosmos2_5_PredictBasePipeline.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                          safety_checker=diffusers_stand_in())
+
+
+class DownloadingSafetyChecker(StandInSafetyChecker):
+    """A checker whose constructor fetches its files from the Hugging Face hub, as NVIDIA's does: built
+    offline (the default), it fails at once instead of downloading."""
+
+    def __init__(self, repo: str = "nvidia/Cosmos-Guardrail1") -> None:
+        from huggingface_hub import snapshot_download
+
+        super().__init__()
+        self.files = snapshot_download(repo)

@@ -171,6 +171,20 @@ def test_a_folder_without_guardrail_is_refused(folder):
             resolve(bad)
 
 
+def test_a_guardrail_is_built_offline_unless_a_download_is_asked(monkeypatch):
+    import os
+    import time
+
+    from phyai_ray.models.diffusers_pipeline.guardrail import Guardrail, GuardrailConfigError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.monotonic()
+    with pytest.raises(GuardrailConfigError, match="safety_checker_download"):
+        Guardrail.load("tests.diffusers_cosmos:DownloadingSafetyChecker", {"repo": "nvidia/not-cached-here"})
+    assert time.monotonic() - start < 5  # refused at once: no network was tried
+    assert "HF_HUB_OFFLINE" not in os.environ  # the offline switch is undone
+
+
 @pytest.mark.parametrize("fields, rule", [
     (dict(image=IMAGE, video=VIDEO), "not both"),
     (dict(image=IMAGE.astype(np.float32)), "uint8"),

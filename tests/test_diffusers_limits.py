@@ -57,11 +57,16 @@ def test_cosmos_limits_reach_its_max_size_and_its_text_encoder():
 
 
 def test_an_oversized_request_is_refused_before_any_rank_in_under_a_second(tmp_path):
+    """(And a safety_checker for a Wan folder is refused, not ignored: its decode checks no video.)"""
     from phyai_ray import Engine, EngineArgs
     from phyai_ray.errors import RequestRejectedError
     from tests.diffusers_folders import build_wan
 
+    from phyai_ray.models.diffusers_pipeline import DiffusersPipelineEntry
+
     folder = build_wan(tmp_path / "wan")  # rope_max_seq_len 32: 512 pixels a side
+    with pytest.raises(PipelineFolderError, match="safety_checker'] is for folders whose decode checks"):
+        DiffusersPipelineEntry({"model": str(folder), "safety_checker": "tests.diffusers_cosmos:StandInSafetyChecker"})
     plugin_args = {"model": str(folder), "max_pixels": 256 * 256, "max_frames": 17}
     with Engine(EngineArgs(plugin="diffusers_pipeline", plugin_args=plugin_args)) as engine:
         for request, named in ((HUGE, "positional range"), ({**HUGE, "height": 512, "width": 256}, "max_pixels"),

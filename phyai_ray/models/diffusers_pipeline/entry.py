@@ -242,5 +242,8 @@ def _guarded(folder: Folder, plugin_args: dict[str, Any]) -> Folder:
         spec = required_spec(plugin_args, folder.path, folder.class_name)
         resolve(spec)  # refuse a bad import path here, before any rank starts
         folder.guardrail = (spec, args, download)
+    elif plugin_args.get("safety_checker") is not None:  # refused rather than ignored: no video check here
+        raise PipelineFolderError(f"diffusers_pipeline: plugin_args['safety_checker'] is for folders whose decode "
+                                  f"checks each video (Cosmos); this folder is a {folder.class_name}: leave it unset")
     return folder
 

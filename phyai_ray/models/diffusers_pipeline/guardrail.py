@@ -119,8 +119,14 @@ class Guardrail:
              device: Any = None) -> "Guardrail":
         """Build the checker `spec` names (see `resolve`), offline unless `download`, on `device`."""
         found, extra = resolve(spec)
-        with offline(download):
-            checker = found(**extra, **(args or {})) if isinstance(found, type) else found
+        try:
+            with offline(download):
+                checker = found(**extra, **(args or {})) if isinstance(found, type) else found
+        except Exception as exc:  # its files missing offline, bad arguments: say how to give them
+            raise GuardrailConfigError(
+                f"plugin_args['safety_checker'] = {str(spec)!r} could not be built ({type(exc).__name__}: {exc}); "
+                f"it is built offline unless plugin_args['safety_checker_download'] is True: give a local "
+                f"checkpoint folder, its files in the Hugging Face cache, or allow the download") from exc
         return cls(checker, str(spec)).to(device)
 
     def to(self, device: Any) -> "Guardrail":
