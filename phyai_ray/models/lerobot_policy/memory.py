@@ -8,9 +8,9 @@
 The dtype: plugin_args["dtype"] ("float32", "bfloat16", "float16") when given; otherwise float32 on
 CPU, and on CUDA the checkpoint's own `dtype` field (LeRobot's pi0 / pi0.5 configs have one) or
 bfloat16 when it has none (SmolVLA). The weights are stored in that dtype and the network runs
-under autocast, so the layers that compute in float32 on purpose (Gemma's RMSNorm, the float32
-scores of attention, the time embedding) keep doing so; the sample x and the Euler steps stay
-float32.
+under autocast: matmuls (the attention scores' too) in that dtype, while what is written in float32
+outside them stays so (Gemma's RMSNorm, the masked softmax of the "eager" attention, the time
+embedding); the sample x and the Euler steps stay float32.
 """
 
 from __future__ import annotations
