@@ -8,7 +8,9 @@ child process (a clean heap, no other test's garbage) builds rank models from it
     from a reset peak (/proc/self/clear_refs) after a warm-up load (imports, first allocations): a TP=2 rank
     reads only its slices, so its peak is at most 0.6x the TP=1 rank's (loading.py);
   * sleep(2) of the TP=1 rank: the RSS it gives back against the transformer's bytes (>= 85%),
-    and after wake_up + a weight update of every name of weight_specs, the same latents as before.
+    and after wake_up + a weight update of every name of weight_specs, the same latents as before;
+and through an inline engine (the tiny folder): Engine.sleep(2) reports the freed bytes, and a
+WeightSender update after it serves the same latents.
 """
 
 from __future__ import annotations
@@ -72,6 +74,27 @@ def test_sleep_2_frees_the_weights_and_wake_plus_update_serves_equal_outputs(rep
     assert report["rss_freed"] >= 0.85 * weights, (f"sleep(2) gave back {report['rss_freed'] / 2**20:.0f} MiB of "
                                                    f"RSS for {weights / 2**20:.0f} MiB of weights")
     assert report["equal_after_wake"], report
+
+
+def test_engine_sleep_reports_the_bytes_and_an_update_after_waking_serves_equal_latents(folder):
+    from safetensors.torch import load_file
+
+    from phyai_ray import Engine, EngineArgs, WeightSender
+
+    tiny = folder[0]
+    saved = {f"transformer.{k}": t for file in sorted((tiny / "transformer").glob("*.safetensors"))
+             for k, t in load_file(str(file)).items()}
+    with Engine(EngineArgs(plugin="diffusers_pipeline", plugin_args={"model": str(tiny)})) as engine:
+        before = engine.step(dict(REQUEST))["video"]
+        [report] = engine.sleep(level=2)
+        sender = WeightSender("gloo")
+        sender.init_transfer(engine)
+        sender.update(engine, list(saved.items()), version=1)
+        engine.wake_up()
+        after = engine.step(dict(REQUEST))["video"]
+    [rank] = report.ranks
+    assert rank["level"] == 2 and rank["freed_bytes"] >= sum(t.numel() * t.element_size() for t in saved.values())
+    assert torch.equal(before, after)
 
 
 # -- the child process ---------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ class SleepState:
     def __init__(self, components: dict[str, Any], device: Any) -> None:
         self.components, self.device = components, torch.device(device)
         self.level = 0
-        self.dropped: dict[str, torch.Size] = {}  # "transformer.blocks.0.attn1.to_q.weight": this rank's shape
+        self.dropped: dict[str, tuple[torch.Size, int]] = {}  # name: (this rank's shape, address mod ALIGN)
 
     def modules(self) -> dict[str, torch.nn.Module]:
         """The components with weights in memory (an empty, never-materialized VAE is left out)."""
@@ -241,7 +241,7 @@ class SleepState:
             for key, param in ([] if module is None else module.named_parameters()):
                 if param.numel():
                     freed += param.numel() * param.element_size()
-                    self.dropped[f"{name}.{key}"] = param.shape
+                    self.dropped[f"{name}.{key}"] = (param.shape, param.data_ptr() % ALIGN)
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         return freed
 
@@ -254,12 +254,15 @@ class SleepState:
 
     def refill(self, name: str, target: torch.Tensor) -> torch.Tensor:
         """The tensor a weight update writes for `name`: `target`, or new storage for a dropped parameter."""
-        shape = self.dropped.pop(name, None)
-        if shape is None:
+        if name not in self.dropped:
             return target
+        shape, residue = self.dropped.pop(name)
         component, key = name.split(".", 1)
         param = self.components[component].get_parameter(key)
-        param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
+        if self.device.type == "cpu":  # where it was: CPU GEMMs round with the operands' alignment (`_placed`)
+            param.data = _placed(tuple(shape), param.dtype, residue)
+        else:
+            param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
         if not self.dropped:
             self.level = 0
         return param.data
