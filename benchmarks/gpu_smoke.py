@@ -169,23 +169,23 @@ WORLD_DRY = {"height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 
              "max_sequence_length": 16}
 
 
-def wan_config(name: str = "Wan2.1-T2V-1.3B") -> dict[str, Any]:
-    """The transformer config committed under tests/data/real_configs/ when there, else the published one."""
+def real_config(component: str, name: str = "Wan2.1-T2V-1.3B") -> dict[str, Any] | None:
+    """`component`'s config.json committed under tests/data/real_configs/<name>/ (None when absent),
+    without diffusers' "_" keys."""
     import json
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "tests" / "data" / "real_configs"
-    for path in sorted(root.glob(f"**/{name}*/**/*.json")) + sorted(root.glob(f"**/{name}*.json")):
-        config = json.loads(path.read_text())
-        config = config.get("transformer", config)
-        if config.get("_class_name", "WanTransformer3DModel") == "WanTransformer3DModel" and "num_layers" in config:
-            return {k: v for k, v in config.items() if not k.startswith("_")}
-    return dict(WAN_1_3B)
+    folder = Path(__file__).resolve().parents[1] / "tests" / "data" / "real_configs" / name / component
+    files = sorted(folder.glob("*config.json")) if folder.is_dir() else []
+    if not files:
+        return None
+    return {k: v for k, v in json.loads(files[0].read_text()).items() if not k.startswith("_")}
 
 
 def world_folder(root: Any, dry_run: bool) -> Any:
-    """A WanPipeline folder: dry run the tiny test folder; else Wan2.1-T2V-1.3B's transformer and VAE configs
-    with random bf16 weights, and a 2-layer text encoder of UMT5-XXL's width (one call per request, not per
+    """A WanPipeline folder: dry run the tiny test folder; else Wan2.1-T2V-1.3B's transformer, VAE and
+    scheduler configs (tests/data/real_configs/, else the published numbers) with random weights, the
+    transformer in bf16, and a 2-layer text encoder of UMT5-XXL's width (one call per request, not per
     step: its depth does not change what is measured)."""
     from pathlib import Path
 
@@ -204,12 +204,13 @@ def world_folder(root: Any, dry_run: bool) -> Any:
 
     tokenizer = _tokenizer()
     with torch.device("cuda"):
-        transformer = WanTransformer3DModel(**wan_config()).to(torch.bfloat16)
+        transformer = WanTransformer3DModel(**(real_config("transformer") or WAN_1_3B)).to(torch.bfloat16)
         text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=4096, d_kv=64, d_ff=10240,
                                                    num_layers=2, num_heads=64, feed_forward_proj="gated-gelu",
                                                    pad_token_id=0, eos_token_id=1)).to(torch.bfloat16)
-        vae = AutoencoderKLWan()
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+        vae = AutoencoderKLWan(**(real_config("vae") or {}))
+    scheduler = UniPCMultistepScheduler(**(real_config("scheduler") or {"prediction_type": "flow_prediction",
+                                                                         "use_flow_sigmas": True, "flow_shift": 3.0}))
     WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
                 transformer=transformer).save_pretrained(folder)
     del transformer, text_encoder, vae
