@@ -105,7 +105,9 @@ class PipelineModel:
 
     def pause_sequence(self, ident: int) -> None:
         """Turns (IterationPlan.pause): it sits out the next steps, its latents kept (out of its cohort)."""
-        part_cohort(self.jobs[ident] if ident in self.jobs else None)
+        if ident not in self.jobs:  # its latents are final, its decode runs on the decode stage: nothing to pause
+            return
+        part_cohort(self.jobs[ident])
         self.jobs.pause(ident)
 
     def resume_sequence(self, ident: int) -> None:
