@@ -6,7 +6,8 @@ The frames of tests/data/lerobot/<policy>/ carry prompts of different lengths (a
 hold the state, so theirs differ too): the batched pass pads them on the right and masks the padding.
 Shown per policy type: the per-frame caches from one pass equal each frame's own pass; N robots
 admitted together equal LeRobot's chunks and the per-frame path's, with and without RTC; the pass
-really is one (counted); a frame rebuilt or dropped while others run; the switch that turns batching off.
+really is one (counted); a frame rebuilt or dropped while others run; each prefix written once into a
+slot of the rank's pool and read there while robots join and leave; the switch that turns batching off.
 """
 
 from __future__ import annotations
@@ -95,6 +96,35 @@ def test_a_frame_rebuilt_or_dropped_while_others_run(setup):
     assert not model.running
     for i in range(cases.n):
         torch.testing.assert_close(done[i], cases.t["alone"][i], **TOL)
+
+
+def test_each_prefix_is_written_once_into_a_slot_and_read_in_place_while_others_join_and_leave(setup):
+    entry, model, _, cases = setup
+    payloads = [entry.validate_request(cases.frame(i)) for i in range(cases.n)]
+    done: dict[int, torch.Tensor] = {}
+    where: dict[int, tuple[int, int]] = {}  # ident -> (its slot, where its first layer's keys live)
+    for step in range(40):
+        if step < cases.n:
+            model.admit(step, payloads[step])  # a robot joins at each of the first iterations
+        if 0 in done and cases.n not in done and cases.n not in model.running:
+            model.admit(cases.n, payloads[0])  # a late robot, after the first one left
+        done.update({i: d.value["actions"] for i, d in model.iterate().items()})
+        pool = model.slots.pools.get(("k", 0))
+        for ident in model.running:
+            frame = model.running[ident]
+            if frame.slot is None:
+                continue
+            keys = frame.prefix.keys[0]
+            assert keys.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()  # a view of its slot
+            assert where.setdefault(ident, (frame.slot, keys.data_ptr())) == (frame.slot, keys.data_ptr())
+        if len(done) == cases.n + 1:
+            break
+    assert sorted(done) == list(range(cases.n + 1))
+    for i in range(cases.n):
+        torch.testing.assert_close(done[i], cases.t["alone"][i], **TOL)
+    torch.testing.assert_close(done[cases.n], cases.t["alone"][0], **TOL)
+    assert where[cases.n][0] == 0  # the first robot's slot went back to the pool with its chunk
+    assert model.slots.pools == {} and model.slots.held_bytes() == 0  # nothing held while idle
 
 
 @pytest.mark.parametrize("policy", POLICIES[:2])

@@ -154,7 +154,7 @@ def test_sleep_1_on_cpu_frees_the_stacked_prefixes_and_keeps_the_weights():
     while 0 in rank.running:
         out = rank.iterate()
     torch.testing.assert_close(out[0].value["actions"], cases.t["alone"][0], rtol=1e-5, atol=1e-5)
-    assert rank._stacked is None  # the fleet left: nothing held while idle
+    assert rank._stacked is None and rank.slots.held_bytes() == 0  # the fleet left: nothing held while idle
 
 
 # -- limits before the ranks (issue 42, item 3) ---------------------------------------------------------

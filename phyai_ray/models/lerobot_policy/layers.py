@@ -5,8 +5,9 @@ They follow LeRobot 0.4.4's arithmetic step for step (its `eager_attention_forwa
 and `GemmaRMSNorm`), so that a frame here and in LeRobot gives the same numbers to float rounding.
 
 Stacking frames: every robot's prefix (images, language, state) has its own length L_i. A batch
-pads them on the right to L_max; `prefix_pad` [B, L_max] is True on real positions, and keys and
-values at padded positions are zero and masked out, so a frame's attention ignores them exactly.
+(slots.py's pool, read by each robot's slot) pads them on the right to L_max; `prefix_pad` [B, L_max]
+is True on real positions, and keys and values at padded positions are zero and masked out, so a
+frame's attention ignores them exactly.
 The prefix pass of the frames admitted together stacks their embeddings the same way (`stack_right`,
 `pad_mask`) and their cameras by image size (`by_shape`).
 """
@@ -79,28 +80,3 @@ def pad_mask(lengths: list[int], length: int, device: torch.device) -> torch.Ten
     """[B, length] True on each row's first L_i positions."""
     return torch.arange(length, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]
 
-
-class StackedPrefixes:
-    """The prefix caches of the frames of one expert step, stacked with right padding, per layer and
-    on first use; kept while the same frames run, so an unchanged batch re-stacks nothing.
-
-    kind "k" / "v": a layer's keys / values; "ck" / "cv": SmolVLA's projected cross-attention ones.
-    """
-
-    def __init__(self, prefixes: list) -> None:
-        self.prefixes = prefixes
-        self.lengths = [p.length for p in prefixes]
-        self.lmax = max(self.lengths)
-        self._stacked: dict[tuple[str, int], torch.Tensor] = {}
-
-    def held(self) -> list[torch.Tensor]:
-        """The stacked tensors built so far (what forgetting this stack frees)."""
-        return list(self._stacked.values())
-
-    def get(self, kind: str, layer: int) -> torch.Tensor:
-        key = (kind, layer)
-        if key not in self._stacked:
-            pick = {"k": lambda p: p.keys[layer], "v": lambda p: p.values[layer],
-                    "ck": lambda p: p.cross[layer][0], "cv": lambda p: p.cross[layer][1]}[kind]
-            self._stacked[key] = stack_right([pick(p) for p in self.prefixes], self.lmax)
-        return self._stacked[key]

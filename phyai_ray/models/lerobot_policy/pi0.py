@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, pad_mask, run_steps, \
+from phyai_ray.models.lerobot_policy.layers import att_2d_masks, attend, pad_mask, run_steps, \
     stack_right, time_embedding
+from phyai_ray.models.lerobot_policy.slots import SlotView
 from phyai_ray.nn.norm import GemmaRMSNorm
 from phyai_ray.nn.rotary import gemma_rope
 
@@ -253,7 +254,7 @@ class PiZero(nn.Module):
         return h, None, [1, 1] + [0] * (x.shape[1] - 1)
 
     @torch.inference_mode()
-    def velocity(self, prefixes: StackedPrefixes, x: torch.Tensor, time: torch.Tensor,
+    def velocity(self, prefixes: SlotView, x: torch.Tensor, time: torch.Tensor,
                  states: torch.Tensor | None = None) -> torch.Tensor:
         """v for B frames: x [B, chunk, max_action_dim], time [B], states [B, max_state_dim] (pi0)."""
         b, chunk = x.shape[:2]

@@ -7,11 +7,12 @@
                     VLM in ONE batched pass (right-padded, masked; see `_encode`), each frame keeping
                     its KV cache (and SmolVLA's projected cross-attention K/V). Then every running
                     frame of every robot takes its next step in ONE expert forward:
-                    prefixes stacked with right padding and pad masks, each frame at its own time
+                    each prefix read in place from its slot (slots.py: written once, freed with
+                    its chunk) with pad masks, each frame at its own time
                     (1 + j * dt), RTC per robot; a frame whose last step this was ends with its
                     actions, sliced to the real action dim and unnormalized
     drop / recompute   forget a frame / start it again from its noise (after a weight update)
-    sleep / wake_up    level 1: the stacked prefix cache freed, the weights to the host on CUDA;
+    sleep / wake_up    level 1: the prefix pool's spare slots freed, the weights to the host on CUDA;
                        level 2: the weights dropped, refilled by the next update (memory.py)
 
 The network serves in memory.py's dtype (bfloat16 on CUDA by default, float32 on CPU). A whole
@@ -34,7 +35,7 @@ import torch
 
 from phyai_ray.models.lerobot_policy.folder import PolicyFolder
 from phyai_ray.models.lerobot_policy.joins import PrefixPhase
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes
+from phyai_ray.models.lerobot_policy.slots import PrefixSlots
 from phyai_ray.models.lerobot_policy.memory import checkpoint_tensors, compute, drop_weights, move_weights, \
     serving_dtype, tensor_bytes
 from phyai_ray.models.lerobot_policy.processing import Normalizer, PromptTokenizer, pad_vector, resize_with_pad, \
@@ -63,17 +64,16 @@ def expected_weights(network: torch.nn.Module) -> dict[str, torch.Size]:
 
 
 class Stacked:
-    """What one expert batch reads every step, stacked once while the same frames run: their prefix
-    caches (right-padded, per layer on first use), states and RTC guidance (on the device)."""
+    """What one expert batch reads every step besides its prefixes (those stay in their slots:
+    slots.py), stacked once while the same frames run: states and RTC guidance (on the device)."""
 
     def __init__(self, frames: list, device: torch.device) -> None:
         self.frames = frames  # held, so no other frame takes one of their ids while this stack is in use
-        self.prefixes = StackedPrefixes([f.prefix for f in frames])
         self.states = torch.stack([f.state for f in frames])
         self.guidance = GuidanceBatch([f.guidance for f in frames], device)
 
     def held(self) -> list[torch.Tensor]:
-        return [*self.prefixes.held(), self.states]
+        return [self.states]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -87,6 +87,7 @@ class Expert(Sequence):
     inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None
     guidance: Guidance | None = None
     state: torch.Tensor | None = None  # normalized, padded to max_state_dim (pi0's suffix takes it)
+    slot: int | None = None  # its prefix's slot in the rank's pool (slots.py), from its first step on
 
 
 class LeRobotPolicy:
@@ -123,6 +124,7 @@ class LeRobotPolicy:
         self.joins = PrefixPhase(self.net, prefix_budget, batch_prefixes)
         self.prefix_passes: Counter[int] = self.joins.passes  # {frames in one VLM prefix pass: how many such passes}
         self._stacked: tuple[tuple[int, ...], Stacked] | None = None
+        self.slots = PrefixSlots()  # each running frame's prefix cache, written once at its first step
         self.weight_version: Any = None
 
     # -- the iteration protocol -----------------------------------------------------------------
@@ -132,21 +134,29 @@ class LeRobotPolicy:
 
     def drop(self, ident: int) -> None:
         self.running.drop(ident)
+        self._free_slots()
 
     @torch.inference_mode()
     def recompute(self, ident: int) -> None:
         """Start the frame again from its noise; its prefix runs again (with this plan's admissions)."""
         if ident in self.running:
             self.running.admit(ident, self._start(self.running[ident].frame))
+            self._free_slots()
 
     @torch.inference_mode()
     def iterate(self) -> dict[int, Delta]:
         """The new frames' prefixes in one pass, then ONE Euler step of the action expert for every
         running frame (see the module docstring)."""
         deltas = self.running.iterate(self._encode_and_advance, lambda f: {"actions": self._postprocess(f.value)})
+        self._free_slots()
         if not len(self.running):
-            self._stacked = None  # the fleet left: no stacked prefixes held while idle
+            self._stacked = None  # the fleet left: nothing stacked held while idle
         return deltas
+
+    def _free_slots(self) -> None:
+        """The prefix slots of frames no longer running go back to the pool (the pool itself when none
+        is left in use)."""
+        self.slots.keep([self.running[i] for i in self.running])
 
     def _encode_and_advance(self, frames: list[Expert]) -> None:
         """The prefix phase (joins.py: whole, or within plugin_args["prefix_budget"]), then one step of
@@ -164,6 +174,7 @@ class LeRobotPolicy:
         with compute(self.device, self.dtype):
             while not frame.done:
                 self._advance([frame])
+        self._free_slots()
         return {"actions": self._postprocess(frame.value)}
 
     def prefix_stats(self) -> dict[int, int]:
@@ -213,7 +224,7 @@ class LeRobotPolicy:
 
     # -- sleep / wake (C2: the bytes freed on this rank, host and device) -------------------------------
     def sleep(self, level: int) -> int:
-        """Level 1: the stacked prefix cache freed and, on CUDA, the weights moved to the host; level 2:
+        """Level 1: the prefix pool's spare slots and the stacked states freed and, on CUDA, the weights moved to the host; level 2:
         the weights dropped as well (the next weight update refills them). The bytes freed."""
         freed = self.reset_cache()
         self.joins.reset()
@@ -225,18 +236,20 @@ class LeRobotPolicy:
 
     def wake_up(self, tags: list[str]) -> None:
         """"weights": the weights a level-1 sleep moved to the host back on the device (dropped ones
-        wait for an update); "kv_cache": nothing is kept between frames but the stacked prefixes."""
+        wait for an update); "kv_cache": the prefix pool shrunk to its slots in use (nothing else is kept between frames)."""
         if "weights" in tags:
             move_weights(self.net, self.device)
         if "kv_cache" in tags:
             self.reset_cache()
 
     def reset_cache(self) -> int:
-        """Forget the stacked prefix cache of the last expert batch (rebuilt at the next step); its bytes."""
+        """Forget the last expert batch's stacked states and guidance (rebuilt at the next step) and the
+        prefix pool's slots no running frame holds; the bytes freed."""
         held, self._stacked = self._stacked, None
+        freed = self.slots.shrink()
         if held is None:
-            return 0
-        return tensor_bytes(held[1].held())
+            return freed
+        return freed + tensor_bytes(held[1].held())
 
     # -- the math -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -287,15 +300,18 @@ class LeRobotPolicy:
 
     def _advance(self, frames: list[Expert]) -> None:
         """ONE Euler step of every frame, LeRobot's time running from 1 (noise) to 0 (actions): one
-        expert forward and batched RTC for the whole batch, their inputs stacked once per batch."""
+        expert forward and batched RTC for the whole batch: each frame's prefix read from its slot
+        (written there at its first step), states and guidance stacked once per batch."""
         dt = -1.0 / self.num_steps
+        for frame in frames:
+            self.slots.place(frame)
         key = tuple(id(f) for f in frames)
         if self._stacked is None or self._stacked[0] != key:  # the batch changed: stack its inputs anew
             self._stacked = (key, Stacked(frames, self.device))
         stacked = self._stacked[1]
         times = torch.tensor([1.0 + f.index * dt for f in frames], dtype=torch.float32, device=self.device)
         x = torch.stack([f.value for f in frames])
-        v = self.net.velocity(stacked.prefixes, x, times, stacked.states)
+        v = self.net.velocity(self.slots.view(frames), x, times, stacked.states)
         v = -stacked.guidance.velocity(x, -v, times)  # rtc.py's velocity points toward the actions: LeRobot's is -it
         for frame, row in zip(frames, x + dt * v):
             frame.took(row)

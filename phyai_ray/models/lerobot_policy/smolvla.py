@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from phyai_ray.models.lerobot_policy.layers import StackedPrefixes, att_2d_masks, attend, by_shape, pad_mask, \
+from phyai_ray.models.lerobot_policy.layers import att_2d_masks, attend, by_shape, pad_mask, \
     stack_right, time_embedding
+from phyai_ray.models.lerobot_policy.slots import SlotView
 from phyai_ray.nn.rotary import float32_rope
 
 
@@ -217,7 +218,7 @@ class SmolVLA(nn.Module):
         return self.action_time_mlp_out(nn.functional.silu(self.action_time_mlp_in(h)))
 
     @torch.inference_mode()
-    def velocity(self, prefixes: StackedPrefixes, x: torch.Tensor, time: torch.Tensor,
+    def velocity(self, prefixes: SlotView, x: torch.Tensor, time: torch.Tensor,
                  states: torch.Tensor | None = None) -> torch.Tensor:
         """v for B frames at once: x [B, chunk, max_action_dim], time [B] float32, each frame its own prefix."""
         b, s = x.shape[:2]
