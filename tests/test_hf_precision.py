@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import phyai_ray.llm.ragged as ragged
-from phyai_ray.nn.attention import cascade_attention
-from tests.test_hf_paged import SHARED, engine, submit_all, write_checkpoint
+from phyai_ray.nn.attention import cascade_attention, decode_attention, paged_decode_attention
+from tests.test_hf_causal_lm import PROMPTS, assert_matches, reference
+from tests.test_hf_paged import LONG, SHARED, TOKENS, engine, submit_all, write_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -55,11 +56,48 @@ def test_eight_samples_sharing_a_prompt_in_bfloat16_match_unshared_within_bfloat
                                                                                        monkeypatch) -> None:
     folder = write_checkpoint(tmp_path / "llama", "llama")
     calls = []
-    kernel = ragged.cascade_merge
-    monkeypatch.setattr(ragged, "cascade_merge", lambda *a: calls.append(1) or kernel(*a))
+    for name in ("cascade_merge", "cascade_attention"):  # over blocks, or over a padded copy
+        kernel = getattr(ragged, name)
+        monkeypatch.setattr(ragged, name, lambda *a, kernel=kernel: calls.append(1) or kernel(*a))
     shared = torch.tensor(run(folder, "bfloat16", True))
     assert calls  # the cascade path served the shared rows
     plain = torch.tensor(run(folder, "bfloat16", False))
     exact = torch.tensor(run(folder, "float32", False))
     own = (plain - exact).abs().max()
     assert own > 0 and (shared - plain).abs().max() <= own
+
+
+def test_decode_over_blocks_equals_attention_over_a_padded_copy() -> None:
+    g = torch.Generator().manual_seed(2)
+    bs, kv, d = 4, 2, 8
+    lengths = [1, 5, 17, 9, 4, 30]
+    tables, start = [], 1
+    for n in lengths:
+        tables.append(list(range(start, start + -(-n // bs))))
+        start += len(tables[-1])
+    keys, values = (torch.randn(start, bs, kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(len(lengths), 6, d, generator=g, dtype=torch.float64)
+    blocks = torch.tensor([b for t in tables for b in t])
+    rows = torch.tensor([i for i, t in enumerate(tables) for _ in t])
+    valid = torch.arange(bs)[None, :] < torch.tensor([n - j * bs for n, t in zip(lengths, tables)
+                                                       for j in range(len(t))])[:, None]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    visible = (torch.arange(width * bs)[None, :] < torch.tensor(lengths)[:, None]).view(len(lengths), 1, 1, -1)
+    k, v = (c[table].view(len(lengths), width * bs, kv, d).transpose(1, 2) for c in (keys, values))
+    torch.testing.assert_close(paged_decode_attention(q, keys, values, blocks, rows, valid),
+                               decode_attention(q, k, v, visible))
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_generation_over_blocks_equals_transformers(tmp_path, monkeypatch, caching) -> None:
+    from tests.hf_checkpoints import load_reference
+
+    folder = write_checkpoint(tmp_path / "llama", "llama")
+    model = load_reference(folder)
+    monkeypatch.setattr(ragged, "PADDED_WASTE", 0.0)  # every decode iteration reads over blocks
+    prompts = [LONG, *PROMPTS, SHARED, SHARED]
+    with engine(folder, enable_prefix_caching=caching) as eng:
+        outs = submit_all(eng, prompts)
+    for out, prompt in zip(outs, prompts):
+        assert_matches(out, reference(model, prompt, TOKENS))

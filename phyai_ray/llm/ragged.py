@@ -10,7 +10,9 @@ Decode rows (a chunk of one token) come first and attend together over the pool'
 (`paged_decode_attention`): the blocks every row reads are listed once, with the row each belongs to
 and which of its columns lie within that row's length; only those blocks are read (one copy, no
 padding to the longest row), and a segment softmax per row joins them. Transient memory: the KV
-read, plus a few scores per block.
+read, plus a few scores per block. While padding to the longest row would copy at most
+PADDED_WASTE times the blocks read (rows of similar lengths), the rows' blocks are copied padded
+instead and SDPA attends over the copy (`decode_attention`): as little memory, and faster on a CPU.
 
 Cascade (decode rows that share cached prefix blocks, e.g. the n samples of one GRPO prompt):
 the shared blocks are gathered ONCE for the group and every row's queries attend to them
@@ -35,7 +37,11 @@ import torch
 
 from phyai_ray.llm.paged import Chunk
 from phyai_ray.llm.sequence import tensor_of as _tensor
-from phyai_ray.nn.attention import cascade_merge, chunk_attention, paged_attention_lse, paged_decode_attention
+from phyai_ray.nn.attention import (cascade_attention, cascade_merge, chunk_attention, decode_attention,
+                                    paged_attention_lse, paged_decode_attention)
+
+PADDED_WASTE = 1.2  # decode rows' keys are copied padded to the longest row while that copy is at most this
+# many times the blocks they read (SDPA over the copy is faster on a CPU); past it, read over blocks
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ class RaggedBatch:
     write_rows: torch.Tensor  # [N]: row inside the block
     last: torch.Tensor  # [R]: index of the last token of each chunk that samples, in the order of the chunks
     decodes: int  # D: tokens 0 .. D-1 are decode rows
-    reads: tuple | None  # decode rows' own blocks (after a shared prefix): (blocks [B], rows [B], valid [B, bs])
+    reads: tuple | None  # decode rows' own blocks (after a shared prefix): (blocks [B], rows [B], valid [B, bs]),
+    # or padded (table [D, W], visible [D, 1, 1, W * bs]) when that copies little more (PADDED_WASTE)
     prefills: tuple[Prefill, ...]
     shared: tuple[Shared, ...] = ()  # decode rows whose leading blocks are the same blocks (cascade)
 
@@ -104,19 +111,27 @@ class RaggedBatch:
         The keys are gathered here through the block tables; the kernels are `phyai_ray.nn.attention`'s."""
         out = q.new_empty(q.shape)
         if self.decodes:
-            dq = q[:self.decodes]
-            if self.shared:
-                prefixes = ((s.rows, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]))
-                            for s in self.shared)  # gathered one group at a time
-                own, lse = paged_attention_lse(dq, keys, values, *self.reads)
-                out[:self.decodes] = cascade_merge(dq, own, lse, prefixes)
-            else:
-                out[:self.decodes] = paged_decode_attention(dq, keys, values, *self.reads)
+            out[:self.decodes] = self._decode(q[:self.decodes], keys, values)
         for p in self.prefills:
             k = _gather(keys, p.blocks[None])[:, :, :p.length]
             v = _gather(values, p.blocks[None])[:, :, :p.length]
             out[p.start:p.start + p.n] = chunk_attention(q[p.start:p.start + p.n], k, v, p.mask)
         return out
+
+
+    def _decode(self, dq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        prefixes = ((s.rows, _gather(keys, s.blocks[None]), _gather(values, s.blocks[None]))
+                    for s in self.shared)  # gathered one group at a time
+        if len(self.reads) == 2:  # padded: the rows' blocks copied, SDPA (or the cascade) over the copy
+            table, visible = self.reads
+            k, v = _gather(keys, table), _gather(values, table)
+            if self.shared:
+                return cascade_attention(dq, k, v, visible, prefixes)
+            return decode_attention(dq, k, v, visible)
+        if self.shared:
+            own, lse = paged_attention_lse(dq, keys, values, *self.reads)
+            return cascade_merge(dq, own, lse, prefixes)
+        return paged_decode_attention(dq, keys, values, *self.reads)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -166,8 +181,24 @@ def _decode_reads(chunks: list[Chunk], skip: list[int], block_size: int, device:
         blocks += own
         rows += [i] * len(own)
         lengths += [length - j * block_size for j in range(len(own))]  # its columns from this block on
+    width = max(-(-(c.seq.cached + 1 - n * block_size) // block_size) for c, n in zip(chunks, skip))
+    if len(chunks) * width <= PADDED_WASTE * len(blocks):
+        return _padded(chunks, skip, width, block_size, device)
     valid = torch.arange(block_size)[None, :] < _tensor("q", lengths)[:, None]
     return _tensor("q", blocks).to(device), _tensor("q", rows).to(device), valid.to(device)
+
+
+def _padded(chunks: list[Chunk], skip: list[int], width: int, block_size: int, device: Any) -> tuple:
+    """(table [D, width], visible [D, 1, 1, width * bs]): each row's own blocks padded with block 0,
+    and which columns lie within its length."""
+    table, lengths = [], []
+    for c, n in zip(chunks, skip):
+        length = c.seq.cached + 1 - n * block_size
+        own = c.seq.blocks[n:n + -(-length // block_size)]
+        table += own + [0] * (width - len(own))
+        lengths.append(length)
+    visible = torch.arange(width * block_size)[None, :] < _tensor("q", lengths)[:, None]
+    return _tensor("q", table).view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
 
 
 def _prefill(c: Chunk, start: int, block_size: int, device: Any) -> Prefill:
