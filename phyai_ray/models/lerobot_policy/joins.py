@@ -9,8 +9,9 @@ Without a budget (the default) every waiting frame's prefix runs whole in this i
 admitted together in ONE VLM pass (or one pass per frame with batch_prefixes off). With
 plugin_args["prefix_budget"] = n, the joining frames are grouped into passes whose one layer fits n
 (at least one frame a pass), and an iteration runs layers of those passes until n units of work are
-done (a unit: one token through one layer, SigLIP's or the VLM's), at least one layer: a pass
-larger than the budget goes on in the next iterations, where it stopped (the network's
+done (a unit: one token through one layer, SigLIP's or the VLM's), at least one layer, and never
+starting a layer that would overrun it (a layer is expected to cost what the pass's last one did):
+a pass larger than the budget goes on in the next iterations, where it stopped (the network's
 `prefix_steps` yields after each layer; a network without it runs its pass whole, as one step). A
 frame takes its first expert step in the iteration its prefix completes; the running robots step
 every iteration meanwhile, each iteration's extra work bounded by the budget (plus one layer).
@@ -32,6 +33,7 @@ class PrefixPhase:
         self.passes: Counter[int] = Counter()  # {frames in one VLM prefix pass: how many such passes}
         self.work: list[int] = []  # the units of prefix work of each recent iteration that did some
         self._pass: tuple[list[Any], Generator[int, None, list[Any]]] | None = None
+        self._next = 0  # the units the pass in progress is expected to spend on its next layer
 
     def run(self, waiting: list[Any]) -> None:
         """Prefix work for `waiting` (frames with no prefix yet) within this iteration's budget."""
@@ -42,11 +44,12 @@ class PrefixPhase:
         while self._pass is not None or groups:
             if self._pass is None:
                 group = groups.pop(0)
-                self._pass = (group, self._steps(group))
-            if self.budget is not None and spent >= self.budget:
-                break
+                self._pass, self._next = (group, self._steps(group)), self._need(group)
+            if self.budget is not None and spent and spent + self._next > self.budget:
+                break  # the next layer would overrun the budget: it runs in the next iteration
             try:
-                spent += next(self._pass[1])
+                self._next = next(self._pass[1])
+                spent += self._next
             except StopIteration as stop:
                 group, self._pass = self._pass[0], None
                 for frame, prefix in zip(group, stop.value):
@@ -64,16 +67,23 @@ class PrefixPhase:
             return [[f] for f in frames]
         if self.budget is None:
             return [frames]
-        per_image = self.net.image_tokens()
         groups, tokens = [[]], 0
         for frame in frames:
-            images, ids = frame.inputs
-            need = max(per_image * len(images), per_image + len(ids))  # a SigLIP layer's rows, a VLM layer's
+            need = self._need([frame])
             if groups[-1] and tokens + need > self.budget:
                 groups, tokens = [*groups, []], 0
             groups[-1].append(frame)
             tokens += need
         return groups
+
+    def _need(self, frames: list[Any]) -> int:
+        """The units of the largest layer of one pass of `frames`: a SigLIP layer's rows (their
+        cameras' tokens) or a VLM layer's (images and prompt)."""
+        per_image, need = getattr(self.net, "image_tokens", lambda: 0)(), 0
+        for frame in frames:
+            images, ids = frame.inputs
+            need += max(per_image * len(images), per_image + len(ids))
+        return need
 
     def reset(self) -> None:
         """Forget the pass in progress (after a weight update its layers so far are stale; the loop
