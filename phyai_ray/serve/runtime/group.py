@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from functools import partial
 from typing import Any
 
@@ -79,8 +80,10 @@ class ReplicaGroup(OipGrpcMethods):
         config = group_config(engine_args, deployment, ray.util.get_current_placement_group())
         holder = await asyncio.to_thread(EngineHolder, partial(Engine, engine_args, config),
                                          rebuild_failed=options.rebuild_failed)
-        wait_s = deployment.process_config.step_limit_s + RESULT_GRACE_S
-        self.runner = GroupRunner(holder, group=self.group, wait_s=wait_s, forward=self._forward,
+        proc = deployment.process_config  # a whole result: its cap plus the grace, else no bound here
+        result_wait_s = math.inf if proc.execution_timeout_s is None else proc.execution_timeout_s + RESULT_GRACE_S
+        self.runner = GroupRunner(holder, group=self.group, wait_s=proc.step_limit_s + RESULT_GRACE_S,
+                                  result_wait_s=result_wait_s, forward=self._forward,
                                   forward_stream=self._forward_stream)
         self.runner.routable = False  # "starting" until Serve's first health check: routers know it by then
         self.api: Any = None

@@ -17,7 +17,9 @@ a started request); it fails with the cause.
 A stream takes the same path: refused at open because this group failed (nothing ran), it is
 read from another group through `forward_stream` (the deployment handle's streaming call); it
 counts as a session while open; every wait for its next items is bounded by `wait_s`, and the
-first item of a forwarded one by FORWARD_WAIT_S.
+first item of a forwarded one by FORWARD_WAIT_S. A whole result is awaited `result_wait_s` (default
+`wait_s`; unbounded when no request cap is configured: the engine's hang limit and the request's own
+limit give it an outcome, so a long job of short iterations is not cut off here).
 
 Failover is at once: a failed group forwards straight away while the registry's view shows a
 healthy group it has not passed (the router then picks it). It waits only when no group is healthy
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -61,8 +64,10 @@ class GroupRunner:
     """One replica group's request path and its state as the registry sees it."""
 
     def __init__(self, holder: EngineHolder, *, group: str = "local", wait_s: float = 630.0,
-                 forward: Forward | None = None, forward_stream: StreamForward | None = None) -> None:
+                 forward: Forward | None = None, forward_stream: StreamForward | None = None,
+                 result_wait_s: float | None = None) -> None:
         self.holder, self.group, self.wait_s, self.forward = holder, group, wait_s, forward
+        self.result_wait_s = wait_s if result_wait_s is None else result_wait_s  # math.inf: unbounded
         self.forward_stream = forward_stream
         self.view: list[GroupReport] = []
         self.routable = True  # False from a Serve replica's start until Serve first checks its health
@@ -110,7 +115,8 @@ class GroupRunner:
             left = None if deadline_s is None else max(deadline_s - (time.monotonic() - received), 1e-6)
             return await self._forwarded(request, hops + 1, (*failed, self.group), left, late)
         try:
-            return await self._within(awaitable(future), "; the request keeps running on its group")
+            return await self._within(awaitable(future), "; the request keeps running on its group",
+                                      self.result_wait_s)
         finally:
             if future.done() and callable(getattr(future, "timing", None)):  # an EngineFuture
                 # the version stamped when the request reached the ranks: the weights that computed it
@@ -239,7 +245,7 @@ class GroupRunner:
         """Await without ever cancelling it (asyncio.wait does not cancel); RequestTimeoutError after wait_s."""
         limit = self.wait_s if timeout_s is None else timeout_s
         task = asyncio.ensure_future(_awaited(awaitable))
-        done, _ = await asyncio.wait({task}, timeout=limit)
+        done, _ = await asyncio.wait({task}, timeout=None if limit == math.inf else limit)
         if not done:
             raise RequestTimeoutError(f"no result within {limit:.0f}s {where}".replace(" ;", ";"), waited_s=limit)
         return task.result()
