@@ -47,7 +47,7 @@ class BatchingConfig(ConfigModel):
         0.0, ge=0, le=60_000, description="0: dispatch whatever waits as soon as the ranks have room (a batch "
         "forms from the requests that queued while the previous step ran). > 0: when fewer than max_batch_size "
         "samples wait, wait up to this long after the oldest one arrived for more (never past half its "
-        "execution_timeout_s): more throughput at light load, up to this much more latency.")
+        "own time limit, nor so late that its step would end after its deadline): more throughput at light load, up to this much more latency.")
     preferred_batch_sizes: tuple[int, ...] = Field(
         (), description="Batch sizes to dispatch as soon as they are reached (e.g. the sizes a CUDA graph was "
         "captured for): a batch that can end exactly at one is cut there and dispatched without waiting.")
@@ -56,7 +56,7 @@ class BatchingConfig(ConfigModel):
         "deadline", description="Which queued request runs (or joins a batch, or gets a sequence slot) next: "
         "'deadline' (earliest deadline first: a request's own deadline, from Engine.submit(deadline_s=), "
         "X-Request-Deadline-Ms, OIP parameters.deadline_ms or openpi's deadline_ms, else its arrival plus "
-        "execution_timeout_s) or 'fifo' (arrival order). Either way a request whose own deadline passes "
+        "default_deadline_s) or 'fifo' (arrival order). Either way a request whose own deadline passes "
         "before it starts is answered at once with DeadlineMissedError and never runs.")
     default_deadline_s: float | None = Field(
         10.0, gt=0, le=86_400, description="The queue-order deadline of a request that gives none of its own: "
@@ -65,7 +65,8 @@ class BatchingConfig(ConfigModel):
         "a deadline request due before it could end (executors/turns.py). 10 s: "
         "far behind any robot deadline (tens to hundreds of ms), so those still go first, yet well inside "
         "the 30-60 s a typical HTTP client waits, so a bulk request beside a saturated fleet is served "
-        "instead of waiting for execution_timeout_s (600 s). None: such requests sort by that timeout.")
+        "instead of waiting behind every deadline request. None: such requests sort by their own time limit "
+        "(execution_timeout_s when set, else the hang limit).")
     late: Literal["finish", "drop"] = Field(
         "finish", description="What a request with its own deadline gets when its result is ready only after "
         "that deadline: 'finish' delivers it (timing says deadline_met=false), 'drop' answers "
