@@ -3,7 +3,8 @@
     submit(request) -> Entry.sequences -> [waiting: earliest deadline first, or fifo]
         every iteration: the plugin's admission policy admits waiting sequences (Entry.admission;
         default TokenBudget: max_num_seqs, max_num_batched_tokens), ONE plan (admit, drop,
-        recompute) to every rank, one forward, the output rank's deltas
+        recompute) to every rank, one forward, the output rank's deltas (and its KV report, handed
+        to a policy that reads one: KVBlocks)
         -> each sequence's tokens (log-probs, per-token weight versions) or value -> the request
            resolves when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
@@ -45,7 +46,7 @@ from phyai_ray.executors.sequences import (GATHER, Deadlines, LoopRequest, LoopS
 from phyai_ray.executors.service import ServiceTime
 from phyai_ray.executors.turns import admission_of
 from phyai_ray.outputs import merge_stream_chunks
-from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan, RankIteration
+from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan, RankIteration, capacity_of
 from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class IterationLoop:
         self.limits = RequestLimits(cap_s, limit_s)  # each request's own limit (limits.py)
         self.horizon_s = batching.default_deadline_s or limit_s  # orders a request without its own deadline
         self.admission = admission_of(self.policy, self.horizon_s)  # in order, or turns (turns.py)
+        self._report = getattr(self.policy, "report", None)  # a policy that reads the ranks' KV cache (KVBlocks)
         self._cond = threading.Condition()
         self.control = IterationControl(index, self._cond, self,
                                         recompute_after_update=batching.cache_after_update == "recompute")
@@ -308,6 +310,9 @@ class IterationLoop:
                     seq.cache_version, seq.stale = version, False
                 size = len(self._running)
                 settle = self._apply(reply, version)
+                capacity = capacity_of(reply) if self._report is not None else None
+                if capacity is not None:  # the output rank's KV cache now, before the next plan
+                    self._report(capacity)
                 self._pipeline.record(size, [now - s.request.submitted for s in admitted])
             self._cond.notify_all()
         self.settle(settle)

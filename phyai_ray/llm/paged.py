@@ -15,6 +15,9 @@ every rank makes the same choices from the same plans):
    (a full cached prefix is taken from the prefix cache, not computed); the first that does not
    fit stops the rest, so nothing overtakes it. None starts in an iteration that preempted one
    (the blocks just freed would go straight back to a sequence that must soon give them up).
+   An engine whose admission reads `capacity()` (`plugins.admission.KVBlocks`) admits only what
+   starts at once, so the waiting ones are preempted (or rebuilt) ones; `held` counts admitted
+   sequences left unstarted after a schedule (0 then).
 
 A running sequence that needs a block when none is free preempts the NEWEST running sequence not
 yet scheduled in this iteration (its blocks freed; it goes back to waiting with its whole history to
@@ -31,7 +34,7 @@ from typing import Any
 
 from phyai_ray.llm.blocks import BlockPool, blocks_for, chain_hash
 from phyai_ray.llm.sequence import Running
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.plugins.iteration import Delta, KVReport
 
 
 @dataclass(eq=False)
@@ -43,6 +46,7 @@ class PagedSeq(Running):
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of blocks[:len(hashes)] (full, registered)
     epoch: int = -1  # the pool epoch its cache was built in; another: its blocks are never registered
     preempted: int = 0  # preemptions not yet reported in a Delta
+    started: bool = False  # it has had a first chunk (a waiting one that started is a preempted one)
 
     @property
     def history(self) -> list[int]:
@@ -89,6 +93,7 @@ class PagedSequences:
         self._admitted = 0
         self.preemptions = 0  # running sequences preempted so far
         self.waits = 0  # iterations in which the waiting head found too few free blocks
+        self.held = 0  # admitted sequences left waiting, never started, after an iteration's schedule (summed)
 
     def __bool__(self) -> bool:
         return bool(self.by_id)
@@ -153,11 +158,26 @@ class PagedSequences:
                 self.waits += 1
                 break
             seq = self.waiting.pop(0)
+            seq.started = True
             chunks.append(Chunk(seq, n))
             self._name_full_blocks(seq, seq.cached + n)
             self._run(seq)
             left -= n
+        self.held += sum(1 for s in self.waiting if not s.started)
         return chunks
+
+    def capacity(self) -> KVReport:
+        """What a new sequence may take in the next iteration (`KVReport`): the free blocks less what these
+        sequences need for their pending tokens (a preempted one: its whole history), and those tokens."""
+        size, need, tokens = self.pool.block_size, 0, 0
+        for seq in self.running:
+            need += max(blocks_for(seq.cached + len(seq.pending), size) - len(seq.blocks), 0)
+            tokens += len(seq.pending)
+        for seq in self.waiting:
+            need += blocks_for(seq.cached + len(seq.pending), size)
+            tokens += len(seq.pending)
+        return KVReport(free_blocks=max(self.pool.free_count - need, 0), block_size=size, busy_tokens=tokens,
+                        token_budget=self.budget)
 
     def finish(self, chunks: list[Chunk], chosen: list[int], log_probs: list[float],
                tops: list[dict[int, float] | None] | None = None) -> dict[int, Delta]:

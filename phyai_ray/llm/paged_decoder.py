@@ -37,7 +37,7 @@ from phyai_ray.llm.paged import PagedSequences
 from phyai_ray.llm.ragged import RaggedBatch
 from phyai_ray.llm.sampler import draw
 from phyai_ray.outputs import TokenOutput, token_chunk
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.plugins.iteration import Delta, Deltas
 
 
 class PagedDecoder:
@@ -56,7 +56,13 @@ class PagedDecoder:
     # -- the iteration protocol ------------------------------------------------------------------
     @torch.inference_mode()
     def admit(self, seq_id: int, payload: dict[str, Any]) -> None:
-        """A new sequence; it starts (its prompt in chunks) once blocks for its first chunk are free."""
+        """A new sequence; it starts (its prompt in chunks) in the next iteration when blocks for its first
+        chunk are free (an engine whose admission reads `iterate()`'s `KVReport` admits only such). A
+        payload's "token_budget" (the engine's BatchingConfig.max_num_batched_tokens, as its admission
+        counted it) becomes the budget of every later iteration."""
+        budget = payload.get("token_budget")
+        if budget is not None:
+            self.paged.budget = int(budget)
         self.paged.admit(seq_id, payload)
 
     @torch.inference_mode()
@@ -71,9 +77,10 @@ class PagedDecoder:
         self.paged.recompute(seq_id)
 
     @torch.inference_mode()
-    def iterate(self) -> dict[int, Delta]:
-        """One forward of this iteration's chunks: {seq_id: Delta} for every sequence it holds."""
-        return self.run(self.paged)[0]
+    def iterate(self) -> Deltas:
+        """One forward of this iteration's chunks: {seq_id: Delta} for every sequence it holds, with the
+        cache's `KVReport` after it (`PagedSequences.capacity`) for the engine's admission."""
+        return Deltas(self.run(self.paged)[0], capacity=self.paged.capacity())
 
     # -- whole requests --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -166,7 +173,8 @@ class PagedDecoder:
         self.paged.pool.reset()
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """Prefix-cache tokens looked up and reused, blocks free and cached, preemptions and waits so far."""
+        """Prefix-cache tokens looked up and reused, blocks free and cached, preemptions and waits so far,
+        and `held`: admitted sequences left waiting unstarted after an iteration (0 under `KVBlocks`)."""
         return {**self.paged.pool.stats(), "preemptions": self.paged.preemptions,
-                "waits": self.paged.waits,
+                "waits": self.paged.waits, "held": self.paged.held, "token_budget": self.paged.budget,
                 "waiting": len(self.paged.waiting), "running": len(self.paged.running)}

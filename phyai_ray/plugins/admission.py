@@ -14,6 +14,13 @@ Each is asked once per plan, `begin(running)` then `admit(head)` until it says n
         iteration (LoRA adapters, latent shapes), on top of `policy`. max_groups=2, running groups
         {"a"}, waiting ["b", "c", "a"]: "b" joins -> "c" waits (and "a" behind it: no overtaking)
 
+    KVBlocks(policy)                    `policy`, and the ranks' KV cache (their latest `KVReport`): the
+        head joins only when its prompt's blocks fit the free blocks less those of the sequences
+        admitted since the report, and its prompt fits the token budget beside the tokens the ranks'
+        own sequences take next (or the ranks hold nothing), so a sequence admitted starts on the
+        ranks at once. report(free_blocks=10, block_size=16, busy_tokens=4, token_budget=64), waiting
+        prompts [40, 40, 8]: 40 joins (3 blocks, 7 left; 44 tokens) -> 40 waits (84 > 64 tokens)
+
     Turns(policy, resident)             what `policy` (an every-iteration one: CostBudget, GroupLimit)
         cannot hold takes turns: up to `resident` sequences stay on the ranks, and in each iteration
         those the policy holds, in priority order, step; the others sit out (executors/turns.py).
@@ -38,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from phyai_ray.plugins.iteration import AdmissionPolicy, Candidate
+from phyai_ray.plugins.iteration import AdmissionPolicy, Candidate, KVReport
 
 
 def _positive(owner: str, **values: Any) -> None:
@@ -123,6 +130,63 @@ class GroupLimit:
 
     def __repr__(self) -> str:
         return f"GroupLimit({self.policy!r}, max_groups={self.max_groups})"
+
+
+class KVBlocks:
+    """`policy`, and the ranks' KV cache, as vLLM's scheduler admits: the waiting head joins only when
+    the ranks can start it in the coming iteration, so no admitted sequence waits on a rank (and a
+    request's deadline, queue time and start are measured in the loop's queue, where it waits).
+
+    From the ranks' latest `KVReport` (`report`), the head needs blocks_for(cost) blocks (its prompt;
+    a cached prefix would need fewer) of `free_blocks` less those admitted since the report, and its
+    prompt must fit `token_budget` beside `busy_tokens` and the prompts admitted since, unless the ranks
+    hold nothing (then it starts in chunks). While a running sequence is being rebuilt (`recompute`:
+    it feeds its whole history) nothing new joins. Whenever nothing runs the head joins, alone when
+    no report came yet (a pool holds at least one sequence of max_model_len). Sequences the ranks
+    preempted wait there, to be rebuilt first: the report reserves their blocks and tokens. No
+    watermark: like vLLM, a prompt's blocks are reserved, not its max_tokens, so decodes that
+    outgrow the pool preempt the newest running sequence on the ranks."""
+
+    def __init__(self, policy: AdmissionPolicy) -> None:
+        if not isinstance(policy, AdmissionPolicy):
+            raise TypeError(f"KVBlocks: policy must have begin(running) and admit(candidate), got {policy!r}; "
+                            "e.g. KVBlocks(TokenBudget(256, 4096))")
+        self.policy = policy
+        self.capacity: KVReport | None = None
+        self._blocks = self._tokens = 0  # taken by the sequences admitted since the report
+        self._running = 0
+        self._rebuild = False
+
+    def report(self, capacity: KVReport) -> None:
+        """The ranks' KV cache after an iteration: what was admitted before it is in it now."""
+        self.capacity, self._blocks, self._tokens = capacity, 0, 0
+
+    def begin(self, running: Sequence[Candidate]) -> None:
+        self._running, self._rebuild = len(running), any(c.rebuild for c in running)
+        self.policy.begin(running)
+
+    def admit(self, candidate: Candidate) -> bool:
+        if not self._fits(candidate) or not self.policy.admit(candidate):
+            return False
+        size = self.capacity.block_size if self.capacity is not None else 1
+        self._blocks += -(-candidate.cost // size)
+        self._tokens += candidate.cost
+        self._running += 1
+        return True
+
+    def _fits(self, candidate: Candidate) -> bool:
+        cap = self.capacity
+        if not self._running:  # the ranks hold nothing (what left is dropped first): it starts alone
+            return True
+        if cap is None or self._rebuild:
+            return False
+        blocks = -(-candidate.cost // cap.block_size)
+        tokens = cap.busy_tokens + self._tokens
+        fits_tokens = cap.token_budget is None or tokens + candidate.cost <= cap.token_budget or tokens == 0
+        return self._blocks + blocks <= cap.free_blocks and fits_tokens
+
+    def __repr__(self) -> str:
+        return f"KVBlocks({self.policy!r})"
 
 
 class Turns:

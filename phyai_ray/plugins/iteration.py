@@ -29,7 +29,9 @@ group, progress, whether it is being rebuilt). The first refusal ends the round:
 the sequence refused. `phyai_ray.plugins.admission` has the policies: `TokenBudget` (the default:
 max_num_seqs and max_num_batched_tokens), `CostBudget` (every running sequence costs every
 iteration, as a denoising step does) and `GroupLimit` (at most K groups, e.g. LoRA adapters or
-latent shapes, per iteration).
+latent shapes, per iteration). A policy with `report(capacity)` also sees the ranks' KV cache: a
+per-rank model whose `iterate()` returns `Deltas` with a `KVReport` (free blocks, block size, the
+tokens its own sequences take next) lets `KVBlocks` admit only what the ranks can start at once.
 
 Every plan reaches every rank of the replica in the same order, so ranks that share collectives
 run the same iterations; only the output rank's deltas are read. `RankRunner.iterate(plan)` applies
@@ -133,6 +135,48 @@ class RankIteration:
 
 
 @dataclass(frozen=True)
+class KVReport:
+    """A rank's KV cache after one iteration, as admission reads it (every rank of a replica holds an
+    equal pool and makes the same choices, so the output rank's report stands for all of them).
+
+    free_blocks   blocks a NEW sequence may take in the next iteration: the free ones (cached blocks
+                  nobody holds included) less what the rank's own sequences still need for the tokens
+                  they have pending (each decode's next token, the rest of a prompt part way, a
+                  preempted sequence's whole history); never below 0
+    block_size    tokens per block
+    busy_tokens   new tokens the rank's own sequences feed in the next iteration, before any new one
+    token_budget  new tokens one iteration feeds at most (the chunk budget)
+
+    64 blocks of 16, 40 held, two decodes about to open a block each, a prompt part way needing 3
+    more: KVReport(free_blocks=64 - 40 - 2 - 3 = 19, block_size=16, busy_tokens=2 + 40, token_budget=2048).
+    """
+
+    free_blocks: int
+    block_size: int
+    busy_tokens: int = 0
+    token_budget: int | None = None
+
+
+class Deltas(dict):
+    """What a per-rank `iterate()` may return instead of a plain dict: {seq_id: Delta}, with the rank's
+    `capacity` (a `KVReport`) after the iteration. The loop hands the output rank's latest report to
+    its admission policy when the policy has `report(capacity)` (`phyai_ray.plugins.admission.KVBlocks`).
+
+        return Deltas(deltas, capacity=KVReport(free_blocks=12, block_size=16, busy_tokens=3, token_budget=4096))
+    """
+
+    def __init__(self, deltas: Any = (), capacity: KVReport | None = None) -> None:
+        super().__init__(deltas)
+        self.capacity = capacity
+
+
+def capacity_of(reply: Any) -> KVReport | None:
+    """The `KVReport` of one iteration's reply (a `RankIteration` or the deltas themselves), if it has one."""
+    deltas = reply.deltas if isinstance(reply, RankIteration) else reply
+    return getattr(deltas, "capacity", None)
+
+
+@dataclass(frozen=True)
 class IterationPlan:
     """What every rank does before one iteration: the same plan, in the same order, everywhere.
 
@@ -182,6 +226,8 @@ class AdmissionPolicy(Protocol):
 
     `begin` is called only when some sequence waits and admission is open. A policy should admit
     the head when nothing runs, or a sequence larger than every limit would wait forever.
+    A policy may also have `report(capacity)`: after every iteration whose output rank reported its
+    KV cache (`Deltas.capacity`, a `KVReport`), the loop hands it the report, before the next plan.
     """
 
     def begin(self, running: Sequence[Candidate]) -> None: ...

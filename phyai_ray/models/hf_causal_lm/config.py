@@ -1,7 +1,7 @@
 """Plugin arguments of `hf_causal_lm`.
 
     plugin_args  {"model": "/models/Qwen2.5-0.5B-Instruct", "dtype": "auto", "max_model_len": 4096,
-                  "kv_cache_bytes": 268435456, "max_num_batched_tokens": 2048, "enable_prefix_caching": true}
+                  "kv_cache_bytes": 268435456, "enable_prefix_caching": true}
 
 `model` is a local folder (never a hub name: nothing is downloaded). `dtype` "auto" (the default)
 is the checkpoint's `torch_dtype`, except bfloat16 for a float32 checkpoint on CUDA and float32 on
@@ -17,8 +17,11 @@ libraries: `torch.cuda.mem_get_info` before loading and after a profile run of o
 rest holds the KV cache; memory other processes hold (a colocated trainer) is never counted as free;
 else (CPU) DEFAULT_CPU_KV_BYTES, or less when 64
 sequences of `max_model_len` need less (a tiny model does not reserve 256 MiB), and never less than
-two such sequences (so one long sequence always fits). `max_num_batched_tokens` bounds the new
-tokens of one iteration (a longer prompt is prefilled in chunks).
+two such sequences (so one long sequence always fits). The new tokens of one iteration (a longer
+prompt is prefilled in chunks) are bounded by ONE value, the deployment's
+`BatchingConfig.max_num_batched_tokens` (`token_budget`): the engine's admission counts it and
+every admitted sequence's payload carries it to the ranks. `max_num_batched_tokens` here stands
+for it when the deployment keeps its default, and must agree with it otherwise.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ class HFCausalLMConfig(BaseModel):
                                                  "device this engine may use (weights, activations, KV cache); "
                                                  "default 0.9.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    max_num_batched_tokens: int = Field(2048, ge=1, le=1 << 20, description="Most new tokens per iteration; "
-                                        "longer prompts (and rebuilds) are prefilled in chunks.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=1 << 20, description="Unset: the deployment's BatchingConfig.max_num_batched_tokens, the "
+        "one budget of new tokens per iteration (admission and the ranks' chunks). Given, it is that value when "
+        "the deployment keeps its default; a deployment that sets another is refused at start.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a prompt prefix computed before.")
 
     @classmethod
@@ -63,6 +68,25 @@ class HFCausalLMConfig(BaseModel):
         except ValidationError as exc:
             raise ValueError(f"invalid plugin_args for hf_causal_lm (e.g. {{'model': '/path/to/folder'}}): "
                              f"{exc}") from None
+
+    def token_budget(self, batching: Any = None) -> int:
+        """The one budget of new tokens per iteration: `batching.max_num_batched_tokens` (the deployment's),
+        or this config's value when the deployment keeps the default; before any deployment is known
+        (a rank at load), this config's value, else BatchingConfig's default. Two values set apart are
+        refused: max_num_batched_tokens=8 here and 256 in BatchingConfig -> ValueError naming both."""
+        from phyai_ray.config.batching import BatchingConfig
+
+        default = BatchingConfig.model_fields["max_num_batched_tokens"].default
+        given = self.max_num_batched_tokens
+        deployed = getattr(batching, "max_num_batched_tokens", None)
+        if deployed is None or given is None:
+            return deployed or given or default
+        if deployed not in (given, default):
+            raise ValueError(f"hf_causal_lm: plugin_args max_num_batched_tokens={given} and the deployment's "
+                             f"BatchingConfig.max_num_batched_tokens={deployed} disagree; one budget of new tokens "
+                             "per iteration serves admission and the ranks: set BatchingConfig.max_num_batched_"
+                             "tokens (--max-num-batched-tokens) and drop it from plugin_args")
+        return given
 
     def resolved_max_len(self, arch: Architecture) -> int:
         if self.max_model_len is not None and self.max_model_len > arch.max_position:

@@ -20,6 +20,7 @@ from phyai_ray.models.hf_causal_lm.config import HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
 from phyai_ray.models.hf_causal_lm.shards import ShardPlan, check_topology
 from phyai_ray.outputs import TokenOutput
+from phyai_ray.plugins.admission import KVBlocks, TokenBudget
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
@@ -37,6 +38,7 @@ class HFCausalLMEntry(Entry):
         self.config: HFCausalLMConfig | None = None
         self.arch: Architecture | None = None
         self._codec: Any = None
+        self.token_budget: int | None = None  # the deployment's, once `admission` is asked
         if plugin_args is not None:
             self.configure(plugin_args)
 
@@ -90,8 +92,17 @@ class HFCausalLMEntry(Entry):
         receive. An unseeded request gets its fresh seed here, so every rank samples alike."""
         return self._parsed(request).seeded()
 
+    def admission(self, batching: Any) -> KVBlocks:
+        """vLLM's admission: up to max_num_seqs running, and a waiting sequence joins only when its prompt
+        fits the ranks' free KV blocks and the iteration's token budget (`KVBlocks`), so it starts on the
+        ranks at once. The budget is the one `HFCausalLMConfig.token_budget` resolves (a plugin_args value
+        that disagrees with the deployment's is refused here, at start); every payload carries it."""
+        self.token_budget = self._checked().token_budget(batching)
+        return KVBlocks(TokenBudget(batching.max_num_seqs, self.token_budget))
+
     def sequences(self, request: Any) -> list[SequenceSpec]:
-        return [SequenceSpec(payload=p, cost=len(p["prompt"]), steps=p["max_tokens"])
+        budget = {"token_budget": self.token_budget} if self.token_budget is not None else {}
+        return [SequenceSpec(payload={**p, **budget}, cost=len(p["prompt"]), steps=p["max_tokens"])
                 for p in self._parsed(request).payloads()]
 
     def gather(self, request: Any, outputs: list[TokenOutput]) -> list[TokenOutput]:

@@ -11,8 +11,10 @@ biases; Qwen3's per-head q/k RMSNorm; a tied or separate lm_head: each built fro
 cache once per key/value head: the G = heads / kv_heads queries that share it are stacked, so the
 cache holds kv heads only. Every rank reads only its slices from the safetensors files (`shards`).
 Every generation runs on the paged KV cache (`phyai_ray.llm.paged_decoder`: a block pool sized
-at load, waiting and preemption, chunked prefill, prefix caching, ragged attention): the iteration
-protocol's sequences and a whole request's (`step` / `stream`) alike, through one forward.
+at load, preemption, chunked prefill, prefix caching, ragged attention): the iteration protocol's
+sequences and a whole request's (`step` / `stream`) alike, through one forward. Each iteration
+reports the cache (`KVReport`) to the engine, whose admission (`KVBlocks`) admits only sequences
+that start at once; the budget of new tokens per iteration is the engine's (the payloads carry it).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class HFCausalLM(PagedDecoder):
         self.stage = WeightStage()  # a fleet update's weights, received while these serve
         memory = self._profile(free_at_start) if on_cuda and cfg.kv_cache_bytes is None else None
         self.paged = PagedSequences(self._block_pool(memory), max_seq=self.max_len, vocab=self.arch.vocab,
-                                    token_budget=cfg.max_num_batched_tokens,
+                                    token_budget=cfg.token_budget(),
                                     stop_scan=lambda stops: StopScan(self._text_codec(), stops))
         logger.info("hf_causal_lm rank %d: %s, %d layers, heads %d/%d kv %d/%d on this rank, vocab rows %d, %s",
                     ctx.rank, self.arch.family, self.arch.layers, self.plan.local_heads, self.arch.heads,
@@ -80,9 +82,9 @@ class HFCausalLM(PagedDecoder):
 
     @torch.inference_mode()
     def _profile(self, free_at_start: int) -> CudaMemory:
-        """On CUDA: one iteration of max_num_batched_tokens prompt tokens over a pool of one sequence,
+        """On CUDA: one iteration of `token_budget()` prompt tokens over a pool of one sequence,
         its peak activations, and what this process has taken since `free_at_start` (vLLM's profile run)."""
-        n = min(self.cfg.max_num_batched_tokens, self.max_len - 1)
+        n = min(self.cfg.token_budget(), self.max_len - 1)
         seqs = PagedSequences(self._pool(blocks_for(self.max_len, self.cfg.block_size)), max_seq=self.max_len,
                               vocab=self.arch.vocab, token_budget=n)
         seqs.admit(-1, {"prompt": [0] * n, "max_tokens": 1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0,
@@ -115,7 +117,7 @@ class HFCausalLM(PagedDecoder):
         logger.info("hf_causal_lm rank %d: KV cache of %d blocks x %d tokens (%.1f MiB), prefix caching %s, "
                     "%d tokens per iteration", self.ctx.rank, num_blocks, cfg.block_size,
                     num_blocks * per_block / 2 ** 20, "on" if cfg.enable_prefix_caching else "off",
-                    cfg.max_num_batched_tokens)
+                    cfg.token_budget())
         return self._pool(num_blocks)
 
     def _read(self, ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
