@@ -18,15 +18,38 @@
 The result: {"video": ..., "steps": n} plus "action" [chunk_size x raw_action_dim] float32 for policy
 and inverse_dynamics, and "sound" [channels, samples] float32 with enable_sound. A seed s gives what
 `Cosmos3OmniPipeline(..., generator=torch.Generator("cpu").manual_seed(s))` gives.
+
+openpi robot frames (`WS /v1/openpi`, an unmodified openpi-client `WebsocketClientPolicy`): with
+plugin_args["policy"] set, a frame becomes a `policy` action request here, in the dispatcher (`Policy`):
+
+    plugin_args["policy"] = {"chunk_size": 8, "domain_name": "droid_lerobot",   required
+                             "resolution_tier": 480, "view_point": "ego_view",  as `action` (these defaults)
+                             "num_inference_steps": 35, "guidance_scale": 6.0,  as a request (these defaults)
+                             "seed": 0, "negative_prompt": None,
+                             "mode": "policy", "image_key": "observation/image"}
+    frame {"observation/image": uint8 [H, W, 3] or [3, H, W]     -> "image" (as [H, W, 3])
+           "prompt": "pick up the cube",                        -> "prompt"
+           "seed": 3}                                           -> "seed" (optional: else the policy's)
+    -> {"prompt", "image", "seed", the policy's request fields, "output_type": "latent",
+        "action": {"mode": "policy", "chunk_size", "domain_name", "resolution_tier", "view_point"}}
+    reply {"actions": float32 [chunk_size, raw_action_dim], "steps": n}   (openpi clients read "actions")
+
+A request is a frame when the policy is set and it names no Cosmos3 field but `prompt` and `seed`: every
+request with `action`, `image`, `num_frames`, ... is a Cosmos3 request as above, and a bare {"prompt": ...}
+is a frame without its camera (refused). Other "observation/..." keys (the state, more cameras) are
+accepted and not read: Cosmos3's policy mode reads one camera and the prompt; `image_key` names which
+camera (e.g. DROID's "observation/exterior_image_1_left"). Any other key is refused. The video is not
+decoded (only the chunk goes back), so a frame costs its denoising steps and its image's VAE encode.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from phyai_ray.models.diffusers_pipeline.folder import PipelineFolderError
 from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
 
 FIELDS = ("prompt", "negative_prompt", "num_frames", "height", "width", "fps", "num_inference_steps",
@@ -34,6 +57,10 @@ FIELDS = ("prompt", "negative_prompt", "num_frames", "height", "width", "fps", "
 ACTION_FIELDS = ("mode", "chunk_size", "domain_name", "resolution_tier", "view_point", "raw_actions")
 MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 DEFAULTS = {"num_frames": 189, "height": 720, "width": 1280}  # Cosmos3OmniPipeline.__call__, without `action`
+POLICY_ACTION = ("chunk_size", "domain_name", "resolution_tier", "view_point")  # plugin_args["policy"] -> `action`
+POLICY_REQUEST = ("num_inference_steps", "guidance_scale", "seed", "negative_prompt")  # -> the request's fields
+POLICY_KEYS = ("mode", *POLICY_ACTION, *POLICY_REQUEST, "image_key")
+FRAME_SIGNS = frozenset(FIELDS) - {"prompt", "seed"}  # a request naming one of these is not an openpi frame
 
 
 @dataclass(frozen=True)
@@ -75,6 +102,7 @@ class Cosmos3Request:
     image: Any = None
     video: Any = None
     action: dict[str, Any] | None = None
+    openpi: bool = False  # an openpi frame's request: its result is `openpi_reply`'s
 
     def to_payload(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,20 +116,25 @@ class Cosmos3Request:
         return (channels, (frames - 1) // limits.temporal + 1, h // limits.spatial, w // limits.spatial)
 
 
-def parse(request: Any, folder: Any, caps: Any = None) -> Cosmos3Request:
+def parse(request: Any, folder: Any, caps: Any = None, policy: "Policy | None" = None) -> Cosmos3Request:
     """Check `request` against the rules and the folder (a checked `Folder`, or its `FolderLimits`) and
     the serving limits `caps` (request.py's `Limits`: max_frames, max_pixels from plugin_args); a
-    VideoRequestError names the rule, or the limit and the plugin_args key that changes it. A request
-    parsed before is returned as it is."""
+    VideoRequestError names the rule, or the limit and the plugin_args key that changes it. With a
+    `policy` (plugin_args["policy"]), an openpi frame is first mapped onto its action request (see the
+    module docstring). A request parsed before is returned as it is."""
     if isinstance(request, Cosmos3Request):
         return request
+    if policy is not None and isinstance(request, dict) and not set(request) & FRAME_SIGNS:
+        return replace(parse(policy.request(request), folder, caps), openpi=True)
     limits = folder if isinstance(folder, FolderLimits) else FolderLimits.of(folder)
     if not isinstance(request, dict):
         raise VideoRequestError(f"a Cosmos3 request is a dict such as {{'prompt': 'a red cube', 'num_frames': 9}}, "
                                 f"got {type(request).__name__}")
-    unknown = sorted(set(request) - set(FIELDS))
+    unknown = sorted(map(str, set(request) - set(FIELDS)))
     if unknown:
-        raise VideoRequestError(f"unknown Cosmos3 request fields {unknown}; known: {list(FIELDS)}")
+        frame = any(key.startswith("observation/") for key in unknown)
+        raise VideoRequestError(f"unknown Cosmos3 request fields {unknown}; known: {list(FIELDS)}" + (
+            " (an openpi frame: serve the folder with plugin_args['policy'], see cosmos3_request.py)" if frame else ""))
     values = {k: v for k, v in request.items() if v is not None}
     values["prompt"] = _text(request.get("prompt"))
     for name in ("image", "video"):
@@ -214,6 +247,92 @@ def _action(values: dict[str, Any], limits: FolderLimits) -> dict[str, Any]:
                                     f"(forward_dynamics), got shape {list(raw.shape)}")
         out["raw_actions"] = raw
     return out
+
+
+@dataclass(frozen=True)
+class Policy:
+    """plugin_args["policy"]: the `policy` action request an openpi frame becomes (module docstring).
+
+        policy = Policy.of({"chunk_size": 8, "domain_name": "droid_lerobot"}, folder)
+        policy.request({"observation/image": frame, "prompt": "pick up the cube"})  # -> a Cosmos3 request dict
+    """
+
+    action: dict[str, Any]  # mode "policy", chunk_size, domain_name, resolution_tier, view_point
+    fields: dict[str, Any]  # num_inference_steps, guidance_scale, seed, negative_prompt (those given)
+    image_key: str = "observation/image"
+    metadata: dict[str, Any] = field(default_factory=dict)  # the openpi metadata frame (`Entry.policy_metadata`)
+
+    @classmethod
+    def of(cls, given: Any, folder: Any, caps: Any = None) -> "Policy | None":
+        """The checked policy (None when `given` is None), or a PipelineFolderError before any rank starts:
+        every rule of an action request is checked now, on a blank frame, against the folder and `caps`."""
+        if given is None:
+            return None
+        example = {"chunk_size": 8, "domain_name": "droid_lerobot", "resolution_tier": 480, "num_inference_steps": 35}
+        if not isinstance(given, dict) or set(given) - set(POLICY_KEYS) or given.get("mode", "policy") != "policy" \
+                or not {"chunk_size", "domain_name"} <= set(given):
+            raise PipelineFolderError(f"diffusers_pipeline: plugin_args['policy'] must be a dict of {list(POLICY_KEYS)}"
+                                      f" with chunk_size and domain_name (mode: 'policy', the only one a frame asks "
+                                      f"for), e.g. {example}; got {given!r:.200}")
+        key = given.get("image_key", "observation/image")
+        if not isinstance(key, str) or key in FIELDS:
+            raise PipelineFolderError(f"diffusers_pipeline: plugin_args['policy']['image_key']={key!r} must be the "
+                                      f"frame's camera key, a str that is not a Cosmos3 field {list(FIELDS)}")
+        if getattr(folder, "class_name", None) != "Cosmos3OmniPipeline" or not FolderLimits.of(folder).action:
+            raise PipelineFolderError("diffusers_pipeline: plugin_args['policy'] needs a Cosmos3OmniPipeline folder "
+                                      "whose transformer has an action head (action_gen=True); "
+                                      f"{getattr(folder, 'path', folder)} has none: leave 'policy' unset")
+        policy = cls({"mode": "policy", **{k: given[k] for k in POLICY_ACTION if k in given}},
+                     {k: given[k] for k in POLICY_REQUEST if k in given}, key)
+        try:
+            probe = parse(policy.request({key: np.zeros((16, 16, 3), np.uint8), "prompt": "-"}), folder, caps)
+        except VideoRequestError as exc:
+            raise PipelineFolderError(f"diffusers_pipeline: plugin_args['policy'] cannot serve frames: {exc}") from None
+        return replace(policy, metadata=policy.describe(probe))
+
+    def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """The Cosmos3 request `frame` means, or a VideoRequestError naming the key."""
+        known = [self.image_key, "prompt", "seed"]
+        unknown = sorted(str(k) for k in frame if k not in known and not str(k).startswith("observation/"))
+        if unknown:
+            raise VideoRequestError(f"unknown openpi frame keys {unknown}; this Cosmos3 policy takes {known} (other "
+                                    "'observation/...' keys are not read), or a Cosmos3 request's fields "
+                                    f"{list(FIELDS)}")
+        missing = [k for k in (self.image_key, "prompt") if frame.get(k) is None]
+        if missing:
+            raise VideoRequestError(f"the openpi frame lacks {missing}: the policy acts on {self.image_key!r} (uint8 "
+                                    "[H, W, 3] or [3, H, W]) and the task in 'prompt'; got keys "
+                                    f"{sorted(map(str, frame))}")
+        seed = frame.get("seed", self.fields.get("seed", 0))
+        return {**self.fields, "prompt": frame["prompt"], "image": _hwc(frame[self.image_key], self.image_key),
+                "seed": seed, "output_type": "latent", "action": dict(self.action)}
+
+    def describe(self, probe: Cosmos3Request) -> dict[str, Any]:
+        """The metadata frame: the chunk's shape, the request every frame runs and the keys it reads."""
+        from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import _EMBODIMENT_TO_RAW_ACTION_DIM
+
+        a = probe.action
+        return {"policy": "diffusers_pipeline", "pipeline": "Cosmos3OmniPipeline", "mode": "policy",
+                "action_horizon": a["chunk_size"], "chunk_size": a["chunk_size"],
+                "action_dim": _EMBODIMENT_TO_RAW_ACTION_DIM[a["domain_name"]], "domain_name": a["domain_name"],
+                "resolution_tier": a["resolution_tier"], "view_point": a["view_point"],
+                "num_steps": probe.num_inference_steps, "guidance_scale": probe.guidance_scale,
+                "openpi_keys": {self.image_key: "image: uint8 [H, W, 3] or [3, H, W]", "prompt": "prompt: str",
+                                "seed": f"seed: int, optional (default {probe.seed})"}}
+
+
+def openpi_reply(out: dict[str, Any]) -> dict[str, Any]:
+    """An openpi frame's result: its chunk under openpi's "actions" (what the clients read), its steps
+    and weight version; not its latents."""
+    return {"actions": out["action"], **{k: out[k] for k in ("steps", "weight_version") if k in out}}
+
+
+def _hwc(value: Any, key: str) -> np.ndarray:
+    """A camera frame as uint8 [H, W, 3]: [3, H, W] (CHW) is transposed; a 3 on the last axis reads as HWC."""
+    array = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    if array.ndim == 3 and array.shape[0] == 3 and array.shape[-1] != 3:
+        array = np.ascontiguousarray(array.transpose(1, 2, 0))
+    return frames_array(array, key, 3)
 
 
 def frames_array(value: Any, name: str, ndim: int) -> np.ndarray:

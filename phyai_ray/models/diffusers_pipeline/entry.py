@@ -10,7 +10,8 @@ and image encoder in float32; loading.py); `max_latent_tokens_per_step` (the per
 budget, see `admission`); `max_frames`, `max_pixels`, `max_sequence_length` (request limits, see
 `limits_of`); `safety_checker`, `safety_checker_args`, `safety_checker_download` (Cosmos: the
 guardrail, required; guardrail.py); `vae_tile_pixels` (pixels per frame from which the VAE decodes in
-tiles, default 1280 x 720, 0 never; stages.py). The folder is checked here, in the dispatcher, before
+tiles, default 1280 x 720, 0 never; stages.py); `policy` (Cosmos3: openpi frames as action requests,
+cosmos3_request.py's `Policy`). The folder is checked here, in the dispatcher, before
 any rank starts (folder.py); each request is checked against it (request.py) and refused alone, naming the
 rule, and a Cosmos prompt is checked by the guardrail here, once. Each request is ONE sequence
 of the iteration protocol, one denoising step per iteration, batched with every other running
@@ -37,7 +38,7 @@ from phyai_ray.plugins.signature import TensorSpec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KNOWN = ("model", "dtype", "vae_dtype", "text_encoder_dtype", "max_latent_tokens_per_step", "max_frames",
          "max_pixels", "max_sequence_length", "safety_checker", "safety_checker_args", "safety_checker_download",
-         "vae_tile_pixels")
+         "vae_tile_pixels", "policy")
 PIXEL_MARGIN, FRAME_MARGIN = 4, 2  # default limits: the recommended shape's pixels x 4 (2x a side), frames x 2
 BUDGET_REQUESTS = 2  # the default per-step budget holds this many requests of the recommended shape
 # The Open Inference Protocol's view: the prompt a BYTES tensor of shape [1], every other field a request
@@ -64,6 +65,7 @@ class DiffusersPipelineEntry(Entry):
         self.limits: Limits | None = None
         self.args: dict[str, Any] = {}
         self.guard: Any = None  # the dispatcher's Guardrail (Cosmos): never pickled to the ranks
+        self.policy: Any = None  # Cosmos3's openpi frames (cosmos3_request.Policy), from plugin_args["policy"]
         if plugin_args is not None:
             self.configure(plugin_args)
 
@@ -86,8 +88,11 @@ class DiffusersPipelineEntry(Entry):
 
     def use(self, folder: Folder, args: dict[str, Any]) -> None:
         """Serve `folder` (already opened and checked) with plugin_args `args`: its limits and inputs."""
+        from phyai_ray.models.diffusers_pipeline.cosmos3_request import Policy
+
         self.folder, self.args = folder, args
         self.limits = limits_of(folder, args)
+        self.policy = Policy.of(args.get("policy"), folder, self.limits)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "guard": None}  # the ranks never check prompts; the output rank loads its own
@@ -121,7 +126,7 @@ class DiffusersPipelineEntry(Entry):
         if self._folder().class_name == "Cosmos3OmniPipeline":  # its own fields (action, sound): cosmos3_request.py
             from phyai_ray.models.diffusers_pipeline.cosmos3_request import parse
 
-            parsed = parse(request, self._folder(), self.limits)
+            parsed = parse(request, self._folder(), self.limits, self.policy)  # an openpi frame: its action request
             if self.guard is not None:  # the folder's guardrail (cosmos3_request.guardrail_wanted)
                 self.guard.check_text(parsed.prompt)
             return parsed
@@ -177,7 +182,15 @@ class DiffusersPipelineEntry(Entry):
         [out] = outputs
         if not isinstance(out, dict):  # aborted between two denoising steps
             raise RequestAbortedError("the video request was aborted before its last denoising step; send it again")
+        if getattr(request, "openpi", False):  # an openpi frame: the chunk as "actions" (cosmos3_request.py)
+            from phyai_ray.models.diffusers_pipeline.cosmos3_request import openpi_reply
+
+            return openpi_reply(out)
         return out
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """openpi's metadata frame: plugin_args["policy"]'s chunk, action width and frame keys ({} without one)."""
+        return dict(self.policy.metadata) if self.policy is not None else {}
 
     def create(self, plugin_args: dict[str, Any], ctx: Any) -> Any:
         import torch
