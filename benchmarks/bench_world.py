@@ -1,6 +1,7 @@
 """World models: `diffusers_pipeline` batched per denoising step vs diffusers' own WanPipeline, side by side.
 
-Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_world.py [--repeats 3] [--json out.json] [--skip-ray]`
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_world.py [--repeats 3] [--json out.json] [--skip-ray]
+[--skip-cosmos3 | --only-cosmos3]`
 
 A Wan-shaped transformer sized for a small CPU machine (diffusers' `WanTransformer3DModel`, dim 128,
 4 heads, 4 layers; one forward of a 9-frame 64x64 request is tens of ms), the tiny VAE and text
@@ -24,6 +25,10 @@ encoder of tests/diffusers_folders.py, saved as a WanPipeline folder. Latents on
    latency vs the 40-step job's. Target <= 0.5x.
 5. On Ray (gloo, one request): CFG over 2 ranks vs 1 rank (target <= 0.65x), Ulysses over 2 ranks
    (attention.cp_size=2) at 1,024 latent tokens vs 1 rank (target <= 0.75x); peak RSS per rank.
+6. Cosmos3 (benchmarks/bench_cosmos3.py's `cosmos3_runs`, on a Cosmos3OmniPipeline folder of its own): 8
+   concurrent requests, 4 text-to-video and 4 policy chunks, through the Engine vs Cosmos3OmniPipeline
+   called once per request (target >= 1.2x); the policy chunk's latency among 8 robots vs alone
+   (target <= 4x).
 Prints the machine first; medians and p99 over `--repeats`; each ratio with its target.
 """
 
@@ -341,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-ray", action="store_true", help="leave out the CFG / Ulysses runs on Ray")
     parser.add_argument("--only-ray", action="store_true", help="the CFG / Ulysses runs on Ray alone")
+    parser.add_argument("--skip-cosmos3", action="store_true", help="leave out part 6 (Cosmos3)")
+    parser.add_argument("--only-cosmos3", action="store_true", help="part 6 (Cosmos3) alone")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="torch thread counts to measure "
                         "throughput at (default: torch's default, then 1)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -348,19 +355,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = opts.threads or [torch.get_num_threads(), 1]
     results: dict[str, Any] = {"machine": machine()}
     print(f"machine: {results['machine']}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_folder(Path(tmp) / "wan-bench")
-        if not opts.only_ray:
-            inline_runs(folder, results, opts.repeats, threads)
-        if not opts.skip_ray:
-            results["ray"] = parallel_runs(folder, opts.repeats)
+    if not opts.only_cosmos3:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = build_folder(Path(tmp) / "wan-bench")
+            if not opts.only_ray:
+                inline_runs(folder, results, opts.repeats, threads)
+            if not opts.skip_ray:
+                results["ray"] = parallel_runs(folder, opts.repeats)
+    if opts.only_cosmos3 or not (opts.skip_cosmos3 or opts.only_ray):
+        results["cosmos3"] = cosmos3_part(opts.repeats)
     if opts.json is not None:
         write_json(opts.json, results)
     return results
 
 
+def cosmos3_part(repeats: int) -> dict[str, Any]:
+    """Part 6: bench_cosmos3.py's runs (they print their rows and record tables "cosmos3_throughput" and
+    "cosmos3_robots" for `write_json`)."""
+    import bench_cosmos3  # benchmarks/bench_cosmos3.py, beside this script
+
+    print("Cosmos3 (bench_cosmos3.py, a Cosmos3OmniPipeline folder of hidden 128, 4 layers; 4 steps, CFG):",
+          flush=True)
+    return bench_cosmos3.cosmos3_runs(repeats)
+
+
 def write_json(path: Path, results: dict[str, Any]) -> None:
-    """The results as `benchmarks/results.py` files are (benchmark "world"), for benchmarks/plot.py."""
+    """The results as `benchmarks/results.py` files are (benchmark "world"), for benchmarks/plot.py; part 6's
+    tables are recorded where it prints them."""
     import results as files  # benchmarks/results.py, beside this script
 
     for row in results.get("throughput", {}).values():
