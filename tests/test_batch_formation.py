@@ -120,11 +120,13 @@ class Scheduling:
     """The parts that schedule a replica's steps, wired as `ScheduledReplica` wires them: a `StepQueue`
     feeding a `RankPipeline` whose executor only records `launch`, one `DeadlineClock`."""
 
-    def __init__(self, launch, *, max_ongoing: int | None, max_queued: int | None, on_hung=lambda w, s: None):
+    def __init__(self, launch, *, max_ongoing: int | None, max_queued: int | None, on_hung=lambda w, s: None,
+                 hang_limit_s: float = 600.0):
         lock = threading.RLock()
         self.clock = DeadlineClock(0, lock)
         self.pipeline = RankPipeline(0, SimpleNamespace(launch=launch), max_ongoing=max_ongoing, lock=lock,
-                                     clock=self.clock, on_hung=on_hung, delivery=CallbackThread("test-callbacks"))
+                                     clock=self.clock, on_hung=on_hung, delivery=CallbackThread("test-callbacks"),
+                                     limit_s=hang_limit_s)
         self.queue = StepQueue(0, self.pipeline, None, lock=lock, clock=self.clock, limit_s=30.0, max_queued=max_queued)
         self.deliver, self.finished, self.tally = self.pipeline.deliver, self.pipeline.finished, self.pipeline.tally
         self.service = self.pipeline.service
@@ -292,7 +294,8 @@ def test_a_head_reported_hung_is_reported_once_and_the_clock_then_sleeps():
     """An on_hung that does not stop the replica (a test's) must not make the clock spin on the same head."""
     reports = []
     rec = Recorder()
-    sched = Scheduling(rec.launch, max_ongoing=1, max_queued=100, on_hung=lambda work, s: reports.append(work.payload))
+    sched = Scheduling(rec.launch, max_ongoing=1, max_queued=100, on_hung=lambda work, s: reports.append(work.payload),
+                       hang_limit_s=0.2)  # the replica's hang limit: one rank call running this long is hung
     rec.scheduler = sched
     stuck = sched.submit("step", "stuck", 0.2)
     with pytest.raises(RequestTimeoutError):

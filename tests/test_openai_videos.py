@@ -49,6 +49,23 @@ def test_a_second_store_on_the_same_directory_sees_every_job(tmp_path) -> None:
     assert polls.get(job["id"]) is None  # the running group's late writes do not bring it back
 
 
+def test_a_delete_between_the_running_groups_check_and_its_save_still_deletes(tmp_path) -> None:
+    """The DELETE lands after `update` found no flag but before it saved: the save must not bring the job back."""
+    runs, polls = JobStore(tmp_path), JobStore(tmp_path)
+    job = make(runs)
+    save = runs._save
+
+    def deleted_meanwhile(value: dict) -> None:
+        assert polls.request_cancel(job["id"]) is not None
+        save(value)
+
+    runs._save = deleted_meanwhile
+    assert runs.update(job["id"], status="in_progress", progress=30) is None
+    runs._save = save
+    assert polls.get(job["id"]) is None and runs.get(job["id"]) is None
+    assert runs.update(job["id"], progress=40) is None  # the flag stays: later writes are refused too
+
+
 def test_guessed_or_malformed_ids_find_nothing(tmp_path) -> None:
     store = JobStore(tmp_path)
     make(store)

@@ -96,6 +96,9 @@ class JobStore:
             return None
         job.update(fields, heartbeat_at=time.time())
         self._save(job)
+        if self.cancel_requested(ident):  # a DELETE came between the check and the save: its files go again
+            self._remove(ident)
+            return None
         return job
 
     def finish(self, ident: str, mp4: bytes, png: bytes) -> dict[str, Any] | None:
@@ -116,9 +119,6 @@ class JobStore:
 
     def cancel_requested(self, ident: str) -> bool:
         return self._path(ident, ".cancel").exists()
-
-    def forget_cancel(self, ident: str) -> None:
-        self._path(ident, ".cancel").unlink(missing_ok=True)
 
     # -- any group's side --------------------------------------------------------------------------
     def get(self, ident: str) -> dict[str, Any] | None:
@@ -150,7 +150,8 @@ class JobStore:
 
     def request_cancel(self, ident: str) -> dict[str, Any] | None:
         """DELETE: the job's files go at once; the group running it sees the flag at its next step and
-        stops it there. The job as it was, or None when there is none."""
+        stops it there. The flag stays (removed by `_trim` after ttl_s), so a write of the running group
+        that raced the DELETE finds it and removes the job again. The job as it was, or None."""
         job = self.get(ident)
         if job is None:
             return None

@@ -213,7 +213,6 @@ class VideoJobs:
         finally:
             beat.cancel()
             self.tasks.pop(ident, None)
-            await asyncio.to_thread(self.store.forget_cancel, ident)
 
     async def _heartbeat(self, ident: str) -> None:
         """Touch the job while it runs (queued jobs get no chunks), and stop it when another group's
