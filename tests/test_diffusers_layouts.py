@@ -282,7 +282,7 @@ def test_validate_cosmos_accepts(parallel):
     (ParallelConfig(attention=A(tp_size=2)), {}, "dense.tp_size=1 != attention.tp_size=2"),
     (ParallelConfig(moe=M(ep_size=2)), {}, "Cosmos has no mixture-of-experts layers"),
     (TP2, {"mlp_ratio": 1.5, "attention_head_dim": 11},
-     "the FFN's 33 hidden units are not divisible by dense.tp_size=2"),
+     "the FFN's hidden units=33 is not divisible by dense.tp_size=2"),
     (TP2, {"img_context_dim_in": 8}, "img_context_dim_in=8 with attention.tp_size=2"),
 ])
 def test_validate_cosmos_refuses_naming_the_rule(parallel, config, why):

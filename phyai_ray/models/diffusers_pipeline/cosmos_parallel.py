@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.models.diffusers_pipeline.wan_parallel import config_field, shard_feed_forward
+from phyai_ray.models.diffusers_pipeline.wan_parallel import config_field, head_split_rules, shard_feed_forward
 from phyai_ray.nn.linear import column_linear, row_linear
 from phyai_ray.nn.rotary import rotate_half
 from phyai_ray.nn.sequence import SequenceSplit, ulysses_attention
@@ -62,25 +62,10 @@ def validate_cosmos_parallel(config: Mapping[str, Any] | Any, parallel: Any) -> 
     (its config.json or `transformer.config`) cannot run. Pure: no torch, no ranks."""
     heads = int(config_field(config, "num_attention_heads"))
     ffn = int(heads * int(config_field(config, "attention_head_dim")) * float(config_field(config, "mlp_ratio")))
-    image = _optional(config, "img_context_dim_in")
-    att, dense, moe = parallel.attention, parallel.dense, parallel.moe
-    split = att.tp_size * att.cp_size
-    rules = [
-        (att.dp_size > 1, f"attention.dp_size={att.dp_size} (a batch split of attention is not implemented; "
-                          "use outer.cfg_size=2 to split the guidance branches)"),
-        (parallel.outer.pp_size > 1, f"outer.pp_size={parallel.outer.pp_size} (pipeline stages are not "
-                                     "implemented for Cosmos)"),
-        (moe.tp_size > 1 or moe.ep_size > 1, f"moe tp_size={moe.tp_size} ep_size={moe.ep_size} "
-                                             "(Cosmos has no mixture-of-experts layers)"),
-        (dense.tp_size != att.tp_size, f"dense.tp_size={dense.tp_size} != attention.tp_size={att.tp_size} "
-                                       "(the FFN splits over the same ranks as the heads)"),
-        (heads % split != 0, f"num_attention_heads={heads} is not divisible by attention.tp_size * "
-                             f"attention.cp_size = {att.tp_size} * {att.cp_size} (Ulysses and tensor "
-                             "parallel split whole heads; ring attention is not implemented)"),
-        (ffn % dense.tp_size != 0, f"the FFN's {ffn} hidden units are not divisible by dense.tp_size="
-                                   f"{dense.tp_size}"),
-        (bool(image) and att.tp_size > 1, f"img_context_dim_in={image} with attention.tp_size={att.tp_size} "
-                                          "(the image-context cross-attention is not split over tensor parallel)"),
+    image, tp = _optional(config, "img_context_dim_in"), parallel.attention.tp_size
+    rules = head_split_rules("Cosmos", parallel, heads, ffn, "the FFN's hidden units") + [
+        (bool(image) and tp > 1, f"img_context_dim_in={image} with attention.tp_size={tp} "
+                                 "(the image-context cross-attention is not split over tensor parallel)"),
     ]
     bad = [why for broken, why in rules if broken]
     if bad:

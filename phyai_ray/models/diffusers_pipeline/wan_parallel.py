@@ -65,26 +65,33 @@ def tp_shard_dim(name: str) -> int | None:
     return None
 
 
-def validate_wan_parallel(config: Mapping[str, Any] | Any, parallel: Any) -> None:
-    """Raise `ParallelConfigError` naming every part of `parallel` that a Wan transformer with
-    `config` (its `config.json` or `transformer.config`) cannot run. Pure: no torch, no ranks."""
-    heads, ffn = int(config_field(config, "num_attention_heads")), int(config_field(config, "ffn_dim"))
+def head_split_rules(family: str, parallel: Any, heads: int, ffn: int, ffn_name: str) -> list[tuple[bool, str]]:
+    """(broken, why) for the layout rules a DiT whose attention splits whole heads and whose FFN of `ffn`
+    units splits over the same ranks keeps: Wan's and Cosmos-Predict2.5's. `ffn_name` names the FFN in
+    the message ("ffn_dim" -> "ffn_dim=33 is not divisible ...")."""
     att, dense, moe = parallel.attention, parallel.dense, parallel.moe
     split = att.tp_size * att.cp_size
-    rules = [
+    return [
         (att.dp_size > 1, f"attention.dp_size={att.dp_size} (a batch split of attention is not implemented; "
                           "use outer.cfg_size=2 to split the guidance branches)"),
         (parallel.outer.pp_size > 1, f"outer.pp_size={parallel.outer.pp_size} (pipeline stages are not "
-                                     "implemented for Wan)"),
+                                     f"implemented for {family})"),
         (moe.tp_size > 1 or moe.ep_size > 1, f"moe tp_size={moe.tp_size} ep_size={moe.ep_size} "
-                                             "(Wan has no mixture-of-experts layers)"),
+                                             f"({family} has no mixture-of-experts layers)"),
         (dense.tp_size != att.tp_size, f"dense.tp_size={dense.tp_size} != attention.tp_size={att.tp_size} "
                                        "(the FFN splits over the same ranks as the heads)"),
         (heads % split != 0, f"num_attention_heads={heads} is not divisible by attention.tp_size * "
                              f"attention.cp_size = {att.tp_size} * {att.cp_size} (Ulysses and tensor "
                              "parallel split whole heads; ring attention is not implemented)"),
-        (ffn % dense.tp_size != 0, f"ffn_dim={ffn} is not divisible by dense.tp_size={dense.tp_size}"),
+        (ffn % dense.tp_size != 0, f"{ffn_name}={ffn} is not divisible by dense.tp_size={dense.tp_size}"),
     ]
+
+
+def validate_wan_parallel(config: Mapping[str, Any] | Any, parallel: Any) -> None:
+    """Raise `ParallelConfigError` naming every part of `parallel` that a Wan transformer with
+    `config` (its `config.json` or `transformer.config`) cannot run. Pure: no torch, no ranks."""
+    rules = head_split_rules("Wan", parallel, int(config_field(config, "num_attention_heads")),
+                             int(config_field(config, "ffn_dim")), "ffn_dim")
     bad = [why for broken, why in rules if broken]
     if bad:
         raise ParallelConfigError(
