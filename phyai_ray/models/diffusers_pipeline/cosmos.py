@@ -130,6 +130,7 @@ class CosmosFamily(Family):
     """Cosmos-Predict2.5 text-, image- and video-to-world as the per-family part of the step loop."""
 
     pipeline_classes = (PIPELINE,)
+    encoded = ("cond", "uncond", "cond_latent", "indicator", "mask", "velocity")  # prompts' embeddings, frames' latents
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -182,9 +183,9 @@ class CosmosFamily(Family):
         frames through the VAE, the masks."""
         for job in jobs:
             r, cond = job.request, job.cond
-            if self.branches.cond:
+            if self.encoding.cond:
                 cond["cond"] = self._embed(r["prompt"], cond["length"])
-            if cond["guided"] and self.branches.uncond:
+            if cond["guided"] and self.encoding.uncond:
                 negative = r.get("negative_prompt")
                 cond["uncond"] = self._embed(negative if negative is not None else _default_negative(), cond["length"])
             pixels, frames_in = self._conditioning_video(r)

@@ -33,6 +33,12 @@ and `shard_of` cuts a weight update's full tensor to this rank's part. Every ran
 calls in the same order; collectives (the CFG gather) happen inside `step` only, never in a stage.
 `Branches` says which guidance branches this rank computes: all of them on one rank, or cond on cfg
 rank 0 and uncond on cfg rank 1 (`outer.cfg_size=2`), gathered with `Branches.gather`.
+
+`encoded` names the keys of `job.cond` that `encode` writes (tensors or None). A family that names
+them encodes on ONE rank of a replica (encode_rank.py): that rank's `encoding` is every branch, and
+the model sends the tensors to the other ranks, which never run `encode` and hold no text or image
+encoder. A family that names none (Cosmos3) encodes on every rank, its own branches (`encoding` is
+`branches`).
 """
 
 from __future__ import annotations
@@ -90,10 +96,12 @@ class Family:
     """Base class of a model family's part of the loop (see the module docstring)."""
 
     pipeline_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family serves
+    encoded: tuple[str, ...] = ()  # the cond keys `encode` writes, sent from the encoding rank (see above)
 
     def __init__(self, components: dict[str, Any], index: dict[str, Any], branches: Branches,
                  device: Any, dtype: torch.dtype) -> None:
         self.components, self.index, self.branches = components, index, branches
+        self.encoding = branches  # the branches `encode` fills: every one on a replica's encoding rank (model.py)
         self.device, self.dtype = device, dtype
         self.tile_pixels: int | None = TILE_PIXELS
         self._views: tuple[Any, Any] | None = None

@@ -1,7 +1,7 @@
 """Loading a pipeline folder onto one rank: each component in its dtype, and only what the rank runs.
 
     dtypes = component_dtypes(plugin_args, device)     # {"transformer": bfloat16, "vae": float32, ...}
-    components = load_components(folder, ctx, dtypes)  # transformers built empty (no weights yet)
+    components = load_components(folder, ctx, dtypes, encoders_here)  # transformers built empty (no weights yet)
     family.parallelize(ctx)                            # shards the empty transformers (wan_parallel.py)
     materialize(components, folder, family, ctx, dtypes)   # reads only this rank's slices from the files
 
@@ -15,9 +15,12 @@ while empty, then each parameter is read from the .safetensors files as this ran
 (`SafetensorsIndex.read`: plain reads of the byte ranges it needs, no mapping of the whole file),
 so a tensor-parallel rank's peak holds its shard, not the whole model. Which slice is the rank's
 comes from the family's own `shard_of` applied to a zero-memory index view of the full tensor. The
-VAE is materialized only where it runs (the output rank decodes; every rank when the pipeline
-encodes conditioning frames, `PipelineSpec.vae_encodes`); elsewhere it is built empty, its config
-readable. The guardrail (guardrail.py) is loaded only on the output rank, on the rank's device.
+text encoder, the image encoder and the VAE are materialized only where they run: the encoders on
+the rank that runs the encode stage (`encoders_here`: the replica's encoding rank, encode_rank.py;
+every rank for a family that encodes on every rank), the VAE on the output rank (it decodes) and,
+when the pipeline encodes conditioning frames with it (`PipelineSpec.vae_encodes`), where the
+encoders are; elsewhere each is built empty (meta), its config readable. The guardrail
+(guardrail.py) is loaded only on the output rank, on the rank's device.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 TRAINABLE = ("transformer", "transformer_2")  # components a weight update may change
+ENCODERS = ("text_encoder", "image_encoder")  # components only the encode stage runs
 READ_CHUNK = 2 << 20  # bytes read at once when a slice is not one contiguous range
 ALIGN = 4096  # a whole tensor is placed at its file offset's residue mod this (see `_placed`)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -53,11 +57,12 @@ def component_dtypes(plugin_args: dict[str, Any], device: torch.device) -> dict[
             "vae": vae, "image_encoder": vae}
 
 
-def load_components(folder: Any, ctx: Any, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_components(folder: Any, ctx: Any, dtypes: dict[str, torch.dtype],
+                    encoders_here: bool = True) -> dict[str, Any]:
     """Every component of the (checked) folder, by the class its model_index.json names; the
-    transformers (and a VAE this rank never runs) built empty, without weights."""
+    transformers (and encoders or a VAE this rank never runs) built empty, without weights."""
     out: dict[str, Any] = {}
-    vae_here = ctx.is_output_rank or folder.spec.vae_encodes
+    vae_here = ctx.is_output_rank or (folder.spec.vae_encodes and encoders_here)
     for name in folder.components():
         library, class_name = folder.index[name]
         path = Path(folder.path) / name
@@ -71,7 +76,7 @@ def load_components(folder: Any, ctx: Any, dtypes: dict[str, torch.dtype]) -> di
         dtype = dtypes.get(name, dtypes["transformer"])
         if name == "scheduler":
             out[name] = cls.from_pretrained(path)
-        elif name in TRAINABLE or (name == "vae" and not vae_here):
+        elif name in TRAINABLE or (name == "vae" and not vae_here) or (name in ENCODERS and not encoders_here):
             out[name] = empty_model(cls, path, dtype)
         elif library == "transformers":
             out[name] = cls.from_pretrained(path, dtype=dtype).to(ctx.device).eval()
@@ -86,12 +91,15 @@ def load_components(folder: Any, ctx: Any, dtypes: dict[str, torch.dtype]) -> di
 
 
 def empty_model(cls: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """A diffusers model built from its config with meta parameters (buffers real), in `dtype` except
-    its `_keep_in_fp32_modules`."""
+    """A diffusers (or transformers) model built from its config with meta parameters (buffers real), in
+    `dtype` except its `_keep_in_fp32_modules`."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(path))
+        if hasattr(cls, "load_config"):  # diffusers' ConfigMixin
+            model = cls.from_config(cls.load_config(path))
+        else:  # a transformers PreTrainedModel (UMT5EncoderModel, Qwen2.5-VL, CLIP)
+            model = cls._from_config(cls.config_class.from_pretrained(path))
     keep = getattr(cls, "_keep_in_fp32_modules", None) or []
     for name, param in model.named_parameters():
         wanted = torch.float32 if any(k in name.split(".") for k in keep) else dtype

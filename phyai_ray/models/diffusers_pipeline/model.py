@@ -12,10 +12,13 @@
     drop(seq)             forget it; recompute(seq): start it again from its noise (new weights)
 
 Stages (stages.py): the encode stage and the decode stage are threads of their own (and CUDA
-streams), so the loop's thread runs only transformer steps. Ranks agree on which jobs step without
-a collective: every rank waits, in the iteration that admitted them, for its own encode of the new
-jobs (it overlaps the running jobs' step), and only the output rank decodes (its results alone are
-read; the other ranks' jobs leave at their last step).
+streams), so the loop's thread runs only transformer steps. On a replica of several ranks the encode
+stage runs on ONE rank (the output rank, encode_rank.py; every rank for a family that names no
+encoded tensors, Cosmos3): in the iteration that admitted the new jobs, it encodes them while the
+running jobs step, then every rank receives each new job's status and tensors from it over the
+world group, on the loop's thread, before the new jobs step; so the ranks agree which jobs step and
+only the encoding rank holds the text and image encoders. Only the output rank decodes (its results
+alone are read; the other ranks' jobs leave at their last step).
 
 The components are diffusers' and transformers' own classes, loaded from the folder with
 `from_pretrained` (the class the folder's model_index.json names); the loop, the batching and
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from phyai_ray.models.diffusers_pipeline.encode_rank import EncodeRank
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
 from phyai_ray.models.diffusers_pipeline.loading import TRAINABLE, SleepState, load_components, materialize
 from phyai_ray.models.diffusers_pipeline.stages import PendingDecode, StageWork, video_result
@@ -56,10 +60,14 @@ class PipelineModel:
         """Components loaded (transformers empty), the family built, the transformers sharded while
         empty, then only this rank's slices read from the files (loading.py)."""
         self.ctx, self.folder = ctx, folder
-        self.components = load_components(folder, ctx, dtypes)
+        cls = family_class(folder.spec.family)
+        self.encoder = EncodeRank(cls.encoded, ctx)  # where the encode stage runs (and the encoders live)
+        self.components = load_components(folder, ctx, dtypes, self.encoder.here)
         branches = Branches(ctx.group_rank("cfg"), ctx.group_size("cfg"))
         dtype = dtypes["transformer"]
-        self.family = family_class(folder.spec.family)(self.components, folder.index, branches, ctx.device, dtype)
+        self.family = cls(self.components, folder.index, branches, ctx.device, dtype)
+        if self.encoder.shared:  # it encodes every branch for the replica
+            self.family.encoding = Branches()
         self.full_shapes = {f"{name}.{key}": tuple(p.shape) for name in TRAINABLE if name in self.components
                             for key, p in self.components[name].state_dict().items()}
         self.family.parallelize(ctx)
@@ -69,13 +77,22 @@ class PipelineModel:
         self._stages: StageWork | None = None  # the encode and decode stages (stages.py)
         self._failed: dict[int, BaseException] = {}  # jobs whose own stage failed in this iteration
         self.weight_version: Any = None
-        logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s", ctx.rank, folder.class_name,
-                    folder.path, branches.cfg_rank, branches.cfg_size, dtype)
+        logger.info("diffusers_pipeline rank %d: %s from %s, cfg rank %d of %d, %s, encodes %s", ctx.rank,
+                    folder.class_name, folder.path, branches.cfg_rank, branches.cfg_size, dtype, self.encoder.where)
 
     def step(self, request: Any) -> dict[str, Any] | None:
         """One whole (checked) request alone, on the caller's thread: its encode, every step, its decode."""
         payload = request.to_payload() if hasattr(request, "to_payload") else dict(request)
-        job = self.family.start(payload)
+        job = self.family.begin(payload)
+        failed: dict[int, BaseException] = {}
+        if self.encoder.here:
+            try:
+                self.family.encode([job])
+            except Exception as exc:  # noqa: BLE001 - every rank of the replica raises for it (share)
+                failed[id(job)] = exc
+        failed = self.encoder.share([job], failed)
+        if failed:
+            raise failed[id(job)]
         self.family.join([job])
         while not job.done:
             self.family.step([job])
@@ -140,16 +157,18 @@ class PipelineModel:
         return out
 
     def _step(self, running: list[Job]) -> None:
-        """The jobs admitted since the last step start their encode on the encode stage while the others
-        take their step; then they join (together) and take their first step; jobs whose latents share
-        a shape step in one family.step."""
+        """The jobs admitted since the last step start their encode on the encode stage (of the encoding
+        rank) while the others take their step; then every rank gets their encode (`EncodeRank.share`),
+        they join (together) and take their first step; jobs whose latents share a shape step in one
+        family.step."""
         joined = self.jobs.joined()
-        pending = self.stages.start_encode(joined) if joined else None
+        pending = self.stages.start_encode(joined) if joined and self.encoder.here else None
         new = {id(job) for job in joined}
         self._step_groups([job for job in running if id(job) not in new])
-        if pending is None:
+        if not joined:
             return
-        failed = self.stages.encoded(joined, pending)
+        failed = self.stages.encoded(joined, pending) if pending is not None else {}
+        failed = self.encoder.share(joined, failed)  # the loop's thread, after the step's collectives
         if failed:
             for ident in [i for i in self.jobs if id(self.jobs[i]) in failed]:
                 self._failed[ident] = failed[id(self.jobs.drop(ident))]
@@ -202,6 +221,12 @@ class PipelineModel:
             target = self.memory.refill(name, states[component][key])
             part = self.family.shard_of(name, full, self.ctx)
             target.copy_(part.to(device=target.device, dtype=target.dtype))
+
+    def component_bytes(self) -> dict[str, int]:
+        """{component: bytes of its parameters this rank holds}; 0 for one built empty (meta), e.g. on rank 1
+        of a TP=2 Wan replica {"transformer": half of it, "text_encoder": 0, "vae": 0}."""
+        return {name: sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")
+                for name, module in self.components.items() if isinstance(module, torch.nn.Module)}
 
     # -- sleep: memory back to a colocated trainer (loading.py) -----------------------------------------
     def sleep(self, level: int) -> int:

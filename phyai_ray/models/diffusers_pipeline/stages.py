@@ -152,8 +152,9 @@ class StageWork:
 
     Encode: the jobs admitted in one plan are encoded together on the encode stage while the loop's
     thread steps the jobs already running; the iteration then waits for that encode, and the new jobs
-    take their first step in it (every rank does the same, so ranks agree without a collective which
-    jobs step). A job whose encode fails is reported alone (`failed`).
+    take their first step in it. On a replica of several ranks only the encoding rank starts it; the
+    model then sends its outcome to the other ranks (encode_rank.py), so ranks agree which jobs step.
+    A job whose encode fails is reported alone (`failed`).
     Decode: only on the output rank (the others' results are not read), on the decode stage; the job
     left the denoising set at its last step, and a later iteration returns its video (`finished`).
     `log` records (what, ident, thread, start, end) of every decode and every iteration, for tests and

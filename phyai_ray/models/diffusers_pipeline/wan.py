@@ -6,7 +6,8 @@ What `WanPipeline.__call__` does for one prompt, split where the iteration proto
               its own scheduler copy, set_timesteps(n), set_begin_index(0) (stepwise's own_scheduler)
     encode    the jobs that arrived together: their prompts -> UMT5 embeddings in one call per
               branch, padded with zeros past each prompt's tokens to max_sequence_length (cond; and
-              the negative prompts, uncond, when guidance_scale > 1)
+              the negative prompts, uncond, when guidance_scale > 1); on a replica's encoding rank
+              alone (every branch), the other ranks get them from it (encode_rank.py)
     join      jobs with one schedule and shape share one scheduler (a `Cohort`, family.py)
     step      per job: t = timesteps[i]; the expert is `transformer` while t >= boundary_ratio *
               num_train_timesteps (always, without boundary_ratio), else `transformer_2` with
@@ -43,6 +44,7 @@ class WanFamily(Family):
     """Wan text-to-video (2.1, 2.2 two experts, 2.2 TI2V) as the per-family part of the step loop."""
 
     pipeline_classes = ("WanPipeline",)
+    encoded = ("cond", "uncond")  # the prompt's and the negative prompt's embeddings
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -98,11 +100,11 @@ class WanFamily(Family):
         for job in jobs:
             lengths.setdefault(job.cond["length"], []).append(job)
         for length, group in lengths.items():
-            if self.branches.cond:
+            if self.encoding.cond:
                 for job, row in zip(group, self._embed([job.request["prompt"] for job in group], length)):
                     job.cond["cond"] = row
             guided = [job for job in group if job.cond["guided"]]
-            if guided and self.branches.uncond:
+            if guided and self.encoding.uncond:
                 for job, row in zip(guided, self._embed([job.request["negative_prompt"] for job in guided], length)):
                     job.cond["uncond"] = row
 

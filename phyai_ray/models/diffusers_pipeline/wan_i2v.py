@@ -154,6 +154,7 @@ class WanImageToVideoFamily(WanFamily):
     """Wan 2.1 image-to-video as the per-family part of the step loop (see the module docstring)."""
 
     pipeline_classes = (PIPELINE,)
+    encoded = ("cond", "uncond", "image", "condition")  # the prompts', the image rows (CLIP), the VAE's condition
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
