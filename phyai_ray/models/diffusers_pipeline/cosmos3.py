@@ -5,9 +5,11 @@ What `Cosmos3OmniPipeline.__call__` does for one prompt, split where the iterati
     begin     its own scheduler copy with its timesteps set (stepwise's `own_scheduler`)
     encode    (the encode stage) an action request's canvas from its tier and frames; the prompt and
               the negative prompt with the pipeline's templates -> token ids (the transformer reads
-              ids: no text encoder); the conditioning frames through the VAE and the noise of every
-              stream (video, sound, action) from Generator("cpu").manual_seed(seed), by the
-              pipeline's own `prepare_latents`; the static layout of each branch (`static_row`,
+              ids: no text encoder, so no text batch to form); the conditioning frames through the
+              VAE and the noise of every stream (video, sound, action) from
+              Generator("cpu").manual_seed(seed), by the pipeline's own `prepare_latents`; the
+              conditioning clips of the jobs admitted together that share a shape go through the VAE
+              in ONE call (`encode_clips`); the static layout of each branch (`static_row`,
               cosmos3_pack.py); one scheduler copy each for the sound and action streams, as the
               pipeline deep-copies its scheduler
     step      ONE packed forward over the cond rows of every job (any mode, prompt length, frame
@@ -94,26 +96,57 @@ class Cosmos3Family(Family):
 
     @torch.no_grad()
     def encode(self, jobs: list[Job]) -> None:
-        """Each job as the pipeline prepares it before its loop (see the module docstring)."""
-        for job in jobs:
-            self._prepare(job)
+        """Each job as the pipeline prepares it before its loop (see the module docstring), the VAE
+        encode of their conditioning clips batched by shape: 8 policy frames on one tier canvas -> ONE
+        VAE call of batch 8. A job whose clip cannot be built or encoded fails the call (the encode
+        stage then encodes the jobs one by one to find whose, stages.py)."""
+        plans = [self._plan(job.request) for job in jobs]
+        clips = [self._clip(job.request, plan) for job, plan in zip(jobs, plans)]
+        for job, plan, latent in zip(jobs, plans, encode_clips(self.pipe, clips)):
+            self._prepare(job, plan, latent)
 
-    def _prepare(self, job: Job) -> None:
-        r, pipe, device = job.request, self.pipe, torch.device(self.device)
+    def _plan(self, r: dict[str, Any]) -> dict[str, Any]:
+        """What the pipeline is called with for request `r`: its action condition, frames, height, width
+        (an action request's canvas from its tier) and conditioning clip as PIL frames."""
         action = _condition(r)
         frames, height, width = r["num_frames"], r["height"], r["width"]
         if action is not None:
             frames, (height, width) = action.chunk_size + 1, self._canvas(action)
-        cond_ids, uncond_ids = pipe.tokenize_prompt(
-            r["prompt"], r["negative_prompt"], num_frames=frames, height=height, width=width, fps=r["fps"],
-            action_mode=action.mode if action is not None else None,
-            action_view_point=action.view_point if action is not None else None)
         video = _pictures(r["video"]) if r["video"] is not None and action is None else None
+        return {"action": action, "frames": frames, "height": height, "width": width, "video": video}
+
+    def _latents(self, r: dict[str, Any], plan: dict[str, Any], vae_encode: Any) -> tuple[Any, ...]:
+        """The pipeline's `prepare_latents` for `r`, its VAE encode (`_encode_video`) replaced by `vae_encode`."""
+        action, pipe = plan["action"], self.pipe
+        pipe._encode_video = vae_encode  # on this instance, for this call; the class's stays diffusers'
+        try:
+            return pipe.prepare_latents(image=r["image"] if action is None else None, video=plan["video"],
+                                        num_frames=plan["frames"], height=plan["height"], width=plan["width"],
+                                        fps=r["fps"], generator=torch.Generator("cpu").manual_seed(r["seed"]),
+                                        device=torch.device(self.device), dtype=torch.float32,
+                                        enable_sound=r["enable_sound"], action=action)
+        finally:
+            del pipe._encode_video
+
+    def _clip(self, r: dict[str, Any], plan: dict[str, Any]) -> torch.Tensor:
+        """The clip `prepare_latents` hands the VAE for `r` ([1, 3, T, H, W] in [-1, 1]), no noise drawn."""
+        try:
+            self._latents(r, plan, _Clip.stop)
+        except _Clip as clip:
+            return clip.tensor
+        raise RuntimeError(f"{PIPELINE}.prepare_latents returned without a VAE encode for the request of seed "
+                           f"{r['seed']}: this diffusers version prepares latents in a way cosmos3.py does not "
+                           "follow; install the diffusers version of the project's requirements")
+
+    def _prepare(self, job: Job, plan: dict[str, Any], latent: torch.Tensor) -> None:
+        """The job's prompt ids, latents, noise and static rows, its clip's VAE latents `latent` given."""
+        r, pipe, device, action = job.request, self.pipe, torch.device(self.device), plan["action"]
+        cond_ids, uncond_ids = pipe.tokenize_prompt(
+            r["prompt"], r["negative_prompt"], num_frames=plan["frames"], height=plan["height"],
+            width=plan["width"], fps=r["fps"], action_mode=action.mode if action is not None else None,
+            action_view_point=action.view_point if action is not None else None)
         (latents, sound, act, fps_v, fps_s, v_mask, s_mask, a_mask, domain, _, raw_dim,
-         act_cond) = pipe.prepare_latents(image=r["image"] if action is None else None, video=video,
-                                          num_frames=frames, height=height, width=width, fps=r["fps"],
-                                          generator=torch.Generator("cpu").manual_seed(r["seed"]), device=device,
-                                          dtype=torch.float32, enable_sound=r["enable_sound"], action=action)
+         act_cond) = self._latents(r, plan, lambda clip: latent)
         vision_cond = [int(i) for i in torch.nonzero(v_mask[:, 0, 0] > 0).flatten()]
         static = {branch: static_row(pipe, ids, latents, sound, act, (fps_v, fps_s), vision_cond, act_cond, device)
                   for branch, ids in (("cond", cond_ids), ("uncond", uncond_ids))}
@@ -235,6 +268,34 @@ class Cosmos3Family(Family):
         if c["sound"] is not None:
             out["sound"] = self.pipe.decode_sound(c["sound"]).float().cpu()
         return out
+
+
+def encode_clips(pipe: Any, clips: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`pipe._encode_video` of each clip [1, 3, T, H, W], the clips of one shape in ONE call, split back
+    per clip ([1, z, t, h, w] each, in order). diffusers' Wan VAE reads each sample of a batch on its own
+    (its causal caches hold the batch), so a clip's latents do not depend on the others in its call;
+    tests/test_diffusers_cosmos3_encode.py measures how close they are to the clip encoded alone."""
+    out: list[torch.Tensor | None] = [None] * len(clips)
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    for k, clip in enumerate(clips):
+        shapes.setdefault(tuple(clip.shape), []).append(k)
+    for ks in shapes.values():
+        latents = pipe._encode_video(torch.cat([clips[k] for k in ks]))
+        for k, latent in zip(ks, latents.split(1)):
+            out[k] = latent
+    return out
+
+
+class _Clip(Exception):
+    """Stops `prepare_latents` at its VAE encode, carrying the clip it was about to encode."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__(f"conditioning clip {tuple(tensor.shape)}")
+        self.tensor = tensor
+
+    @classmethod
+    def stop(cls, tensor: torch.Tensor) -> torch.Tensor:
+        raise cls(tensor)
 
 
 def _condition(r: dict[str, Any]) -> Any:
