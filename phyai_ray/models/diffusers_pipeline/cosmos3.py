@@ -101,19 +101,20 @@ class Cosmos3Family(Family):
         VAE call of batch 8. A job whose clip cannot be built or encoded fails the call (the encode
         stage then encodes the jobs one by one to find whose, stages.py)."""
         plans = [self._plan(job.request) for job in jobs]
-        clips = [self._clip(job.request, plan) for job, plan in zip(jobs, plans)]
-        for job, plan, latent in zip(jobs, plans, encode_clips(self.pipe, clips)):
+        for job, plan, latent in zip(jobs, plans, encode_clips(self.pipe, [plan["clip"] for plan in plans])):
             self._prepare(job, plan, latent)
 
     def _plan(self, r: dict[str, Any]) -> dict[str, Any]:
-        """What the pipeline is called with for request `r`: its action condition, frames, height, width
-        (an action request's canvas from its tier) and conditioning clip as PIL frames."""
+        """What the pipeline is called with for request `r` (its action condition, frames, height, width:
+        an action request's canvas from its tier; its video as PIL frames), and what its VAE encode must
+        give (`_conditioning`)."""
         action = _condition(r)
         frames, height, width = r["num_frames"], r["height"], r["width"]
         if action is not None:
             frames, (height, width) = action.chunk_size + 1, self._canvas(action)
         video = _pictures(r["video"]) if r["video"] is not None and action is None else None
-        return {"action": action, "frames": frames, "height": height, "width": width, "video": video}
+        plan = {"action": action, "frames": frames, "height": height, "width": width, "video": video}
+        return {**plan, **self._conditioning(r, plan)}
 
     def _latents(self, r: dict[str, Any], plan: dict[str, Any], vae_encode: Any) -> tuple[Any, ...]:
         """The pipeline's `prepare_latents` for `r`, its VAE encode (`_encode_video`) replaced by `vae_encode`."""
@@ -128,25 +129,39 @@ class Cosmos3Family(Family):
         finally:
             del pipe._encode_video
 
-    def _clip(self, r: dict[str, Any], plan: dict[str, Any]) -> torch.Tensor:
-        """The clip `prepare_latents` hands the VAE for `r` ([1, 3, T, H, W] in [-1, 1]), no noise drawn."""
-        try:
-            self._latents(r, plan, _Clip.stop)
-        except _Clip as clip:
-            return clip.tensor
-        raise RuntimeError(f"{PIPELINE}.prepare_latents returned without a VAE encode for the request of seed "
-                           f"{r['seed']}: this diffusers version prepares latents in a way cosmos3.py does not "
-                           "follow; install the diffusers version of the project's requirements")
+    def _conditioning(self, r: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+        """{"clip": the first frames of `r`'s conditioning clip, those its conditioning latents read, or None},
+        from a dry run of `prepare_latents` over stand-in latents (zeros; its noise drawn and dropped).
 
-    def _prepare(self, job: Job, plan: dict[str, Any], latent: torch.Tensor) -> None:
-        """The job's prompt ids, latents, noise and static rows, its clip's VAE latents `latent` given."""
+        `prepare_latents` keeps the clip's latents only on the conditioning latent frames (vision mask 1;
+        noise elsewhere), and the Wan VAE is causal in time (latent frame k reads pixel frames 0..4k), so
+        the clip's first 4k+1 frames give those latents as the whole clip does: a policy frame (latent
+        frame 0 of a 9-frame canvas) encodes 1 frame, text-to-world (no conditioning frame) none."""
+        seen: list[torch.Tensor] = []
+
+        def stand_in(clip: torch.Tensor) -> torch.Tensor:
+            seen.append(clip)
+            return _pad(None, clip, self.pipe)
+
+        v_mask = self._latents(r, plan, stand_in)[5]
+        if len(seen) != 1:
+            raise RuntimeError(f"{PIPELINE}.prepare_latents encoded {len(seen)} clips for one request (seed "
+                               f"{r['seed']}), cosmos3.py follows a version that encodes one: install the "
+                               "diffusers version of the project's requirements")
+        kept = torch.nonzero(v_mask[:, 0, 0] > 0).flatten()
+        frames = 1 + self.pipe.vae.config.scale_factor_temporal * int(kept.max()) if len(kept) else 0
+        return {"clip": seen[0][:, :, :frames] if frames else None}
+
+    def _prepare(self, job: Job, plan: dict[str, Any], latent: torch.Tensor | None) -> None:
+        """The job's prompt ids, latents, noise and static rows, given its encoded clip `latent` (None:
+        it has no conditioning frame), zeros on the latent frames the pipeline draws as noise."""
         r, pipe, device, action = job.request, self.pipe, torch.device(self.device), plan["action"]
         cond_ids, uncond_ids = pipe.tokenize_prompt(
             r["prompt"], r["negative_prompt"], num_frames=plan["frames"], height=plan["height"],
             width=plan["width"], fps=r["fps"], action_mode=action.mode if action is not None else None,
             action_view_point=action.view_point if action is not None else None)
         (latents, sound, act, fps_v, fps_s, v_mask, s_mask, a_mask, domain, _, raw_dim,
-         act_cond) = self._latents(r, plan, lambda clip: latent)
+         act_cond) = self._latents(r, plan, lambda clip: _pad(latent, clip, pipe))
         vision_cond = [int(i) for i in torch.nonzero(v_mask[:, 0, 0] > 0).flatten()]
         static = {branch: static_row(pipe, ids, latents, sound, act, (fps_v, fps_s), vision_cond, act_cond, device)
                   for branch, ids in (("cond", cond_ids), ("uncond", uncond_ids))}
@@ -270,15 +285,16 @@ class Cosmos3Family(Family):
         return out
 
 
-def encode_clips(pipe: Any, clips: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`pipe._encode_video` of each clip [1, 3, T, H, W], the clips of one shape in ONE call, split back
-    per clip ([1, z, t, h, w] each, in order). diffusers' Wan VAE reads each sample of a batch on its own
-    (its causal caches hold the batch), so a clip's latents do not depend on the others in its call;
-    tests/test_diffusers_cosmos3_encode.py measures how close they are to the clip encoded alone."""
+def encode_clips(pipe: Any, clips: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """`pipe._encode_video` of each clip [1, 3, T, H, W] (None: none to encode), the clips of one shape in
+    ONE call, split back per clip ([1, z, t, h, w] each, in order). diffusers' Wan VAE reads each sample
+    of a batch on its own (its causal caches hold the batch), so a clip's latents do not depend on the
+    others in its call: equal to the clip alone to float32 rounding (tests/test_diffusers_cosmos3_encode.py)."""
     out: list[torch.Tensor | None] = [None] * len(clips)
     shapes: dict[tuple[int, ...], list[int]] = {}
     for k, clip in enumerate(clips):
-        shapes.setdefault(tuple(clip.shape), []).append(k)
+        if clip is not None:
+            shapes.setdefault(tuple(clip.shape), []).append(k)
     for ks in shapes.values():
         latents = pipe._encode_video(torch.cat([clips[k] for k in ks]))
         for k, latent in zip(ks, latents.split(1)):
@@ -286,16 +302,15 @@ def encode_clips(pipe: Any, clips: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _Clip(Exception):
-    """Stops `prepare_latents` at its VAE encode, carrying the clip it was about to encode."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        super().__init__(f"conditioning clip {tuple(tensor.shape)}")
-        self.tensor = tensor
-
-    @classmethod
-    def stop(cls, tensor: torch.Tensor) -> torch.Tensor:
-        raise cls(tensor)
+def _pad(latent: torch.Tensor | None, clip: torch.Tensor, pipe: Any) -> torch.Tensor:
+    """What `pipe._encode_video(clip)` gives in shape, dtype and device ([B, z, (T - 1) / 4 + 1, H / 16, W / 16]
+    for the Wan 2.2 VAE): the encoded first latent frames `latent` (None: none), zeros after them."""
+    b, _, t, h, w = clip.shape
+    vae, scale = pipe.vae.config, pipe.vae_scale_factor_spatial
+    full = clip.new_zeros(b, vae.z_dim, (t - 1) // vae.scale_factor_temporal + 1, h // scale, w // scale)
+    if latent is not None:
+        full[:, :, :latent.shape[2]] = latent
+    return full
 
 
 def _condition(r: dict[str, Any]) -> Any:
