@@ -2,7 +2,7 @@
 
     from phyai_ray.models.diffusers_pipeline.plans import plan_folder
     plan = plan_folder("tests/data/real_configs/Wan2.1-T2V-14B")   # config.json files, no weights
-    plan.ranks["TP 2"]            # [{"transformer": 14.2e9, "text_encoder": 11.4e9, "vae": 0.5e9}, {...}]
+    plan.ranks["TP 2"]            # [{"transformer": 14.2e9, "text_encoder": 11.4e9, "vae": 0.5e9}, {"transformer": ...}]
     plan.budget, plan.default_cost                                  # latent tokens x branches per step
 
 Every model is built on the meta device (its class from model_index.json, its config.json: no
@@ -10,8 +10,9 @@ memory, no weights); its bytes per rank are counted as the plugin loads it (load
 dtypes of `component_dtypes` ("auto": transformers and text encoder bfloat16, VAE float32, the
 transformer's `_keep_in_fp32_modules` float32), the transformer's slice per rank from the
 family's own `shard_of` (tensor parallel splits heads and FFN units; Ulysses and CFG keep it whole),
-the text encoder on every rank, the VAE on the output rank only unless the pipeline encodes
-conditioning frames with it (`PipelineSpec.vae_encodes`). The budget is the entry's default per-step
+the text and image encoders on the encoding rank only (the output rank, for a family that sends
+its `encoded` tensors to the other ranks; every rank otherwise), the VAE on the output rank, and on
+the encoding ranks when the pipeline encodes conditioning frames with it (`PipelineSpec.vae_encodes`). The budget is the entry's default per-step
 budget (two requests of the folder's recommended shape) against the cost of the model's default
 request (`DiffusersPipelineEntry.default_budget`, `cost`). scripts/real_size_plans.py prints the
 table docs/models/diffusers_pipeline.md quotes.
@@ -100,9 +101,13 @@ def _tensors(folder: Any, name: str, dtype: torch.dtype) -> dict[str, tuple[tupl
 
 def _rank_bytes(folder: Any, family: Any, sizes: dict[str, Any], ctx: PlanContext) -> dict[str, int]:
     """Bytes per component on the rank `ctx`: the transformers' slices, the rest whole where they live."""
+    from phyai_ray.models.diffusers_pipeline.loading import ENCODERS
+
     out: dict[str, int] = {}
+    encodes = ctx.is_output_rank or not family.encoded  # every layout here has two ranks (encode_rank.py)
     for name, tensors in sizes.items():
-        if name == "vae" and not (ctx.is_output_rank or folder.spec.vae_encodes):
+        if (name == "vae" and not (ctx.is_output_rank or (folder.spec.vae_encodes and encodes))) or \
+                (name in ENCODERS and not encodes):
             continue
         total = 0
         for key, (shape, item) in tensors.items():
