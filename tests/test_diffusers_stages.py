@@ -203,3 +203,25 @@ def test_through_the_engine_a_failed_decode_fails_that_request_alone(folder, mon
             futures[1].result(timeout=120)
         torch.testing.assert_close(futures[0].result(timeout=120)["video"], reference(folder, a), rtol=0, atol=1e-5)
         assert engine.step({**a, "output_type": "latent"}, timeout=120)["steps"] == 3
+
+
+def test_iterations_that_only_wait_for_a_decode_are_not_the_loops_pace(folder, monkeypatch):
+    """A 2-step request whose decode takes 0.6 s: the iterations after its last step only collect the
+    decode (Deltas.stepped False), so the finish-by pace records its 2 steps alone, not those waits."""
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.models.diffusers_pipeline.wan import WanFamily
+
+    real = WanFamily.decode
+
+    def decode(self, job):
+        time.sleep(0.6)
+        return real(self, job)
+
+    monkeypatch.setattr(WanFamily, "decode", decode)
+    plugin = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
+    with Engine(EngineArgs(plugin=plugin, plugin_args={"model": str(folder)})) as engine:
+        out = engine.step({**BASE, "num_inference_steps": 2, "seed": 5, "output_type": "float"}, timeout=120)
+        assert out["steps"] == 2
+        loop = engine._executors[0].queue
+        waits = loop.iterations - loop.service._records
+        assert loop.service._records == 2 and waits >= 3, (loop.iterations, loop.service._records)

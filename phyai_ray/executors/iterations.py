@@ -46,7 +46,7 @@ from phyai_ray.executors.sequences import (GATHER, Deadlines, LoopRequest, LoopS
 from phyai_ray.executors.service import ServiceTime
 from phyai_ray.executors.turns import admission_of
 from phyai_ray.outputs import merge_stream_chunks
-from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan, RankIteration, capacity_of
+from phyai_ray.plugins.iteration import AdmissionPolicy, Delta, IterationPlan, RankIteration, capacity_of, stepped
 from phyai_ray.streams import ChunkSink, LocalReader
 
 logger = logging.getLogger(__name__)
@@ -300,8 +300,10 @@ class IterationLoop:
             self.iterations += 1
             end = time.monotonic()
             prev, self._last_end = self._last_end, end
-            self._durations.append(end - now)  # the pace: back to back, the run + the loop's own work; else the run
-            self.service.record(end - prev if prev is not None and now - prev < end - now else end - now)
+            self._durations.append(end - now)
+            if stepped(reply):  # the pace (an iteration that advanced nothing is not): back to back, the run +
+                # the loop's own work; else the run
+                self.service.record(end - prev if prev is not None and now - prev < end - now else end - now)
             if error is not None:
                 settle = failed_all(self.index, self._running, self.forget, error)  # every running request
             else:

@@ -163,17 +163,30 @@ class Deltas(dict):
     its admission policy when the policy has `report(capacity)` (`phyai_ray.plugins.admission.KVBlocks`).
 
         return Deltas(deltas, capacity=KVReport(free_blocks=12, block_size=16, busy_tokens=3, token_budget=4096))
+
+    `stepped=False` says the iteration advanced no sequence (it only collected work finished beside
+    the loop, e.g. a video decoded on a stage): its time is not the pace the loop's finish-by
+    estimates read (`SequenceSpec.steps` x the recent iteration time).
+
+        return Deltas(decoded, stepped=False)
     """
 
-    def __init__(self, deltas: Any = (), capacity: KVReport | None = None) -> None:
+    def __init__(self, deltas: Any = (), capacity: KVReport | None = None, stepped: bool = True) -> None:
         super().__init__(deltas)
-        self.capacity = capacity
+        self.capacity, self.stepped = capacity, stepped
 
 
 def capacity_of(reply: Any) -> KVReport | None:
     """The `KVReport` of one iteration's reply (a `RankIteration` or the deltas themselves), if it has one."""
     deltas = reply.deltas if isinstance(reply, RankIteration) else reply
     return getattr(deltas, "capacity", None)
+
+
+def stepped(reply: Any) -> bool:
+    """Whether one iteration's reply (a `RankIteration` or the deltas) advanced a sequence: True unless
+    its `Deltas` say `stepped=False`."""
+    deltas = reply.deltas if isinstance(reply, RankIteration) else reply
+    return getattr(deltas, "stepped", True)
 
 
 @dataclass(frozen=True)

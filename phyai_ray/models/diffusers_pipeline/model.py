@@ -40,7 +40,7 @@ from phyai_ray.models.diffusers_pipeline.encode_rank import EncodeRank
 from phyai_ray.models.diffusers_pipeline.family import Branches, Family, Job
 from phyai_ray.models.diffusers_pipeline.loading import TRAINABLE, SleepState, load_components, materialize
 from phyai_ray.models.diffusers_pipeline.stages import PendingDecode, StageWork, video_result
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.plugins.iteration import Delta, Deltas
 from phyai_ray.stepwise.schedulers import leave_cohort, part_cohort
 from phyai_ray.stepwise.sequence import Running
 
@@ -143,7 +143,8 @@ class PipelineModel:
         encode); a request whose last step this was leaves the denoising set, with its result, or for a
         video once its decode is done (a later iterate); a request whose own stage failed, with its error."""
         stages, start = self.stages, time.perf_counter()
-        out = self.jobs.iterate(self._step, self._result, progress=True) if len(self.jobs) else {}
+        stepping = bool(len(self.jobs))  # else only decodes are collected: not the loop's pace (Deltas.stepped)
+        out = self.jobs.iterate(self._step, self._result, progress=True) if stepping else {}
         for ident, delta in out.items():
             if isinstance(delta.value, PendingDecode):  # latents final: the output rank decodes it on the stage
                 stages.start_decode(ident, delta.value.job, delta.value.base)
@@ -154,7 +155,7 @@ class PipelineModel:
             out[ident] = Delta(stop_reason="completed", value=result) if error is None else \
                 Delta(stop_reason="error", error=error)
         stages.log.append(("iterate", None, threading.current_thread().name, start, time.perf_counter()))
-        return out
+        return Deltas(out, stepped=stepping)
 
     def _step(self, running: list[Job]) -> None:
         """The jobs admitted since the last step start their encode on the encode stage (of the encoding
