@@ -235,6 +235,39 @@ def closed_without_leaks(value: Any, close: Any = None) -> Iterator[Any]:
         assert not actors and not groups, f"left behind: {actors} {groups}"
 
 
+def closed_together(makers: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """In a module fixture (`yield from`): {name: make()} made in order (those made are closed if a later
+    one fails to start), yielded, then all closed and checked for leaks at once, so one group's leak
+    check never sees another live group's actors."""
+    made: dict[str, Any] = {}
+    try:
+        for name, make in makers.items():
+            made[name] = make()
+    except BaseException:
+        for engine in made.values():
+            engine.close()
+        raise
+
+    def close() -> None:
+        for engine in made.values():
+            engine.close()
+
+    yield from closed_without_leaks(made, close)
+
+
+def submitted_together(engine: Any, requests: list[Any], timeout: float = 120) -> list[Any]:
+    """Futures of `requests` admitted together (the engine paused while they arrive, so they share
+    every step), all done; asserts they ran as one batch."""
+    from concurrent.futures import wait
+
+    engine.pause(mode="keep")
+    futures = [engine.submit(r) for r in requests]
+    engine.resume()
+    wait(futures, timeout=timeout)
+    assert max(f.timing()["batch_size"] for f in futures) == len(requests)
+    return futures
+
+
 @pytest.fixture(autouse=True)
 def _ray_leak_check(request):
     """After every Ray test: zero actors of ours and zero placement groups left."""

@@ -16,48 +16,27 @@ outputs again.
 
 from __future__ import annotations
 
-from concurrent.futures import wait
-
 import pytest
 import torch
 
-from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
-                       EngineArgs, EngineConfig, OuterParallelConfig, ParallelConfig, WeightSender,
-                       WorkerSupervisorConfig)
-from tests.conftest import closed_without_leaks, init_local_ray
+from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, Engine, OuterParallelConfig, ParallelConfig,
+                       WeightSender)
+from tests.conftest import closed_together, submitted_together
 from tests.cosmos3_folders import load_cosmos3_pipeline
 from tests.test_diffusers_cosmos3 import action, assert_equal, folder, pipe, reference  # noqa: F401
 from tests.test_diffusers_cosmos3 import request as video
+from tests.test_diffusers_pipeline_ray import diffusers_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
 Q = "transformer.layers.0.self_attn.to_q.weight"
-
-
-def _group(folder, parallel: ParallelConfig) -> Engine:  # noqa: F811
-    init_local_ray()
-    return Engine(EngineArgs(plugin="diffusers_pipeline", plugin_args={"model": str(folder)}, config=EngineConfig(
-        device=DeviceConfig(target="cpu"), parallel=parallel)),
-        DeploymentConfig(mode="local", cpus_per_rank=0.5,
-                         process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
+TP2 = ParallelConfig(attention=AttentionParallelConfig(tp_size=2), dense=DenseParallelConfig(tp_size=2))
 
 
 @pytest.fixture(scope="module")
 def groups(folder):  # noqa: F811
-    """Both groups, closed together: the leak check after them sees neither's actors."""
-    tp = ParallelConfig(attention=AttentionParallelConfig(tp_size=2), dense=DenseParallelConfig(tp_size=2))
-    made = {"tp2": _group(folder, tp)}
-    try:
-        made["cfg2"] = _group(folder, ParallelConfig(outer=OuterParallelConfig(cfg_size=2)))
-    except BaseException:
-        made["tp2"].close()
-        raise
-
-    def close() -> None:
-        for engine in made.values():
-            engine.close()
-
-    yield from closed_without_leaks(made, close)
+    cfg2 = ParallelConfig(outer=OuterParallelConfig(cfg_size=2))
+    yield from closed_together({"tp2": lambda: diffusers_group(folder, TP2), "cfg2": lambda: diffusers_group(folder, cfg2)})
 
 
 @pytest.fixture
@@ -66,13 +45,7 @@ def tp2(groups):
 
 
 def _packed(engine: Engine, requests: list[dict]) -> list[dict]:
-    """`requests` admitted together (the loop paused while they arrive), so they share every step."""
-    engine.pause(mode="keep")
-    futures = [engine.submit(r) for r in requests]
-    engine.resume()
-    wait(futures, timeout=120)
-    assert max(f.timing()["batch_size"] for f in futures) == len(requests)
-    return [f.result() for f in futures]
+    return [f.result() for f in submitted_together(engine, requests)]
 
 
 def _served(out: dict) -> dict:

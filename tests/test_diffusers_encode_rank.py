@@ -18,17 +18,15 @@ alone, on the caller's thread) equals it too.
 
 from __future__ import annotations
 
-from concurrent.futures import wait
-
 import pytest
 import torch
 
-from phyai_ray import (AttentionParallelConfig, DenseParallelConfig, DeploymentConfig, DeviceConfig, Engine,
-                       EngineArgs, EngineConfig, OuterParallelConfig, ParallelConfig, WorkerSupervisorConfig)
+from phyai_ray import AttentionParallelConfig, DenseParallelConfig, OuterParallelConfig, ParallelConfig
 from phyai_ray.models.diffusers_pipeline import DiffusersPipelineEntry
-from tests.conftest import closed_without_leaks, init_local_ray
+from tests.conftest import closed_together, submitted_together
 from tests.test_diffusers_layouts import on_ranks
-from tests.test_diffusers_pipeline import BASE, PLUGIN, reference, wan_folders  # noqa: F401
+from tests.test_diffusers_pipeline import BASE, reference, wan_folders  # noqa: F401
+from tests.test_diffusers_pipeline_ray import diffusers_group
 from tests.test_diffusers_wan_i2v import BASE as I2V_BASE, folder as i2v_folder, picture  # noqa: F401
 from tests.test_diffusers_wan_i2v import reference as i2v_reference
 
@@ -36,14 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftes
 
 TP2 = ParallelConfig(attention=AttentionParallelConfig(tp_size=2), dense=DenseParallelConfig(tp_size=2))
 CFG2 = ParallelConfig(outer=OuterParallelConfig(cfg_size=2))
-
-
-def _group(folder, parallel: ParallelConfig) -> Engine:
-    init_local_ray()
-    return Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}, config=EngineConfig(
-        device=DeviceConfig(target="cpu"), parallel=parallel)),
-        DeploymentConfig(mode="local", cpus_per_rank=0.5,
-                         process_config=WorkerSupervisorConfig(execution_timeout_s=120)))
 
 
 def _bytes(folder, name: str) -> int:
@@ -58,19 +48,8 @@ def _bytes(folder, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def groups(wan_folders, i2v_folder):  # noqa: F811
-    """Both groups, closed together: the leak check after them sees neither's actors."""
-    made = {"tp2": _group(wan_folders["wan21"], TP2)}
-    try:
-        made["i2v_cfg2"] = _group(i2v_folder, CFG2)
-    except BaseException:
-        made["tp2"].close()
-        raise
-
-    def close() -> None:
-        for engine in made.values():
-            engine.close()
-
-    yield from closed_without_leaks(made, close)
+    yield from closed_together({"tp2": lambda: diffusers_group(wan_folders["wan21"], TP2),
+                                "i2v_cfg2": lambda: diffusers_group(i2v_folder, CFG2)})
 
 
 @pytest.fixture
@@ -98,11 +77,7 @@ def test_tp2_outputs_equal_wan_pipeline_alone_and_batched(tp2, wan_folders):  # 
     requests = [{**BASE, "num_inference_steps": 4, "guidance_scale": 5.0, "seed": 1},
                 {**BASE, "prompt": "a cat", "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 2},
                 {**BASE, "prompt": "a dog runs left", "num_inference_steps": 3, "guidance_scale": 2.5, "seed": 3}]
-    tp2.pause(mode="keep")
-    futures = [tp2.submit({**r, "output_type": "latent"}) for r in requests]
-    tp2.resume()
-    wait(futures, timeout=120)
-    assert max(f.timing()["batch_size"] for f in futures) == 3
+    futures = submitted_together(tp2, [{**r, "output_type": "latent"} for r in requests])
     for future, request in zip(futures, requests):
         torch.testing.assert_close(future.result()["video"], reference(folder, request), rtol=0, atol=1e-5)
 
@@ -114,10 +89,7 @@ def test_i2v_cfg2_encoders_and_vae_on_rank_0_only_and_outputs_equal_the_pipeline
     requests = [{**I2V_BASE, "image": picture(31), "num_inference_steps": 3, "guidance_scale": 4.0, "seed": 31},
                 {**I2V_BASE, "prompt": "a cat", "image": picture(32, 32, 32), "num_inference_steps": 2,
                  "guidance_scale": 1.0, "seed": 32}]
-    i2v_cfg2.pause(mode="keep")
-    futures = [i2v_cfg2.submit({**r, "output_type": "latent"}) for r in requests]
-    i2v_cfg2.resume()
-    wait(futures, timeout=120)
+    futures = submitted_together(i2v_cfg2, [{**r, "output_type": "latent"} for r in requests])
     for future, request in zip(futures, requests):
         torch.testing.assert_close(future.result()["video"], i2v_reference(i2v_folder, request), rtol=0, atol=1e-5)
 

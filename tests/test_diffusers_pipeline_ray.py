@@ -19,7 +19,7 @@ import torch
 from phyai_ray import (AttentionParallelConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,
                        OuterParallelConfig, ParallelConfig, WeightSender, WeightUpdateRefusedError,
                        WorkerSupervisorConfig)
-from tests.conftest import closed_without_leaks, init_local_ray
+from tests.conftest import closed_without_leaks, init_local_ray, submitted_together
 from tests.test_diffusers_pipeline import BASE, PLUGIN, reference, wan_folders  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftes
 Q = "transformer.blocks.0.attn1.to_q.weight"
 
 
-def _group(folder, parallel: ParallelConfig) -> Engine:
+def diffusers_group(folder, parallel: ParallelConfig) -> Engine:
+    """A `diffusers_pipeline` group of the folder on the local Ray, its ranks at half a CPU (gloo)."""
     init_local_ray()
     return Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)}, config=EngineConfig(
         device=DeviceConfig(target="cpu"), parallel=parallel)),
@@ -37,7 +38,8 @@ def _group(folder, parallel: ParallelConfig) -> Engine:
 
 @pytest.fixture(scope="module")
 def cfg2(wan_folders):  # noqa: F811
-    yield from closed_without_leaks(_group(wan_folders["wan21"], ParallelConfig(outer=OuterParallelConfig(cfg_size=2))))
+    yield from closed_without_leaks(diffusers_group(wan_folders["wan21"],
+                                                    ParallelConfig(outer=OuterParallelConfig(cfg_size=2))))
 
 
 def test_cfg2_equals_wan_pipeline_alone_and_batched_per_step(cfg2, wan_folders):  # noqa: F811
@@ -50,11 +52,7 @@ def test_cfg2_equals_wan_pipeline_alone_and_batched_per_step(cfg2, wan_folders):
     requests = [{**BASE, "num_inference_steps": 4, "guidance_scale": 5.0, "seed": 1},
                 {**BASE, "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 2},  # cfg rank 1 sends zeros
                 {**BASE, "prompt": "a dog runs left", "num_inference_steps": 3, "guidance_scale": 2.5, "seed": 3}]
-    cfg2.pause(mode="keep")
-    futures = [cfg2.submit({**r, "output_type": "latent"}) for r in requests]
-    cfg2.resume()
-    wait(futures, timeout=120)
-    assert max(f.timing()["batch_size"] for f in futures) == 3
+    futures = submitted_together(cfg2, [{**r, "output_type": "latent"} for r in requests])
     for future, request in zip(futures, requests):
         torch.testing.assert_close(future.result()["video"], reference(folder, request), rtol=0, atol=1e-5)
 
@@ -93,7 +91,7 @@ def test_ulysses_over_2_ranks_through_the_step_loop_equals_wan_pipeline(cfg2, wa
     folder = wan_folders["wan22"]
     requests = [{**BASE, "num_inference_steps": 3, "guidance_scale": 4.0, "guidance_scale_2": 2.0, "seed": 1},
                 {**BASE, "num_inference_steps": 2, "guidance_scale": 1.0, "seed": 2}]
-    engine = _group(folder, ParallelConfig(attention=AttentionParallelConfig(cp_size=2)))
+    engine = diffusers_group(folder, ParallelConfig(attention=AttentionParallelConfig(cp_size=2)))
     try:
         futures = [engine.submit({**r, "output_type": "latent"}) for r in requests]
         wait(futures, timeout=120)
