@@ -166,20 +166,6 @@ def test_decoder_views_share_the_weights_and_tile_past_the_threshold(entry, fold
         DiffusersPipelineEntry({"model": str(folder), "vae_tile_pixels": -1})
 
 
-def test_the_gpu_smoke_world_model_part_dry_runs_on_cpu(capsys):
-    """benchmarks/gpu_smoke.py's world-model part, at a tiny size on CPU: the engine's latents equal
-    WanPipeline's and the comparison line is printed (on a GPU it runs Wan2.1-T2V-1.3B's config)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
-    spec = importlib.util.spec_from_file_location("gpu_smoke", path)
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
-    assert smoke.check_world_model(dry_run=True)
-    assert "world model, dry run (CPU, tiny), 9x32x32: step" in capsys.readouterr().out
-
-
 def test_through_the_engine_a_failed_decode_fails_that_request_alone(folder, monkeypatch):
     """An inline engine: B's decode raises; B's future fails with that error, A's video equals
     WanPipeline's, and the engine serves the next request."""
