@@ -7,9 +7,10 @@ What `Cosmos3OmniPipeline.__call__` does for one prompt, split where the iterati
               the negative prompt with the pipeline's templates -> token ids (the transformer reads
               ids: no text encoder, so no text batch to form); the conditioning frames through the
               VAE and the noise of every stream (video, sound, action) from
-              Generator("cpu").manual_seed(seed), by the pipeline's own `prepare_latents`; the
-              conditioning clips of the jobs admitted together that share a shape go through the VAE
-              in ONE call (`encode_clips`); the static layout of each branch (`static_row`,
+              Generator("cpu").manual_seed(seed), by the pipeline's own `prepare_latents`; each
+              conditioning clip cut to the frames its conditioning latent frames read
+              (`_conditioning`), and the cut clips of the jobs admitted together that share a shape
+              through the VAE in ONE call (`encode_clips`); the static layout of each branch (`static_row`,
               cosmos3_pack.py); one scheduler copy each for the sound and action streams, as the
               pipeline deep-copies its scheduler
     step      ONE packed forward over the cond rows of every job (any mode, prompt length, frame
