@@ -293,7 +293,7 @@ class HFCausalLM(PagedDecoder):
             k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], a.eps)
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         batch.write(*cache, k, v)
-        attended = batch.attend(q, *cache).view(q.shape[0], -1)
+        attended = batch.attend(q, *cache, k, v).view(q.shape[0], -1)
         o_proj = p + "self_attn.o_proj"
         return row_parallel(attended, self.w[o_proj + ".weight"], self.w.get(o_proj + ".bias"), "attention_tp")
 
