@@ -1,7 +1,8 @@
 """Robot fleets on one group of `reference_flow_policy`: deadlines, per-step batching, overhead per frame.
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_fleet.py [--seconds 4] [--fleets 4,8,16,32] [--only a|b|c|d|e]`
-(`--policy lerobot`: a pi0-shaped lerobot_policy's fleet numbers and join stall instead, benchmarks/fleet_policy.py)
+(`--policy lerobot`: a pi0-shaped lerobot_policy's fleet numbers, overhead per frame, failover with RTC and join
+stall instead, benchmarks/fleet_policy.py)
 
 One Serve group (TP=1, its rank inline in the Serve replica) behind the openpi WebSocket; robots are
 asyncio sessions in this process speaking openpi's msgpack frames (each sends its next frame when the
@@ -119,6 +120,10 @@ class Session:
         self.sizes: list[int] = []
         self.sent = self.on_time = self.missed = 0
 
+    def observation(self, rng: np.random.Generator, step: int, state_dim: int) -> dict:
+        """The frame's observation (reference_flow_policy's; fleet_policy.py sends a lerobot_policy's)."""
+        return {"state": rng.standard_normal(state_dim).astype(np.float32), "step": step}
+
     async def run(self, url: str, until: float, state_dim: int = 8) -> None:
         import websockets
 
@@ -130,8 +135,7 @@ class Session:
                 if self.hz is not None:
                     await asyncio.sleep(max(next_at - time.monotonic(), 0))
                     next_at = max(next_at + 1 / self.hz, time.monotonic())
-                frame = {"state": rng.standard_normal(state_dim).astype(np.float32), "step": step,
-                         "deadline_ms": self.deadline_ms}
+                frame = {**self.observation(rng, step, state_dim), "deadline_ms": self.deadline_ms}
                 began = time.perf_counter()
                 await ws.send(pack(frame))
                 reply = await ws.recv()
@@ -301,15 +305,16 @@ def main() -> None:
     parser.add_argument("--multiples", default="1.25,2,3", help="(e): fleets as multiples of the capacity")
     parser.add_argument("--rounds", type=int, default=3, help="(e): runs per admission rule and fleet, alternated")
     parser.add_argument("--policy", choices=("reference", "lerobot"), default="reference",
-                        help="lerobot: a pi0-shaped lerobot_policy instead (fleet_policy.py, then bench_joins.py)")
+                        help="lerobot: a pi0-shaped lerobot_policy instead (fleet_policy.py, then bench_joins.py; starts Ray)")
     results.add_flag(parser)
     opts = parser.parse_args()
     if opts.policy == "lerobot":
         from bench_joins import joins_part
-        from fleet_policy import fleet_part
+        from fleet_policy import fleet_part, serve_part
 
         print(machine(), flush=True)
         print(fleet_part(opts.seconds), flush=True)
+        print(serve_part(opts.frames, port=opts.port), flush=True)
         print(joins_part(opts.rounds), flush=True)
         return
     import ray
