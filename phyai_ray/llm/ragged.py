@@ -11,10 +11,10 @@ Decode rows (a chunk of one token) come first and attend together over the pool'
 and which of its columns lie within that row's length; only those blocks are read (one copy, no
 padding to the longest row), and a segment softmax per row joins them. Transient memory: the KV
 read, plus a few scores per block. While padding to the longest row would copy at most
-PADDED_WASTE times the blocks read (rows of similar lengths), or times SHORT_ROW blocks a row when
-the rows are short (64 rows of at most 8 blocks: at most 512 blocks copied, whatever they read),
-the rows' blocks are copied padded instead and SDPA attends over the copy (`decode_attention`):
-little memory, and faster on a CPU (64 rows of 1..4 blocks: a decode iteration 5-8% faster).
+PADDED_WASTE times the blocks read (rows of similar lengths), or PADDED_WASTE times SHORT_ROW
+blocks a row (short rows: 64 rows copy at most 614 blocks, whatever they read), the rows' blocks
+are copied padded instead and SDPA attends over the copy (`decode_attention`):
+little memory, and faster on a CPU (64 rows of 1..4 blocks: `bench_hf.py`'s throughput run 5-8% faster).
 
 Cascade (decode rows that share cached prefix blocks, e.g. the n samples of one GRPO prompt):
 the shared blocks are gathered ONCE for the group and every row's queries attend to them
