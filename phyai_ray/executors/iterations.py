@@ -3,8 +3,7 @@
     submit(request) -> Entry.sequences -> [waiting: earliest deadline first, or fifo]
         every iteration: the plugin's admission policy admits waiting sequences (Entry.admission;
         default TokenBudget: max_num_seqs, max_num_batched_tokens), ONE plan (admit, drop,
-        recompute) to every rank, one forward, the output rank's deltas (and its KV report, handed
-        to a policy that reads one: KVBlocks)
+        recompute) to every rank, one forward, the output rank's deltas (its KV report to KVBlocks)
         -> each sequence's tokens (log-probs, per-token weight versions) or value -> the request
            resolves when its last sequence ends (Entry.gather), its stream gets one chunk per iteration
 
@@ -14,7 +13,8 @@ first (own, else arrival + `default_deadline_s` + its steps x the pace: turns.py
 a request with no slot by its own deadline is answered with DeadlineMissedError and never runs. Finish-by: at
 submit and at the head, a request with its own deadline stays only if its planned iterations
 (`SequenceSpec.steps`; a stream: 1, its first chunk) x the recent pace end before it; else it is
-answered at once (sequences.py). The pace: an iteration's run plus the loop's work until the next.
+answered at once (sequences.py). The pace: an iteration's run plus the loop's work until the next
+(iterations that advanced no sequence, `Deltas.stepped` False, are left out of it).
 Requests keep the engine's contract: a future per request (`cancel()` drops its sequences at the
 next iteration and frees their slots, whenever it is called), `RequestTimeoutError` past its own
 limit (limits.py; dropped likewise), exact counts (`queued`: no sequence admitted yet;
@@ -296,13 +296,10 @@ class IterationLoop:
             reply, error, future = None, exc, None
         settle: list[tuple[LoopRequest, Any, BaseException | None]] = []
         with self._cond:
-            self.control.in_flight = False
-            self.iterations += 1
-            end = time.monotonic()
+            self.control.in_flight, self.iterations, end = False, self.iterations + 1, time.monotonic()
             prev, self._last_end = self._last_end, end
             self._durations.append(end - now)
-            if stepped(reply):  # the pace (an iteration that advanced nothing is not): back to back, the run +
-                # the loop's own work; else the run
+            if stepped(reply):  # the pace: back to back, the run + the loop's own work; else the run
                 self.service.record(end - prev if prev is not None and now - prev < end - now else end - now)
             if error is not None:
                 settle = failed_all(self.index, self._running, self.forget, error)  # every running request
@@ -312,9 +309,8 @@ class IterationLoop:
                     seq.cache_version, seq.stale = version, False
                 size = len(self._running)
                 settle = self._apply(reply, version)
-                capacity = capacity_of(reply) if self._report is not None else None
-                if capacity is not None:  # the output rank's KV cache now, before the next plan
-                    self._report(capacity)
+                if self._report is not None and (capacity := capacity_of(reply)) is not None:
+                    self._report(capacity)  # the output rank's KV cache now, before the next plan
                 self._pipeline.record(size, [now - s.request.submitted for s in admitted])
             self._cond.notify_all()
         self.settle(settle)
