@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from phyai_ray.errors import ParallelConfigError
-from phyai_ray.models.diffusers_pipeline.wan_parallel import config_field, head_split_rules, shard_feed_forward
+from phyai_ray.models.diffusers_pipeline.wan_parallel import config_field, head_split_rules, rank_split, shard_feed_forward
 from phyai_ray.nn.linear import column_linear, row_linear
 from phyai_ray.nn.rotary import rotate_half
 from phyai_ray.nn.sequence import SequenceSplit, ulysses_attention
@@ -85,12 +85,9 @@ def shard_cosmos(transformer: torch.nn.Module, ctx: Any) -> torch.nn.Module:
     Collective-free to build: every rank keeps its slices of the weights it holds. With tp = cp = 1
     the transformer comes back untouched."""
     validate_cosmos_parallel(transformer.config, ctx.parallel)
-    if getattr(transformer, "_phyai_sharded", False):
-        raise ValueError("shard_cosmos was already applied to this transformer; shard a freshly loaded one")
-    tp = (ctx.group_rank("attention_tp"), ctx.group_size("attention_tp"))
-    cp = SequenceSplit("attention_cp", ctx.group_rank("attention_cp"), ctx.group_size("attention_cp"))
-    if tp[1] == 1 and cp.count == 1:
+    if (split := rank_split(transformer, ctx, "shard_cosmos")) is None:
         return transformer
+    tp, cp = split
     for block in transformer.transformer_blocks:
         if tp[1] > 1:
             _shard_attention(block.attn1, *tp)

@@ -109,18 +109,25 @@ def config_field(config: Any, name: str) -> Any:
     return getattr(config, name)
 
 
+def rank_split(transformer: torch.nn.Module, ctx: Any, shard: str) -> tuple[tuple[int, int], SequenceSplit] | None:
+    """This rank's ((tensor-parallel rank, size), Ulysses split) for `shard` (shard_wan, shard_cosmos) of a
+    freshly loaded transformer; None when neither axis splits (the transformer stays whole)."""
+    if getattr(transformer, "_phyai_sharded", False):
+        raise ValueError(f"{shard} was already applied to this transformer; shard a freshly loaded one")
+    tp = (ctx.group_rank("attention_tp"), ctx.group_size("attention_tp"))
+    cp = SequenceSplit("attention_cp", ctx.group_rank("attention_cp"), ctx.group_size("attention_cp"))
+    return None if tp[1] == 1 and cp.count == 1 else (tp, cp)
+
+
 def shard_wan(transformer: torch.nn.Module, ctx: Any) -> torch.nn.Module:
     """Turn this rank's full `WanTransformer3DModel` into its share of `ctx.parallel` (in place).
 
     Collective-free to build: every rank keeps its own slices of the weights it already holds.
     With tp = cp = 1 the transformer comes back untouched."""
     validate_wan_parallel(transformer.config, ctx.parallel)
-    if getattr(transformer, "_phyai_sharded", False):
-        raise ValueError("shard_wan was already applied to this transformer; shard a freshly loaded one")
-    tp = (ctx.group_rank("attention_tp"), ctx.group_size("attention_tp"))
-    cp = SequenceSplit("attention_cp", ctx.group_rank("attention_cp"), ctx.group_size("attention_cp"))
-    if tp[1] == 1 and cp.count == 1:
+    if (split := rank_split(transformer, ctx, "shard_wan")) is None:
         return transformer
+    tp, cp = split
     head_dim = int(transformer.config.attention_head_dim)
     for block in transformer.blocks:
         if tp[1] > 1:
