@@ -21,22 +21,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 from tests.test_diffusers_cosmos3 import IMAGE, action, assert_equal, new_family, reference, request  # noqa: E402
+from tests.test_diffusers_cosmos3 import folder, pipe  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from tests.cosmos3_folders import build_cosmos3
-
-    return build_cosmos3(tmp_path_factory.mktemp("cosmos3_encode") / "pipeline")
-
-
-@pytest.fixture(scope="module")
-def pipe(folder):
-    from tests.cosmos3_folders import load_cosmos3_pipeline
-
-    return load_cosmos3_pipeline(folder)
 
 
 @pytest.fixture(scope="module")
