@@ -211,3 +211,20 @@ def test_iterations_that_only_wait_for_a_decode_are_not_the_loops_pace(folder, m
         loop = engine._executors[0].queue
         waits = loop.iterations - loop.service._records
         assert loop.service._records == 2 and waits >= 3, (loop.iterations, loop.service._records)
+
+
+def test_an_encode_that_never_finishes_fails_its_requests_after_the_stage_wait(monkeypatch):
+    """The loop waits STAGE_WAIT_S for an encode, no longer: every request of it fails with a TimeoutError."""
+    from concurrent.futures import Future
+
+    from phyai_ray.models.diffusers_pipeline import stages
+
+    monkeypatch.setattr(stages, "STAGE_WAIT_S", 0.2)
+    work = stages.StageWork(family=None, device="cpu")
+    jobs = [SimpleNamespace(cond={}), SimpleNamespace(cond={})]
+    began = time.monotonic()
+    failed = work.encoded(jobs, Future())  # a future no stage will ever finish
+    took = time.monotonic() - began
+    assert set(failed) == {id(job) for job in jobs} and 0.2 <= took < 2.0, took
+    assert all(isinstance(e, TimeoutError) and "2 request(s) in 0.2 s" in str(e) for e in failed.values())
+    work.close()

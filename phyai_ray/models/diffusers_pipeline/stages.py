@@ -115,6 +115,7 @@ def decoder_views(vae: Any, tile_pixels: int | None) -> tuple[Any, Any]:
 
 # -- the stages of one rank's running jobs -------------------------------------------------------------------
 IDLE_WAIT_S = 0.05  # an iteration with nothing to step waits this long at most for a decode to finish
+STAGE_WAIT_S = 600.0  # the longest the loop waits for an encode, or a sleep for the decodes in flight
 
 
 def own_failure(exc: BaseException, stage: str) -> BaseException:
@@ -192,7 +193,10 @@ class StageWork:
     def encoded(self, jobs: list[Any], pending: Future) -> dict[int, BaseException]:
         """Wait for the encode of `jobs`; {id(job): error} of the ones that failed (the others are ready)."""
         try:
-            failed = pending.result()
+            failed = pending.result(timeout=STAGE_WAIT_S)
+        except TimeoutError:  # a stuck encode stage: these requests fail, the step loop goes on
+            error = TimeoutError(f"the encode stage did not finish these {len(jobs)} request(s) in {STAGE_WAIT_S:g} s")
+            failed = {id(job): error for job in jobs}
         except Exception as exc:  # noqa: BLE001 - a batch of one: that request's own failure
             failed = {id(jobs[0]): own_failure(exc, "encode")}
         for job in jobs:
@@ -241,7 +245,10 @@ class StageWork:
         returned by the next iterations."""
         from concurrent.futures import wait as wait_for
 
-        wait_for([future for future, _ in self.decoding.values()])
+        _, stuck = wait_for([future for future, _ in self.decoding.values()], timeout=STAGE_WAIT_S)
+        if stuck:
+            raise TimeoutError(f"{len(stuck)} decode(s) still running after {STAGE_WAIT_S:g} s; the weights were "
+                               "not moved")
 
     def forget(self, ident: int) -> None:
         """A dropped request: its decode's result, when it comes, is not returned."""
