@@ -7,8 +7,14 @@ recently, so idle replicas take turns. A replica that refuses a request before q
 its queue filled up meanwhile) is skipped and the next one is tried; a queued request is never
 moved or retried. When every healthy replica is full, `submit` raises `EngineOverloadedError` at
 once: overload sheds the new request and touches nothing else. When none is healthy it raises
-`EngineUnavailableError`. The counts are each replica's own (`Replica.counts()`), exact on every exit
-path. A replica is anything that satisfies `Replica` (executors/replica.py); nothing else is read.
+`EngineUnavailableError`. A replica is anything that satisfies `Replica` (executors/replica.py).
+
+The load routing compares is the dispatcher's own count of the requests it routed to each replica that
+are not finished: the pick and the count are one step under one lock, so concurrent submits never choose
+on the same count (a refusal or an exception gives the count back; a routed request's future gives it
+back when it finishes, however it finishes). That lock is a leaf: the replicas' states (healthy, serving,
+room) are read before it is taken, so a future finishing under a replica's lock never waits on a submit
+that waits on that replica. `counts(i)` stays the replica's own (`Replica.counts()`), exact on every exit path.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class RequestDispatcher:
         self.replicas = list(replicas)
         n = len(self.replicas)
         self._lock = threading.Lock()
-        self._reserved = [0] * n  # chosen but not yet queued: concurrent submits spread out
+        self._routed = [0] * n  # routed here and not finished: what the pick compares, under the lock
         self._last_chosen, self._tick = [-1] * n, 0
         self._sessions: OrderedDict[Any, int] = OrderedDict()
         self.max_sessions = 65536
@@ -53,7 +59,8 @@ class RequestDispatcher:
                                              late=late), session)
 
     def route(self, send: Any, session: Any = None) -> Any:
-        """`send(replica)` on the replica `submit` would choose (retrying refusals); its return value."""
+        """`send(replica)` on the replica `submit` would choose (retrying refusals); its return value: the
+        request's future (or caller-run result), or a tuple whose first item is it."""
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
@@ -63,28 +70,49 @@ class RequestDispatcher:
             if session is not None:
                 self._remember(session, index)
             try:
-                return send(self.replicas[index])
+                out = send(self.replicas[index])
             except EngineOverloadedError as exc:
+                self._release(index)
                 overloaded.append(exc)
                 refused.add(index)
+                continue
             except EngineUnavailableError:
+                self._release(index)
                 refused.add(index)
-            finally:
-                with self._lock:
-                    self._reserved[index] -= 1
+                continue
+            except BaseException:
+                self._release(index)
+                raise
+            self._release_when_done(out[0] if isinstance(out, tuple) else out, index)
+            return out
+
+    def _release_when_done(self, future: Any, index: int) -> None:
+        """Give the count back when `future` finishes, on the thread that finishes it (an EngineFuture's
+        loop callback: user callbacks run later, on the delivery thread; a caller-run result is done)."""
+        if future.done():
+            self._release(index)
+            return
+        hook = getattr(future, "add_loop_callback", None) or future.add_done_callback
+        hook(lambda _f: self._release(index))
+
+    def _release(self, index: int) -> None:
+        with self._lock:
+            self._routed[index] -= 1
 
     def _sticky(self, session: Any, refused: set[int]) -> int | None:
         if session is None:
             return None
         with self._lock:
             index = self._sessions.get(session)
-            if index is None or index in refused:
-                return None
-            e = self.replicas[index]
-            if not (e.healthy and e.serving and e.has_room()):
-                return None
-            self._reserved[index] += 1
-            self._sessions.move_to_end(session)
+        if index is None or index in refused:
+            return None
+        e = self.replicas[index]
+        if not (e.healthy and e.serving and e.has_room()):
+            return None
+        with self._lock:
+            if session in self._sessions:
+                self._sessions.move_to_end(session)
+            self._routed[index] += 1
             return index
 
     def _remember(self, session: Any, index: int) -> None:
@@ -106,20 +134,21 @@ class RequestDispatcher:
             raise self._no_replica_error() from None
 
     def _choose(self, refused: set[int], overloaded: list[EngineOverloadedError]) -> int:
-        with self._lock:
-            healthy = [i for i, e in enumerate(self.replicas) if e.healthy and i not in refused]
-            open_ = [i for i in healthy if self.replicas[i].has_room()]
-            if not open_:
-                if healthy or overloaded:
-                    raise self._overloaded_error(len(healthy) + len(overloaded))
-                raise self._no_replica_error()
-            index = min(open_, key=lambda i: (not self.replicas[i].serving, self._load(i), self._last_chosen[i]))
-            self._reserved[index] += 1
+        healthy = [i for i, e in enumerate(self.replicas) if i not in refused and e.healthy]
+        open_ = [(i, not self.replicas[i].serving) for i in healthy if self.replicas[i].has_room()]
+        if not open_:
+            if healthy or overloaded:
+                raise self._overloaded_error(len(healthy) + len(overloaded))
+            raise self._no_replica_error()
+        with self._lock:  # the pick and its count in one step
+            index = min(open_, key=lambda c: (c[1], self._routed[c[0]], self._last_chosen[c[0]]))[0]
+            self._routed[index] += 1
             self._last_chosen[index], self._tick = self._tick, self._tick + 1
             return index
 
-    def _load(self, index: int) -> int:
-        return self.replicas[index].counts().in_flight + self._reserved[index]
+    def load(self, index: int) -> int:
+        """The requests routed to replica `index` and not finished: what the pick compares."""
+        return self._routed[index]
 
     def replace(self, index: int, replica: Replica) -> None:
         """Route to `replica` from now on in place of replica `index` (its served/errored carry on)."""

@@ -17,7 +17,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -329,7 +329,22 @@ def test_done_callback_runs_on_the_engines_thread_and_may_submit_again():
     assert seen["thread"] == "phyai-replica-0-callbacks" and seen["next"].work in e.at_ranks
 
 
-def test_concurrent_submits_keep_exact_counts():
+@pytest.fixture
+def tight_switching():
+    """Threads switch every microsecond (not every 5 ms): a race between a pick and its count shows."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("round_", range(20))
+def test_concurrent_submits_keep_exact_counts(round_, tight_switching):
+    """8 threads submit 400 requests over 3 real replicas: the pick and its count are one step, so no two
+    submits choose on the same count and the loads end 134 / 133 / 133 (run 200 times in a row: see
+    docs/testing.md)."""
     executors = [ManualExecutor(i, max_queued=None) for i in range(3)]
     d = RequestDispatcher(executors)
     barrier = threading.Barrier(8)
@@ -345,13 +360,144 @@ def test_concurrent_submits_keep_exact_counts():
     for t in threads:
         t.join()
     loads = [d.counts(i).in_flight for i in range(3)]
-    assert sum(loads) == 400 and max(loads) - min(loads) <= 1
+    assert sorted(loads) == [133, 133, 134] and [d.load(i) for i in range(3)] == loads
     while any(e.at_ranks for e in executors):
         for e in executors:
             if e.at_ranks:
                 e.finish_next("result")
     assert sum(d.counts(i).served for i in range(3)) == 400
-    assert all(e.peak <= 2 for e in executors)
+    assert all(e.peak <= 2 for e in executors) and [d.load(i) for i in range(3)] == [0, 0, 0]
+
+
+class FlappingReplica:
+    """A stand-in replica for routing tests only: takes every request while healthy (its futures finish
+    when the test says), refuses with EngineUnavailableError while not; the test flips `healthy` at any time."""
+
+    max_queued, failure, serving = None, None, True
+
+    def __init__(self, index: int) -> None:
+        self.index, self.healthy = index, True
+        self._lock = threading.Lock()
+        self.accepted: list[Future] = []
+
+    def submit(self, request, **kwargs) -> Future:
+        if not self.healthy:
+            raise EngineUnavailableError(f"replica {self.index} is down", reason="test")
+        future: Future = Future()
+        with self._lock:
+            self.accepted.append(future)
+        return future
+
+    def has_room(self) -> bool:
+        return True
+
+    def unfinished(self) -> int:
+        with self._lock:
+            return sum(not f.done() for f in self.accepted)
+
+
+def water_filled(loads: list[int], more: int) -> list[int]:
+    """Where `more` requests end when each goes to a least-loaded replica, one at a time."""
+    loads = list(loads)
+    for _ in range(more):
+        loads[loads.index(min(loads))] += 1
+    return sorted(loads)
+
+
+@settings(max_examples=25, deadline=None)
+@given(replicas=st.integers(2, 6), threads=st.integers(2, 12), per_thread=st.integers(5, 40),
+       flips=st.integers(0, 30), seed=st.integers(0, 2 ** 16))
+def test_concurrent_routing_with_replicas_going_down_and_up_keeps_exact_counts(replicas, threads, per_thread,
+                                                                              flips, seed):
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        _flapping_run(replicas, threads, per_thread, flips, seed)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _flapping_run(replicas: int, threads: int, per_thread: int, flips: int, seed: int) -> None:
+    """Threads submit while another flips replicas' health and a third finishes requests at random: every
+    submit is either taken by exactly one replica or refused, the dispatcher's count of each replica equals
+    its unfinished requests, and once all are healthy again a burst of concurrent submits fills the least
+    loaded first (the multiset of loads is what one-at-a-time water filling gives)."""
+    import random
+
+    rng = random.Random(seed)
+    fakes = [FlappingReplica(i) for i in range(replicas)]
+    d = RequestDispatcher(fakes)
+    barrier = threading.Barrier(threads + 2)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client() -> None:
+        barrier.wait()
+        for _ in range(per_thread):
+            try:
+                d.submit("x")
+                outcome = "taken"
+            except (EngineUnavailableError, EngineOverloadedError):
+                outcome = "refused"
+            with lock:
+                outcomes.append(outcome)
+
+    def flapper() -> None:
+        barrier.wait()
+        for _ in range(flips):
+            victim = fakes[rng.randrange(replicas)]
+            victim.healthy = not victim.healthy
+            time.sleep(0.0005)
+        for f in fakes:
+            f.healthy = True
+
+    def finisher() -> None:
+        barrier.wait()
+        while not stop.is_set():
+            victim = fakes[rng.randrange(replicas)]
+            with victim._lock:
+                open_ = [f for f in victim.accepted if not f.done()]
+            if open_:
+                rng.choice(open_).set_result("ok")
+            time.sleep(0.0002)
+
+    workers = [threading.Thread(target=client) for _ in range(threads)]
+    helpers = [threading.Thread(target=flapper), threading.Thread(target=finisher)]
+    for t in workers + helpers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    stop.set()
+    for t in helpers:
+        t.join(timeout=60)
+    assert len(outcomes) == threads * per_thread
+    assert outcomes.count("taken") == sum(len(f.accepted) for f in fakes)
+    before = [f.unfinished() for f in fakes]
+    assert [d.load(i) for i in range(replicas)] == before
+
+    burst = threads * 10  # all healthy now: every pick is a least-loaded replica, one at a time
+    barrier = threading.Barrier(threads)
+
+    def burst_client() -> None:
+        barrier.wait()
+        for _ in range(10):
+            d.submit("y")
+
+    workers = [threading.Thread(target=burst_client) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    after = [f.unfinished() for f in fakes]
+    assert sorted(after) == water_filled(before, burst) and [d.load(i) for i in range(replicas)] == after
+    for f in fakes:
+        for future in f.accepted:
+            if not future.done():
+                future.set_result("ok")
+    assert [d.load(i) for i in range(replicas)] == [0] * replicas
 
 
 def test_dispatcher_needs_an_executor():
