@@ -79,6 +79,8 @@ def one_torch_thread():
 def init_local_ray() -> None:
     """Start the test session's local Ray instance (8 logical CPUs, no dashboard), unless one is running
     (module fixtures call this; the instance is shared by the whole session)."""
+    if os.environ.get("PHYAI_TEST_FAST"):
+        pytest.skip("starts Ray: `make test-fast` leaves the Ray tests to `make test`")
     import ray
 
     if ray.is_initialized():

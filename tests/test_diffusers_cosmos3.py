@@ -28,6 +28,7 @@ import threading  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 from tests.cosmos3_folders import build_cosmos3, load_cosmos3_pipeline  # noqa: E402
+from tests.tolerances import Tolerance, against
 
 RNG = np.random.default_rng(11)
 IMAGE = RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8)
@@ -122,10 +123,10 @@ def run(family, requests: list[dict]) -> list[dict]:
     return [{"video": family.decode(job), **family.outputs(job)} for job in jobs]
 
 
-def assert_equal(got: dict, want: dict, atol: float) -> None:
+def assert_equal(got: dict, want: dict, tol: Tolerance) -> None:
     assert sorted(got) == sorted(want)
     for key in want:
-        torch.testing.assert_close(got[key], want[key].float(), rtol=0, atol=atol, msg=key)
+        torch.testing.assert_close(got[key], want[key].float(), **tol, msg=key)
 
 
 def test_text_to_video_with_sound_alone_equals_the_pipeline(family, pipe):
@@ -138,14 +139,14 @@ def test_text_to_video_with_sound_alone_equals_the_pipeline(family, pipe):
         hook.remove()
     assert min(text[:2]) > 0 and text[2:] == [0] * 4  # cond and uncond, 3 steps
     assert got["video"].shape == (9, 64, 64, 3) and got["sound"].shape[0] == 2
-    assert_equal(got, reference(pipe, r), atol=1e-6)
+    assert_equal(got, reference(pipe, r), tol=against("diffusers", "alone"))
 
 
 def test_policy_alone_equals_the_pipeline_video_and_action_chunk(family, pipe):
     r = action("policy", seed=4)
     [got] = run(family, [r])
     assert got["action"].shape == (4, 10)  # chunk_size x DROID's raw action width
-    assert_equal(got, reference(pipe, r), atol=1e-6)
+    assert_equal(got, reference(pipe, r), tol=against("diffusers", "alone"))
 
 
 def test_every_mode_packed_per_step_equals_each_alone(family, pipe):
@@ -156,7 +157,7 @@ def test_every_mode_packed_per_step_equals_each_alone(family, pipe):
                 action("policy", seed=5), action("forward_dynamics", seed=6, num_inference_steps=2),
                 action("inverse_dynamics", seed=9, guidance_scale=1.0)]
     for r, got in zip(requests, run(family, requests)):
-        assert_equal(got, reference(pipe, r), atol=1e-5)
+        assert_equal(got, reference(pipe, r), tol=against("diffusers", "batched"))
 
 
 class ThreadRanks:
@@ -218,7 +219,7 @@ def test_tensor_parallel_2_and_cfg_2_equal_the_pipeline(folder, pipe, monkeypatc
     for layout, pair in families.items():
         for results in ranks.run(lambda r: run(pair[r], requests)):
             for got, want in zip(results, wants):
-                assert_equal(got, want, atol=1e-5)
+                assert_equal(got, want, tol=against("diffusers", "batched"))
 
 
 def test_the_entry_and_rank_model_serve_it_inline(folder, pipe):
@@ -231,9 +232,9 @@ def test_the_entry_and_rank_model_serve_it_inline(folder, pipe):
         for r, future in zip((policy, video), futures):
             out = future.result(timeout=120)
             want = reference(pipe, r)
-            torch.testing.assert_close(out["video"], want["video"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(out["video"], want["video"], **against("diffusers", "batched"))
             if "action" in want:
-                torch.testing.assert_close(out["action"], want["action"], rtol=0, atol=1e-5)
+                torch.testing.assert_close(out["action"], want["action"], **against("diffusers", "batched"))
 
 
 def test_requests_the_folder_cannot_serve_are_refused_naming_the_rule(folder):
@@ -291,7 +292,7 @@ def test_the_guardrail_checks_the_prompt_in_the_dispatcher_and_the_video_after_d
     finally:
         del family.components["safety_checker"]
     frames = (reference(pipe, r)["video"].numpy() * 255).astype(np.uint8)  # the pipeline's uint8 round trip
-    torch.testing.assert_close(got["video"], torch.from_numpy(frames.astype(np.float32) / 255.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got["video"], torch.from_numpy(frames.astype(np.float32) / 255.0), **against("diffusers", "alone"))
 
 
 def test_layouts_other_than_equal_tp_and_cfg_are_refused_before_any_rank(folder):

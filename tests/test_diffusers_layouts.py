@@ -50,6 +50,7 @@ from tests.diffusers_folders import build_wan_i2v, build_wan_i2v_a14b  # noqa: E
 from tests.plugins.wan_shard import I2V as I2V_TRANSFORMER, sample_inputs, tiny_wan  # noqa: E402
 from tests.test_diffusers_cosmos import assert_close, request as cosmos_request, wire  # noqa: E402
 from tests.test_diffusers_wan_i2v import BASE, PLUGIN, picture, reference as i2v_reference  # noqa: E402
+from tests.tolerances import against
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models (conftest.py)
 
@@ -174,7 +175,7 @@ def test_cosmos_under_ulysses_2_equals_the_pipeline(folders):
 def test_image_to_video_layouts_equal_the_pipeline(folders, key, parallel):
     requests = I2V if key == "i2v" else A14B
     for latents, r in zip(through_the_loop(plugin_args(folders, key), parallel, requests), requests):
-        torch.testing.assert_close(latents, i2v_reference(folders[key], r), rtol=0, atol=1e-5)
+        torch.testing.assert_close(latents, i2v_reference(folders[key], r), **against("diffusers", "batched"))
 
 
 def test_a14b_alone_uses_both_experts_and_equals_the_pipeline(folders):
@@ -187,7 +188,7 @@ def test_a14b_alone_uses_both_experts_and_equals_the_pipeline(folders):
     assert (scheduler.timesteps >= boundary).any() and (scheduler.timesteps < boundary).any()
     with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(folder)})) as engine:
         got = engine.step({**A14B[0], "output_type": "latent"})["video"]
-        torch.testing.assert_close(got, i2v_reference(folder, A14B[0]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, i2v_reference(folder, A14B[0]), **against("diffusers", "alone"))
         other = engine.step({**A14B[0], "guidance_scale_2": 5.0, "output_type": "latent"})["video"]
         assert (other - got).abs().max() > 1e-4, "guidance_scale_2 guides the low-noise expert's steps"
         with pytest.raises(ValueError, match="last_image needs a first-last-frame folder"):

@@ -31,6 +31,7 @@ from phyai_ray.models.diffusers_pipeline import DiffusersPipelineEntry
 from phyai_ray.models.diffusers_pipeline.folder import PipelineFolderError
 from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
 from tests.diffusers_folders import build_wan_i2v
+from tests.tolerances import against
 
 pytest.importorskip("diffusers")
 PLUGIN = "phyai_ray.models.diffusers_pipeline:DiffusersPipelineEntry"
@@ -91,10 +92,10 @@ def test_one_request_alone_equals_the_pipeline(engine, folder):
     latents = engine.step({**request, "output_type": "latent"})["video"]
     want = reference(folder, request)
     assert latents.shape == want.shape == (16, 3, 4, 4)
-    torch.testing.assert_close(latents, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(latents, want, **against("diffusers", "alone"))
     video = engine.step({**request, "output_type": "float"})["video"]
     assert video.shape == (9, 32, 32, 3) and video.dtype == torch.float32
-    torch.testing.assert_close(video, reference(folder, request, "float"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(video, reference(folder, request, "float"), **against("diffusers", "alone"))
     other = engine.step({**request, "image": picture(1), "output_type": "latent"})["video"]
     assert (other - latents).abs().max() > 1e-3, "the image conditions the video"
 
@@ -112,7 +113,7 @@ def test_requests_batched_per_step_with_their_own_steps_guidance_and_images(engi
     for future, request in zip(futures, requests):
         result = future.result()
         assert result["steps"] == request["num_inference_steps"]
-        torch.testing.assert_close(result["video"], reference(folder, request), rtol=0, atol=1e-5)
+        torch.testing.assert_close(result["video"], reference(folder, request), **against("diffusers", "batched"))
 
 
 def test_the_image_is_encoded_once_at_admission_and_a_late_request_joins(folder):
@@ -139,8 +140,8 @@ def test_the_image_is_encoded_once_at_admission_and_a_late_request_joins(folder)
         steps += 1
     assert steps == 3 and not model.jobs
     assert calls == {"image_encoder": 2, "vae": 2}, f"{calls} for 2 requests of 5 and 3 steps: once each"
-    torch.testing.assert_close(done[1]["video"], reference(folder, a), rtol=0, atol=1e-5)
-    torch.testing.assert_close(done[2]["video"], reference(folder, b), rtol=0, atol=1e-5)
+    torch.testing.assert_close(done[1]["video"], reference(folder, a), **against("diffusers", "batched"))
+    torch.testing.assert_close(done[2]["video"], reference(folder, b), **against("diffusers", "batched"))
 
 
 def test_first_last_frame_folders_equal_the_pipeline_alone_and_batched(tmp_path):
@@ -153,7 +154,7 @@ def test_first_last_frame_folders_equal_the_pipeline_alone_and_batched(tmp_path)
              "guidance_scale": 1.0, "seed": 10}
     with Engine(EngineArgs(plugin=PLUGIN, plugin_args={"model": str(flf)})) as engine:
         got = engine.step({**alone, "output_type": "latent"})["video"]
-        torch.testing.assert_close(got, reference(flf, alone), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, reference(flf, alone), **against("diffusers", "alone"))
         no_last = engine.step({**alone, "last_image": picture(12), "output_type": "latent"})["video"]
         assert (no_last - got).abs().max() > 1e-3, "the last frame conditions the video"
         engine.pause(mode="keep")
@@ -162,7 +163,7 @@ def test_first_last_frame_folders_equal_the_pipeline_alone_and_batched(tmp_path)
         wait(futures, timeout=120)
         assert max(f.timing()["batch_size"] for f in futures) == 2
         for future, request in zip(futures, (alone, other)):
-            torch.testing.assert_close(future.result()["video"], reference(flf, request), rtol=0, atol=1e-5)
+            torch.testing.assert_close(future.result()["video"], reference(flf, request), **against("diffusers", "batched"))
         with pytest.raises(ValueError, match=r"first-last-frame folder .* needs `last_image`"):
             engine.step({**alone, "last_image": None})
 
@@ -218,7 +219,7 @@ def test_cfg_split_over_two_ranks_equals_the_pipeline(folder, monkeypatch):
     assert sorted(results) == [(0, 0), (0, 1), (1, 0), (1, 1)], f"ranks finished {sorted(results)}"
     assert slots[("calls", 0)] == slots[("calls", 1)] == 3, "one exchange per step: 3 steps, 2 of them shared"
     for ident, request in enumerate(requests):
-        torch.testing.assert_close(results[(0, ident)], reference(folder, request), rtol=0, atol=1e-5)
+        torch.testing.assert_close(results[(0, ident)], reference(folder, request), **against("diffusers", "batched"))
 
 
 def _counted(function, calls: dict, name: str):

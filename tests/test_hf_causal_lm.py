@@ -27,6 +27,7 @@ from phyai_ray.models.hf_causal_lm import CheckpointError
 from phyai_ray.models.hf_causal_lm.request import MaxModelLenError
 from phyai_ray.llm.tokenizer import TextCodec, TextStream
 from tests.hf_checkpoints import FAMILIES, load_reference, write_checkpoint
+from tests.tolerances import against
 
 pytest.importorskip("transformers")
 
@@ -57,7 +58,7 @@ def reference(model, prompt: list[int], max_tokens: int = TOKENS) -> tuple[list[
 def assert_matches(out, want: tuple[list[int], list[float]]) -> None:
     tokens, log_probs = want
     assert out.token_ids == tokens
-    torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(log_probs), rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(log_probs), **against("transformers", "log_probs"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -167,7 +168,7 @@ def test_an_update_by_transformers_names_is_followed_and_log_probs_match_a_train
         ids = torch.tensor([PROMPTS[0] + after.token_ids])
         logits = model(ids).logits[0, len(PROMPTS[0]) - 1: -1].float()
         recomputed = logits.log_softmax(-1).gather(1, torch.tensor(after.token_ids)[:, None]).squeeze(1)
-    torch.testing.assert_close(torch.tensor(after.log_probs), recomputed, rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(after.log_probs), recomputed, **against("transformers", "log_probs"))
 
 
 def test_a_misnamed_or_misshapen_update_is_refused_and_the_old_weights_keep_serving(checkpoints) -> None:

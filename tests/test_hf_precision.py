@@ -3,8 +3,15 @@
 The cascade path (decode rows that share a prompt's blocks: GRPO's n samples) computes scores, their
 log-sum-exp and the merge of the two partial softmaxes in float32, and rounds once. In bfloat16 at
 2,048 keys its output is within 1.5x SDPA's own error against float64 on the same inputs; eight
-samples of one prompt give the log-probs of the same prompt run without sharing within bfloat16's
-own error (bfloat16 against float32 of the same model).
+samples of one prompt, seven of them decoded by cascade, are within 1.5x the unshared path's own
+bfloat16 error (each against float32 of the same model).
+
+Each path is compared with the exact answer, never with the other: two bfloat16 computations that round
+in different places differ by up to the sum of their errors, so "shared within the plain path's error of
+the plain path" held on one CPU's kernels only (AVX-512: |shared - plain| 0.0166 under an own error of
+0.0180; AVX2: 0.0317 under 0.0180). Against float32 the cascade rows' error is 0.0191 (AVX-512) and 0.0220
+(AVX2) beside the plain rows' 0.0180 and 0.0180: 1.06x and 1.22x, so the cascade path is as accurate as the
+plain one and the old bound was one machine's.
 """
 
 from __future__ import annotations
@@ -52,8 +59,7 @@ def run(folder, dtype: str, caching: bool) -> list[list[float]]:
     return [o.log_probs for o in outs]
 
 
-def test_eight_samples_sharing_a_prompt_in_bfloat16_match_unshared_within_bfloat16_error(tmp_path,
-                                                                                       monkeypatch) -> None:
+def test_eight_samples_sharing_a_prompt_in_bfloat16_are_as_accurate_as_unshared(tmp_path, monkeypatch) -> None:
     folder = write_checkpoint(tmp_path / "llama", "llama")
     calls = []
     for name in ("cascade_merge", "cascade_attention"):  # over blocks, or over a padded copy
@@ -64,7 +70,7 @@ def test_eight_samples_sharing_a_prompt_in_bfloat16_match_unshared_within_bfloat
     plain = torch.tensor(run(folder, "bfloat16", False))
     exact = torch.tensor(run(folder, "float32", False))
     own = (plain - exact).abs().max()
-    assert own > 0 and (shared - plain).abs().max() <= own
+    assert own > 0 and (shared - exact).abs().max() <= 1.5 * own
 
 
 def test_decode_over_blocks_equals_attention_over_a_padded_copy() -> None:

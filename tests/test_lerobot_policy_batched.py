@@ -22,9 +22,10 @@ from phyai_ray import Engine, EngineArgs
 from phyai_ray.models.lerobot_policy.entry import LeRobotPolicyEntry
 from phyai_ray.models.lerobot_policy.policy import LeRobotPolicy
 from tests.test_lerobot_policy import POLICIES, Cases, args_of
+from tests.tolerances import against
 
 CPU = SimpleNamespace(device="cpu")
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+TOL = against("lerobot", "chunks")
 
 
 @pytest.fixture(scope="module", params=POLICIES)

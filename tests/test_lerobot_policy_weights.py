@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from phyai_ray import DeploymentConfig, Engine, EngineArgs, EngineConfig, WeightSender, WeightUpdateRefusedError
 from phyai_ray.config.engine import DeviceConfig
 from tests.test_lerobot_policy import DATA, Cases, args_of
+from tests.tolerances import against
 
 pytestmark = pytest.mark.ray
 PLUGIN = "phyai_ray.models.lerobot_policy:LeRobotPolicyEntry"
@@ -52,7 +53,7 @@ def test_an_update_by_checkpoint_names_is_checked_first_then_followed(ray_sessio
     try:
         before, versions = chunks(engine, cases)
         for got, want in zip(before, cases.t["alone"]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, **against("lerobot", "chunks"))
         assert versions == [None] * cases.n
         sender = WeightSender("gloo")
         sender.init_transfer(engine)
@@ -64,7 +65,7 @@ def test_an_update_by_checkpoint_names_is_checked_first_then_followed(ray_sessio
         assert "model.no_such_layer.weight" in listed and "model.action_out_proj.weight" in listed
         unchanged, versions = chunks(engine, cases)
         for got, want in zip(unchanged, before):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # nothing of the refused update was loaded
+            torch.testing.assert_close(got, want, **against("lerobot", "chunks"))  # nothing of the refused update was loaded
         assert versions == [None] * cases.n and engine.replica_status()[0].weight_version is None
         sender.update(engine, [(name, weights[name]) for name in CHANGED], version=7)
         after, versions = chunks(engine, cases)
@@ -79,4 +80,4 @@ def test_an_update_by_checkpoint_names_is_checked_first_then_followed(ray_sessio
         want, _ = chunks(inline, cases)
     for got, new, old in zip(after, want, before):
         assert not torch.allclose(got, old, atol=1e-3)  # the update changed the chunks ...
-        torch.testing.assert_close(got, new, rtol=1e-5, atol=1e-5)  # ... to those of the new weights
+        torch.testing.assert_close(got, new, **against("lerobot", "chunks"))  # ... to those of the new weights

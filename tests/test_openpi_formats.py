@@ -22,6 +22,7 @@ from phyai_ray.stepwise.fields import as_image
 from phyai_ray.stepwise.formats import detect
 from phyai_ray.stepwise.frames import parse_frame
 from tests.test_lerobot_policy import Cases, args_of
+from tests.tolerances import BITWISE
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +62,9 @@ def test_each_openpi_format_gives_the_chunk_of_the_same_frame_in_lerobots_keys(s
     assert detect(payload) == name
     want = rank.step(entry.validate_request(lerobot))["actions"]
     got = rank.step(entry.validate_request(payload))["actions"]
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, **BITWISE)
     named = parse_frame(payload, replace(entry.layout, openpi_format=name))  # plugin_args["openpi_format"]'s layout
-    torch.testing.assert_close(named.state, entry.validate_request(lerobot).state, rtol=0, atol=0)
+    torch.testing.assert_close(named.state, entry.validate_request(lerobot).state, **BITWISE)
 
 
 def test_a_named_format_refuses_other_frames_and_unknown_names_are_refused(served):
@@ -83,6 +84,6 @@ def test_images_are_taken_chw_or_hwc_uint8_or_float():
     hwc = torch.randint(0, 256, (5, 7, 3), dtype=torch.uint8)
     want = hwc.permute(2, 0, 1).float() / 255
     for image in (hwc, hwc.permute(2, 0, 1), hwc.float() / 255, hwc.permute(2, 0, 1).float() / 255):
-        torch.testing.assert_close(as_image(image, "cam"), want, rtol=0, atol=0)
+        torch.testing.assert_close(as_image(image, "cam"), want, **BITWISE)
     with pytest.raises(ValueError, match="3 channels"):
         as_image(torch.zeros(4, 5, 6), "cam")

@@ -22,6 +22,7 @@ from phyai_ray import (DenseParallelConfig, DeploymentConfig, DeviceConfig, Engi
                        EngineUnavailableError, ParallelConfig, ReplicaStateError, WeightSender,
                        WeightUpdateRefusedError)
 from tests.plugins.weights import RevealTPEntry, ShardedRevealEntry
+from tests.tolerances import BITWISE
 
 pytestmark = pytest.mark.ray
 BALLAST = 1024
@@ -46,7 +47,7 @@ def _assert_serving(engine: Engine, version: int | None, value: float, width: in
     assert [(s.state, s.weight_version, s.healthy) for s in status] == [("SERVING", version, True)] * 2
     futures = [engine.submit({}) for _ in range(8)]
     for f in futures:
-        torch.testing.assert_close(f.result(timeout=30), torch.full((2, width), float(value)), rtol=0, atol=0)
+        torch.testing.assert_close(f.result(timeout=30), torch.full((2, width), float(value)), **BITWISE)
         assert f.weight_version == version
     assert {f.replica for f in futures} == {0, 1}
 
@@ -107,7 +108,7 @@ def test_an_expired_lease_returns_an_untouched_replica_and_fails_a_partial_one(r
         seen = _wait_for_states(engine, ["SERVING"] * 2, within_s=10)
         assert 2.0 <= seen - started < 5.0
         for f in queued:
-            torch.testing.assert_close(f.result(timeout=30), torch.full((2, 8), 1.0), rtol=0, atol=0)
+            torch.testing.assert_close(f.result(timeout=30), torch.full((2, 8), 1.0), **BITWISE)
             assert f.weight_version == 1
         _assert_serving(engine, 1, 1.0)
         with pytest.raises(ReplicaStateError, match="is SERVING"):
