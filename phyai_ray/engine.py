@@ -183,7 +183,8 @@ class Engine:
                 yield from chunks
                 if not done and future.done() and future.exception() is not None:
                     raise future.exception()
-            return future.result(timeout=max(deadline - time.monotonic(), 0.1))
+            left = deadline - time.monotonic()  # the reader may end a moment before the future is set
+            return future.result(timeout=None if left == math.inf else max(left, 0.1))
         finally:
             if not done:
                 reader.cancel()

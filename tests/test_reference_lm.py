@@ -121,6 +121,31 @@ def test_a_plugin_without_stream_says_so():
         assert engine.healthy
 
 
+def test_a_stream_whose_reader_ends_before_its_future_is_set_waits_for_the_result():
+    """The reader may say `done` a moment before the request's future is set; with no timeout (the default
+    wait is unbounded) the last wait must be a plain wait, not a wait of an infinite number of seconds."""
+    import threading
+    from concurrent.futures import Future
+
+    class Ended:
+        def read(self, timeout_s):
+            return [1], True
+
+        def cancel(self):
+            pass
+
+    with Engine(EngineArgs(plugin="tests.plugins.tiny:TinyRowTPEntry", config={"device": {"target": "cpu"}})) as engine:
+        future: Future = Future()
+        timer = threading.Timer(0.05, future.set_result, ["the result"])
+        timer.start()
+        stream = engine.read_stream(future, Ended(), None, None)
+        assert next(stream) == 1
+        with pytest.raises(StopIteration) as end:
+            next(stream)
+        assert end.value.value == "the result"
+        timer.join()
+
+
 @pytest.mark.ray
 def test_tp2_stream_cancel_stops_every_rank_and_engine_actor_streams(ray_session, single):
     import ray

@@ -75,7 +75,7 @@ _LIBRARIES = {
     # chunks prefill, transformers runs one dense forward (another order of every attention sum); a log-prob
     # is a log-softmax over the vocabulary, so errors of ~1e-6 in fp32 logits stay far below 1e-4.
     ("transformers", "log_probs"): (0, 1e-4, "fp32 log-probs over paged blocks and chunked prefill vs one dense "
-                                             "forward; measured <= 2e-5 on AVX-512 and AVX2 kernels"),
+                                             "forward; holds on AVX-512 and AVX2 kernels"),
     # diffusers: a request alone runs the pipeline's own modules on the same shapes; what differs is the
     # engine's batching of the scheduler's arithmetic and of the VAE decode (the same ops, split per request).
     ("diffusers", "alone"): (0, 1e-6, "the pipeline's own modules on the same shapes; outputs of ~1 differ "
@@ -83,7 +83,7 @@ _LIBRARIES = {
     # batched with other requests (or with classifier-free guidance split over ranks): matmuls over another
     # batch size block their sums differently; latents and videos are of ~1.
     ("diffusers", "batched"): (0, 1e-5, "batched or CFG-split: matmuls over another batch size sum in another "
-                                        "order; measured <= 1.4e-6 on outputs of ~1, AVX-512 and AVX2"),
+                                        "order on outputs of ~1; holds on AVX-512 and AVX2 kernels"),
     # LeRobot: action chunks of flow policies over 10 denoising steps, batched with other robots or alone;
     # LeRobot's own batched call differs from its unbatched one by the same amount.
     ("lerobot", "chunks"): (1e-5, 1e-5, "flow-policy action chunks over 10 Euler steps in another batch; "
