@@ -165,6 +165,7 @@ def start_server(tmp_path: Path, port: int, *flags: str) -> tuple[subprocess.Pop
     return proc, log
 
 
+@pytest.mark.ray  # `phyai-ray serve` starts a Ray instance of its own
 def test_serve_answers_on_the_proxy_and_each_groups_own_port_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     """`phyai-ray serve --direct-ingress`: the proxy's port answers a request and refuses one without the
     key; the group's Serve replica answers on its own port (no proxy hop), with the same key check.
@@ -238,6 +239,7 @@ def _listen_in_range(low: int, high: int) -> "socket.socket":
     raise AssertionError(f"no free port in {low}..{high - 1} for the stray listener")
 
 
+@pytest.mark.ray  # `phyai-ray serve` starts a Ray instance of its own
 def test_sigterm_while_the_app_starts_still_shuts_down_cleanly(tmp_path: Path) -> None:
     proc, log = start_server(tmp_path, free_port())
     started: set[int] = set()

@@ -53,6 +53,7 @@ def served(tmp_path_factory):
         sys.stdout.write(Path(log).read_text()[-5000:])
 
 
+@pytest.mark.ray  # `phyai-ray serve` starts a Ray instance of its own
 def test_text_chat_and_streamed_chat_through_serve(served):
     from tests.test_hf_causal_lm import reference
 

@@ -43,6 +43,7 @@ def server(tmp_path_factory):
         sys.stdout.write(Path(log).read_text()[-5000:])
 
 
+@pytest.mark.ray  # `phyai-ray serve` starts a Ray instance of its own
 def test_completion_stream_errors_and_key_over_http(server):
     client = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["reference_lm"]
