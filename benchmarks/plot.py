@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
 
 One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, fleet_deadline.png,
-load.png, world.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
+load.png, world.png, loop.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
 display needed.
 """
 
@@ -142,9 +142,25 @@ def plot_world(tables: dict, fig: Any) -> None:
         layouts.set_ylabel("one request, seconds (Ray, gloo)")
 
 
+def plot_loop(tables: dict, fig: Any) -> None:
+    """Host and forward ms per iteration (p50) against the sequences that run together, per case."""
+    ax = fig.add_subplot(1, 1, 1)
+    for case, rows in _by(tables["loop"], "case").items():
+        rows = sorted(rows, key=lambda r: r["sequences"])
+        xs = [r["sequences"] for r in rows]
+        line, = ax.plot(xs, [r["host_p50_ms"] for r in rows], marker="o", label=f"{case}: host")
+        ax.plot(xs, [r["forward_p50_ms"] for r in rows], marker="x", linestyle="--", color=line.get_color(),
+                label=f"{case}: forward")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences submitted together (each case runs as many at once as its admission allows)")
+    ax.set_ylabel("ms per iteration (p50)")
+    ax.legend(fontsize=6)
+
+
 PLOTS: dict[str, Callable[[dict, Any], None]] = {"batching": plot_batching, "generation": plot_generation,
                                                  "fleet": plot_fleet, "fleet_deadline": plot_fleet_deadline,
-                                                 "load": plot_load, "world": plot_world}
+                                                 "load": plot_load, "world": plot_world, "loop": plot_loop}
 
 
 def plot_file(path: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

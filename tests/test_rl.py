@@ -226,7 +226,7 @@ def test_engine_actor_control_stays_fast_with_two_thousand_in_flight(ray_session
 
             import torch as th
 
-            refs = [rollout.step.remote({"x": th.ones(1, 8), "sleep": 0.015}) for _ in range(2000)]
+            refs = [rollout.step.remote({"x": th.ones(1, 8), "sleep": 0.006}) for _ in range(2000)]
             deadline = t.monotonic() + 30  # all 2,000 reached the engine: queued or at the ranks
             while sum(s.in_flight + s.served for s in ray.get(rollout.replica_status.remote())) < 2000:
                 assert t.monotonic() < deadline

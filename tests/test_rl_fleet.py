@@ -36,7 +36,9 @@ def fleet(tmp_path_factory):
 
 
 class Steady:
-    """Requests sent to every engine in turn until stopped: (finished at, the versions of its tokens)."""
+    """Requests sent to every engine in turn until stopped: (finished at, the versions of its tokens). "Finished
+    at" is when its outcome was set (`EngineFuture.finished`), not when this thread read it: a request that
+    ended before the switch but was read after the others' waits would otherwise look like one after it."""
 
     def __init__(self, engines: list) -> None:
         self.engines, self.results, self.stop = engines, [], threading.Event()
@@ -49,7 +51,7 @@ class Steady:
             futures = [e.submit({"prompts": [PROMPTS[i % 3]], "max_tokens": 6}) for e in self.engines]
             for f in futures:
                 [out] = f.result(timeout=60)
-                self.results.append((time.monotonic(), set(out.weight_versions)))
+                self.results.append((f.finished, set(out.weight_versions)))
             i += 1
 
     def finish(self) -> list:

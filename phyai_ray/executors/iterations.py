@@ -41,6 +41,7 @@ from phyai_ray.executors.failing import failed_all, failed_alone, reply_parts
 from phyai_ray.executors.iteration_control import IterationControl
 from phyai_ray.executors.limits import RequestLimits
 from phyai_ray.executors.ledger import Counts, Tally, deadline_missed, enqueue, overloaded
+from phyai_ray.executors.loop_timing import IterationTimes, quantiles_ms
 from phyai_ray.executors.sequences import (GATHER, Deadlines, LoopRequest, LoopSequence, fail_closed,
                                            finish_by_miss, first_chunk_missed, planned_steps, settle, stream_chunk)
 from phyai_ray.executors.service import ServiceTime
@@ -94,6 +95,7 @@ class IterationLoop:
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
         self.service, self._last_end = ServiceTime(), None  # recent median pace (finish-by); last deltas' time
+        self.times = IterationTimes()  # host work apart from the forward, per iteration (loop_timing.py)
         logger.info("replica %d: continuous batching, admission %r", index, self.policy)
 
     # -- requests ------------------------------------------------------------------------------
@@ -160,10 +162,8 @@ class IterationLoop:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
-            times = sorted(self._durations)
             return {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting, "iterations":
-                    self.iterations, "iteration_ms": {q: round(times[min(int(p * len(times)), len(times) - 1)] * 1e3, 3)
-                                                      if times else None for q, p in (("p50", 0.5), ("p99", 0.99))}}
+                    self.iterations, "iteration_ms": quantiles_ms(self._durations), **self.times.snapshot()}
 
     def durations(self, last: int) -> list[float]:
         """Seconds of each of the latest `last` iterations (plan sent to deltas back), oldest first."""
@@ -235,7 +235,7 @@ class IterationLoop:
                     self.control.in_flight = True
             self.settle(settle)
             if plan is not None:
-                self._iterate(plan)
+                self._iterate(plan, time.monotonic() - now)
                 idle_since = time.monotonic()
 
     def _can_iterate(self) -> bool:
@@ -285,7 +285,7 @@ class IterationLoop:
                 self._deadlines.discard(seq.request)
             seq.request.future.started = time.monotonic()
 
-    def _iterate(self, formed: tuple[IterationPlan, list[LoopSequence], list[LoopSequence]]) -> None:
+    def _iterate(self, formed: tuple[IterationPlan, list[LoopSequence], list[LoopSequence]], planning_s: float) -> None:
         plan, admitted, rebuild = formed
         now = time.monotonic()
         try:
@@ -314,6 +314,7 @@ class IterationLoop:
                 self._pipeline.record(size, [now - s.request.submitted for s in admitted])
             self._cond.notify_all()
         self.settle(settle)
+        self.times.record(planning_s + time.monotonic() - end, end - now, getattr(reply, "timing", None))
 
     def _apply(self, reply: RankIteration | dict[int, Delta] | None, version: Any) -> list:
         """Lock held: fail the sequences that failed alone (failing.py), add every other sequence's new

@@ -28,6 +28,7 @@ the same seeded generator.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ class PagedDecoder:
     ctx: Any
     paged: PagedSequences
     weight_version: Any = None  # set by the engine after every weight update
+    forward_s = 0.0  # seconds of the model's forward in the latest iterate() (Deltas.forward_s)
 
     def parse(self, request: Any) -> Any:
         raise NotImplementedError
@@ -80,7 +82,8 @@ class PagedDecoder:
     def iterate(self) -> Deltas:
         """One forward of this iteration's chunks: {seq_id: Delta} for every sequence it holds, with the
         cache's `KVReport` after it (`PagedSequences.capacity`) for the engine's admission."""
-        return Deltas(self.run(self.paged)[0], capacity=self.paged.capacity())
+        self.forward_s = 0.0
+        return Deltas(self.run(self.paged)[0], capacity=self.paged.capacity(), forward_s=self.forward_s)
 
     # -- whole requests --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,7 +143,12 @@ class PagedDecoder:
         if not chunks:
             return deltas, False
         try:
-            logits = self.logits(RaggedBatch.build(chunks, seqs.pool.block_size, self.ctx.device), seqs.pool)
+            batch = RaggedBatch.build(chunks, seqs.pool.block_size, self.ctx.device)
+            started = time.perf_counter()
+            logits = self.logits(batch, seqs.pool)
+            if logits.is_cuda:  # the forward's own time (loop_timing): until the device has finished it
+                torch.cuda.synchronize(logits.device)
+            self.forward_s += time.perf_counter() - started
         except BaseException:
             seqs.pool.reset()  # blocks named for this iteration hold no valid keys: never find them
             raise

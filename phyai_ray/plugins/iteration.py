@@ -132,6 +132,17 @@ class RankIteration:
     deltas: dict[int, Delta] | None = None
     errors: dict[int, BaseException] = field(default_factory=dict)
     kinds: dict[int, str] = field(default_factory=dict)
+    timing: "RankTiming | None" = None  # the output rank's part of the iteration
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """A rank's part of one iteration, in seconds (phyai_ray.executors.loop_timing): applying the plan,
+    the per-rank model's iterate(), and the forward inside it when the model's `Deltas` say (`forward_s`)."""
+
+    plan_s: float
+    iterate_s: float
+    forward_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,11 +180,16 @@ class Deltas(dict):
     estimates read (`SequenceSpec.steps` x the recent iteration time).
 
         return Deltas(decoded, stepped=False)
+
+    `forward_s`: the seconds of this iteration's forward (the model's math; on a GPU, until its output is
+    on the host), so the loop tells the host work around it apart (phyai_ray.executors.loop_timing);
+    without it the whole iterate() counts as the forward.
     """
 
-    def __init__(self, deltas: Any = (), capacity: KVReport | None = None, stepped: bool = True) -> None:
+    def __init__(self, deltas: Any = (), capacity: KVReport | None = None, stepped: bool = True,
+                 forward_s: float | None = None) -> None:
         super().__init__(deltas)
-        self.capacity, self.stepped = capacity, stepped
+        self.capacity, self.stepped, self.forward_s = capacity, stepped, forward_s
 
 
 def capacity_of(reply: Any) -> KVReport | None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any
 
 from phyai_ray.errors import StreamNotSupportedError
 from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_groups
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
+from phyai_ray.plugins.iteration import RankTiming
 from phyai_ray.rank.failures import admit_each, answer, iterate_once
 from phyai_ray.work import BATCH, CALL, ITERATE, STEP, STREAM, Kind
 from placement.topology import Topology
@@ -138,6 +140,7 @@ class RankRunner:
         failed alone), the others one only when some sequence failed alone here, else None."""
         self._check_awake("an iteration")
         model = self.model
+        started = time.perf_counter()
         with self.ctx.groups.activate():
             for ident in plan.drop:
                 model.drop(ident)
@@ -146,8 +149,12 @@ class RankRunner:
             failed = admit_each(model, plan.admit)  # a sequence whose admit raised fails alone (rank/failures.py)
             if plan.pause or plan.resume:
                 self._take_turns(plan)
+            planned = time.perf_counter()
             out = iterate_once(model, [ident for ident, _ in plan.admit], failed, self.ctx.world_size == 1)
-        return answer(out, failed, self.ctx.is_output_rank)  # a RankIteration; None: nothing to say
+        reply = answer(out, failed, self.ctx.is_output_rank)  # a RankIteration; None: nothing to say
+        if reply is not None:  # where the time went (executors/loop_timing.py)
+            reply.timing = RankTiming(planned - started, time.perf_counter() - planned, getattr(out, "forward_s", None))
+        return reply
 
     def _take_turns(self, plan: Any) -> None:
         """The plan's pauses, then its resumes (`IterationPlan`); a model without pause_sequence was

@@ -23,12 +23,13 @@ to its `Running` (`pause` / `resume` without a sequence are the engine's hooks f
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import torch
 
-from phyai_ray.plugins.iteration import Delta
+from phyai_ray.plugins.iteration import Delta, Deltas
 
 
 @dataclass(eq=False, kw_only=True)  # a sequence is itself: found in lists by identity, never by its tensors
@@ -114,15 +115,16 @@ class Running(Generic[S]):
         return [seq for i, seq in self._by_ident.items() if i not in self._paused]
 
     def iterate(self, advance: Callable[[list[S]], None], result: Callable[[S], Any],
-                progress: bool = False) -> dict[int, Delta]:
+                progress: bool = False) -> Deltas:
         """ONE step of every running sequence not paused: `advance(batch)` takes it; a sequence whose
         last step this was leaves with `Delta(stop_reason="completed", value=result(seq))`. With
         `progress`, every stepped sequence's delta carries its `progress` (a stream reports each step)."""
         batch = self.batch()
         if not batch:
             return {}
-        advance(batch)
-        out: dict[int, Delta] = {}
+        started = time.perf_counter()
+        advance(batch)  # the step's forward (what loop_timing counts as the forward; its batching included)
+        out = Deltas(forward_s=time.perf_counter() - started)
         for ident, seq in list(self._by_ident.items()):
             if ident in self._paused:
                 continue

@@ -155,7 +155,7 @@ class PipelineModel:
             out[ident] = Delta(stop_reason="completed", value=result) if error is None else \
                 Delta(stop_reason="error", error=error)
         stages.log.append(("iterate", None, threading.current_thread().name, start, time.perf_counter()))
-        return Deltas(out, stepped=stepping)
+        return Deltas(out, stepped=stepping, forward_s=getattr(out, "forward_s", None))
 
     def _step(self, running: list[Job]) -> None:
         """The jobs admitted since the last step start their encode on the encode stage (of the encoding

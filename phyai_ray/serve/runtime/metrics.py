@@ -23,6 +23,8 @@ group's Serve replica id):
                                                    Triton's exec_count / inference_count per step)
     phyai_replica_queue_wait_seconds{engine_replica}  histogram (time each request waited in the
                                                    group's engine queue before its step was dispatched)
+    phyai_replica_iteration_host_seconds{engine_replica}     histograms (continuous batching: each iteration's
+    phyai_replica_iteration_forward_seconds{engine_replica}  host work apart from its forward: loop_timing.py)
     phyai_replica_max_batch_size{engine_replica}   gauge (the batching in effect: samples one step may
                                                    run; 1: off; the plugin's default unless set)
     phyai_request_queue_seconds                    histogram (each request of any protocol: submission
@@ -99,6 +101,12 @@ class _BatchCollector:
                     "queue_wait_seconds": HistogramMetricFamily(
                         "phyai_replica_queue_wait_seconds", "time a request waited in the engine queue before "
                         "its step was dispatched", labels=["engine_replica"])}
+        iterations = {"iteration_host_seconds": HistogramMetricFamily(
+                          "phyai_replica_iteration_host_seconds", "host time of one continuous-batching iteration: "
+                          "everything but the model's forward (executors/loop_timing.py)", labels=["engine_replica"]),
+                      "iteration_forward_seconds": HistogramMetricFamily(
+                          "phyai_replica_iteration_forward_seconds", "the model's forward in one continuous-batching "
+                          "iteration", labels=["engine_replica"])}
         limit = GaugeMetricFamily("phyai_replica_max_batch_size", "samples one step of the replica group may run "
                                   "(the batching in effect; 1: off)", labels=["engine_replica"])
         try:
@@ -108,12 +116,14 @@ class _BatchCollector:
             stats = []
         for replica in stats:
             label = self.label() if len(stats) == 1 else f"{self.label()}-{replica['replica']}"
-            for name, family in families.items():
-                snap = replica[name]
+            for name, family in [*families.items(), *iterations.items()]:
+                snap = replica.get(name)
+                if snap is None:  # the iteration histograms: only a continuous-batching replica has them
+                    continue
                 buckets = [(_le(bound), float(count)) for bound, count in snap["buckets"]]
                 family.add_metric([label], buckets, snap["sum"])
             limit.add_metric([label], float(replica.get("max_batch_size", 1)))
-        return [*families.values(), limit]
+        return [*families.values(), *iterations.values(), limit]
 
 
 def _le(bound: float) -> str:

@@ -1,0 +1,193 @@
+"""The engine's own host work per continuous-batching iteration, apart from the forward.
+
+Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_loop.py [--sequences 1,8,64,256,1024] [--steps 64]`
+
+1. The generic loop alone: `null_loop`, a plugin whose admit / iterate only count (its iterate is the
+   "forward": a loop over its sequences and a Delta each), at 1, 8, 64, 256 and 1,024 sequences that all
+   run together, inline and on a Ray TP=1 group. Per iteration: host ms (plan, admission, the round trip
+   to the rank, applying the deltas, settling requests), forward ms, p50 / p99, from the engine's own
+   record (`batch_stats()`: executors/loop_timing.py). Targets (issue "A fast loop"): inline <= 1.0 ms at
+   256 sequences and <= 0.3 ms at 8; a Ray TP=1 group <= 1.5 ms at 8.
+2. `hf_causal_lm` on a tiny Qwen2 (hidden 64, 2 layers, fp32), `reference_flow_policy`: N requests at
+   once, inline, the same record: host ms and the forward's share of each iteration.
+Columns: iterations run, host ms and forward ms per iteration (p50, p99), the median host share of an
+iteration, and wall ms per iteration (the whole run from the first submit to the last result over the
+iterations: it adds submitting the N requests and the iterations that admit them).
+Prints the machine first (cores, torch's thread count: the defaults a user gets), then the table, then
+each target. `--threads N` sets torch's intra-op threads; `--json PATH` writes the rows (benchmarks/plot.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import results  # noqa: E402
+from benchmarks.bench_generation import machine, verdict  # noqa: E402
+from phyai_ray import (BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,  # noqa: E402
+                       Entry, register_plugin)
+from phyai_ray.plugins.iteration import Delta, SequenceSpec  # noqa: E402
+
+
+class NullLoop:
+    """A per-rank model with no math: each iteration gives every running sequence one token."""
+
+    def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
+        self.left: dict[int, int] = {}
+
+    def admit(self, ident: int, payload: int) -> None:
+        self.left[ident] = payload
+
+    def drop(self, ident: int) -> None:
+        self.left.pop(ident, None)
+
+    def recompute(self, ident: int) -> None:
+        pass
+
+    def iterate(self) -> dict[int, Delta]:
+        out = {}
+        for ident, left in list(self.left.items()):
+            done = left <= 1
+            out[ident] = Delta([0], [0.0], "length" if done else None)
+            if done:
+                del self.left[ident]
+            else:
+                self.left[ident] = left - 1
+        return out
+
+    def step(self, request: Any) -> Any:
+        raise RuntimeError("null_loop runs per iteration only")
+
+
+@register_plugin
+class NullLoopEntry(Entry):
+    """`null_loop`: {"steps": n} -> one sequence of n tokens, each iteration free of math."""
+
+    name = "null_loop"
+
+    def validate_request(self, request: Any) -> None:
+        if not isinstance(request, dict) or int(request.get("steps", 0)) < 1:
+            raise ValueError(f"null_loop expects {{'steps': n >= 1}}, got {request!r:.60}")
+
+    def sequences(self, request: dict[str, Any]) -> list[SequenceSpec]:
+        return [SequenceSpec(int(request["steps"]), 1, steps=int(request["steps"]))]
+
+    def create(self, plugin_args: dict[str, Any], ctx: Any) -> NullLoop:
+        return NullLoop(plugin_args, ctx)
+
+
+def batching(n: int) -> BatchingConfig:
+    return BatchingConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=max(n, 4096))
+
+
+def loop_stats(engine: Engine, requests: list[Any], timeout: float = 600) -> dict[str, Any]:
+    """Submit `requests` at once, wait for all, and read the replica's iteration record."""
+    started = time.perf_counter()
+    futures = [engine.submit(r) for r in requests]
+    for f in futures:
+        f.result(timeout=timeout)
+    wall = time.perf_counter() - started
+    stats = engine.batch_stats()[0]
+    return {"wall_s": wall, "iterations": stats["iterations"], "host_ms": stats["iteration_host_ms"],
+            "forward_ms": stats["iteration_forward_ms"], "parts_ms": stats["iteration_parts_ms"],
+            "host_share": stats["iteration_host_share"]}
+
+
+def null_loop(n: int, steps: int, mode: str) -> dict[str, Any]:
+    args = EngineArgs(plugin=NullLoopEntry, config=EngineConfig(device=DeviceConfig(target="cpu")))
+    deployment = DeploymentConfig(mode=mode, replica_count=1, cpus_per_rank=0.5, batching=batching(n))
+    with Engine(args, deployment) as engine:
+        loop_stats(engine, [{"steps": 4}] * min(n, 8))  # warm: the rank's first iterations
+        return loop_stats(engine, [{"steps": steps}] * n)
+
+
+def hf_causal_lm(n: int, tokens: int) -> dict[str, Any]:
+    from tests.hf_checkpoints import write_checkpoint
+
+    folder = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-loop-")) / "qwen2", "qwen2")
+    args = EngineArgs(plugin="hf_causal_lm", plugin_args={"model": str(folder)},
+                      config=EngineConfig(device=DeviceConfig(target="cpu")))
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(8 + i % 16)] for i in range(n)]
+    request = lambda p: {"prompts": [p], "max_tokens": tokens, "ignore_eos": True}  # noqa: E731
+    with Engine(args, DeploymentConfig(mode="inline", batching=batching(n))) as engine:
+        loop_stats(engine, [request(p) for p in prompts[:4]])
+        return loop_stats(engine, [request(p) for p in prompts])
+
+
+def flow_policy(n: int) -> dict[str, Any]:
+    args = EngineArgs(plugin="reference_flow_policy", plugin_args={"seed": 0},
+                      config=EngineConfig(device=DeviceConfig(target="cpu")))
+    with Engine(args, DeploymentConfig(mode="inline", batching=batching(n))) as engine:
+        frames = [{"state": torch.randn(8, generator=torch.Generator().manual_seed(i)).tolist(), "step": i}
+                  for i in range(n)]
+        loop_stats(engine, frames[:2])
+        return loop_stats(engine, frames)
+
+
+def row(name: str, n: int, r: dict[str, Any]) -> str:
+    host, fwd = r["host_ms"], r["forward_ms"]
+    return (f"  {name:<34} {n:>6} {r['iterations']:>6} {host['p50']:>9.3f} {host['p99']:>9.3f} {fwd['p50']:>9.3f} "
+            f"{fwd['p99']:>9.3f} {100 * r['host_share']:>6.1f}% {1e3 * r['wall_s'] / r['iterations']:>9.3f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", default="1,8,64,256,1024")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--ray", default="1,8,64", help="sequence counts for the Ray TP=1 group")
+    parser.add_argument("--plugins", default="64,256", help="request counts for hf_causal_lm / flow policy")
+    parser.add_argument("--threads", type=int, default=None)
+    results.add_flag(parser)
+    opts = parser.parse_args(argv)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    named = machine()
+    print(named)
+    print(f"  {'case':<34} {'seqs':>6} {'iters':>6} {'host p50':>9} {'host p99':>9} {'fwd p50':>9} {'fwd p99':>9} "
+          f"{'host':>7} {'wall/it':>9}")
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, n: int, result: dict[str, Any]) -> None:
+        rows.append({"case": name, "sequences": n, **result})
+        results.record("loop", case=name, sequences=n, iterations=result["iterations"],
+                       host_p50_ms=result["host_ms"]["p50"], host_p99_ms=result["host_ms"]["p99"],
+                       forward_p50_ms=result["forward_ms"]["p50"], forward_p99_ms=result["forward_ms"]["p99"],
+                       host_share=result["host_share"], wall_per_iteration_ms=1e3 * result["wall_s"] / result["iterations"])
+        print(row(name, n, result), flush=True)
+
+    for n in [int(x) for x in opts.sequences.split(",") if x]:
+        record("null_loop inline", n, null_loop(n, opts.steps, "inline"))
+    ray_counts = [int(x) for x in opts.ray.split(",") if x]
+    if ray_counts:
+        import ray
+
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                 os.environ.get("PYTHONPATH")]))
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            for n in ray_counts:
+                record("null_loop Ray TP=1", n, null_loop(n, opts.steps, "local"))
+        finally:
+            ray.shutdown()
+    for n in [int(x) for x in opts.plugins.split(",") if x]:
+        record("hf_causal_lm tiny Qwen2 (32 tokens)", n, hf_causal_lm(n, 32))
+        record("reference_flow_policy", n, flow_policy(n))
+    results.write(opts.json, "loop", named)
+    by = {(r["case"], r["sequences"]): r for r in rows}
+    print("targets (host ms per iteration, p50):")
+    for case, n, target in (("null_loop inline", 256, 1.0), ("null_loop inline", 8, 0.3), ("null_loop Ray TP=1", 8, 1.5)):
+        if (case, n) in by:
+            print(verdict(f"{case} at {n} sequences", by[(case, n)]["host_ms"]["p50"], target, False, " ms"))
+
+
+if __name__ == "__main__":
+    main()
