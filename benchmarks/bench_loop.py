@@ -2,7 +2,7 @@
 
 Run: `PYTHONPATH=. .venv/bin/python benchmarks/bench_loop.py [--sequences 1,8,64,256,1024] [--steps 64]`
 
-1. The generic loop alone: `null_loop`, a plugin whose admit / iterate only count (its iterate is the
+1. The generic loop alone: `null_loop` (tests/plugins/null_loop.py), a plugin whose admit / iterate only count (its iterate is the
    "forward": a loop over its sequences and a Delta each), at 1, 8, 64, 256 and 1,024 sequences that all
    run together, inline and on a Ray TP=1 group. Per iteration: host ms (plan, admission, the round trip
    to the rank, applying the deltas, settling requests), forward ms, p50 / p99, from the engine's own
@@ -33,56 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results  # noqa: E402
 from benchmarks.bench_generation import machine, verdict  # noqa: E402
-from phyai_ray import (BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig,  # noqa: E402
-                       Entry, register_plugin)
-from phyai_ray.plugins.iteration import Delta, SequenceSpec  # noqa: E402
-
-
-class NullLoop:
-    """A per-rank model with no math: each iteration gives every running sequence one token."""
-
-    def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
-        self.left: dict[int, int] = {}
-
-    def admit(self, ident: int, payload: int) -> None:
-        self.left[ident] = payload
-
-    def drop(self, ident: int) -> None:
-        self.left.pop(ident, None)
-
-    def recompute(self, ident: int) -> None:
-        pass
-
-    def iterate(self) -> dict[int, Delta]:
-        out = {}
-        for ident, left in list(self.left.items()):
-            done = left <= 1
-            out[ident] = Delta([0], [0.0], "length" if done else None)
-            if done:
-                del self.left[ident]
-            else:
-                self.left[ident] = left - 1
-        return out
-
-    def step(self, request: Any) -> Any:
-        raise RuntimeError("null_loop runs per iteration only")
-
-
-@register_plugin
-class NullLoopEntry(Entry):
-    """`null_loop`: {"steps": n} -> one sequence of n tokens, each iteration free of math."""
-
-    name = "null_loop"
-
-    def validate_request(self, request: Any) -> None:
-        if not isinstance(request, dict) or int(request.get("steps", 0)) < 1:
-            raise ValueError(f"null_loop expects {{'steps': n >= 1}}, got {request!r:.60}")
-
-    def sequences(self, request: dict[str, Any]) -> list[SequenceSpec]:
-        return [SequenceSpec(int(request["steps"]), 1, steps=int(request["steps"]))]
-
-    def create(self, plugin_args: dict[str, Any], ctx: Any) -> NullLoop:
-        return NullLoop(plugin_args, ctx)
+from phyai_ray import BatchingConfig, DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig  # noqa: E402
+from tests.plugins.null_loop import NullLoopEntry  # noqa: E402
 
 
 def batching(n: int) -> BatchingConfig:

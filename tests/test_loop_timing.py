@@ -13,43 +13,24 @@ import pytest
 
 from phyai_ray import DeploymentConfig, DeviceConfig, Engine, EngineArgs, EngineConfig, Entry, register_plugin
 from phyai_ray.executors.loop_timing import IterationTimes
-from phyai_ray.plugins.iteration import Delta, Deltas, RankTiming, SequenceSpec
+from phyai_ray.plugins.iteration import Deltas, RankTiming, SequenceSpec
 from phyai_ray.serve.runtime.metrics import _BatchCollector
+from tests.plugins.null_loop import NullLoop
 from tests.plugins.iterating import IterProbeEntry
 
 HOST_S, FORWARD_S = 0.01, 0.02
 
 
-class TimedLoop:
-    """Each iterate(): HOST_S of work around the forward, then a FORWARD_S forward it reports."""
-
-    def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
-        self.left: dict[int, int] = {}
-
-    def admit(self, ident: int, payload: int) -> None:
-        self.left[ident] = payload
-
-    def drop(self, ident: int) -> None:
-        self.left.pop(ident, None)
-
-    def recompute(self, ident: int) -> None:
-        pass
+class TimedLoop(NullLoop):
+    """null_loop's sequences; each iterate(): HOST_S of work around the forward, then a FORWARD_S forward it
+    reports."""
 
     def iterate(self) -> Deltas:
         time.sleep(HOST_S)
         started = time.perf_counter()
         time.sleep(FORWARD_S)
         forward = time.perf_counter() - started
-        out = {}
-        for ident in list(self.left):
-            self.left[ident] -= 1
-            out[ident] = Delta([1], [0.0], None if self.left[ident] else "length")
-            if not self.left[ident]:
-                del self.left[ident]
-        return Deltas(out, forward_s=forward)
-
-    def step(self, request: Any) -> Any:
-        raise RuntimeError("per iteration only")
+        return Deltas(super().iterate(), forward_s=forward)
 
 
 @register_plugin
