@@ -48,6 +48,32 @@ def test_wan_limits_come_from_its_config_and_refuse_the_oversized_request():
         limits_of(folder, {"max_frames": 5000})
 
 
+def test_denoising_steps_are_bounded_by_the_schedulers_timesteps_and_plugin_args():
+    """A request for 10**9 steps was accepted and ran; now the scheduler's num_train_timesteps bound it (a
+    plugin_args value may set fewer, never more), for Wan, Cosmos-Predict2.5 and Cosmos3 requests alike."""
+    from phyai_ray.models.diffusers_pipeline.cosmos3_request import parse
+    from tests.cosmos3_folders import build_cosmos3
+
+    for name in ("Wan2.1-T2V-1.3B", "Cosmos-Predict2.5-2B"):
+        folder = real(name)
+        limits = limits_of(folder, {})
+        assert limits.max_steps == folder.step_range() == folder.configs["scheduler"]["num_train_timesteps"]
+        with pytest.raises(VideoRequestError, match=rf"num_inference_steps=1000000000 .* max_inference_steps="
+                                                    rf"{limits.max_steps}"):
+            VideoRequest.parse({"prompt": "a", "num_inference_steps": 10 ** 9}, limits)
+        VideoRequest.parse({"prompt": "a", "num_inference_steps": limits.max_steps}, limits)
+        with pytest.raises(VideoRequestError, match="max_inference_steps=50 "):
+            VideoRequest.parse({"prompt": "a", "num_inference_steps": 51}, limits_of(folder, {"max_inference_steps": 50}))
+        with pytest.raises(PipelineFolderError, match="max_inference_steps.* must be an int in"):
+            limits_of(folder, {"max_inference_steps": limits.max_steps + 1})
+    import tempfile
+
+    cosmos3 = Folder.open(build_cosmos3(Path(tempfile.mkdtemp(prefix="cosmos3-")) / "f"))
+    with pytest.raises(VideoRequestError, match="num_inference_steps=1000000000 is over the limit"):
+        parse({"prompt": "a", "num_frames": 9, "height": 32, "width": 32, "num_inference_steps": 10 ** 9}, cosmos3,
+              limits_of(cosmos3, {}))
+
+
 def test_cosmos_limits_reach_its_max_size_and_its_text_encoder():
     limits = limits_of(real("Cosmos-Predict2.5-2B"), {})
     assert limits.max_side == (1920, 1920) and limits.max_sequence_length == 128000
@@ -69,8 +95,10 @@ def test_an_oversized_request_is_refused_before_any_rank_in_under_a_second(tmp_p
         DiffusersPipelineEntry({"model": str(folder), "safety_checker": "tests.diffusers_cosmos:StandInSafetyChecker"})
     plugin_args = {"model": str(folder), "max_pixels": 256 * 256, "max_frames": 17}
     with Engine(EngineArgs(plugin="diffusers_pipeline", plugin_args=plugin_args)) as engine:
+        steps = {"prompt": "a", "height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 10 ** 9}
         for request, named in ((HUGE, "positional range"), ({**HUGE, "height": 512, "width": 256}, "max_pixels"),
-                               ({**HUGE, "height": 32, "width": 32}, "max_frames")):
+                               ({**HUGE, "height": 32, "width": 32}, "max_frames"),
+                               (steps, r"num_inference_steps=1000000000 is over the limit max_inference_steps")):
             start = time.monotonic()
             with pytest.raises(RequestRejectedError, match=named):
                 engine.step(request)

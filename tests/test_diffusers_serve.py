@@ -269,6 +269,24 @@ def test_video_progress_rises_and_delete_stops_a_long_job(server: dict) -> None:
     assert waited < max(left / 2, 2.0), (waited, left)
 
 
+def test_video_progress_never_falls_and_reads_100_only_once_completed(server: dict) -> None:
+    """Polled back to back through the job's denoising and its decode (a chunk that names no step): the
+    progress never goes back (it once fell from 99 to 0 while the decode ran) and is 100 only when the
+    job is completed."""
+    client = video_client(server)
+    job = client.videos.create(prompt=PROMPT, size="32x32", seconds="0.5",
+                               extra_body={**VIDEO_EXTRA, "num_inference_steps": 100})
+    polls, began = [], time.monotonic()
+    while not polls or polls[-1][0] not in ("completed", "failed"):
+        seen = client.videos.retrieve(job.id)
+        polls.append((seen.status, seen.progress))
+        assert time.monotonic() - began < 120, polls[-5:]
+    progress = [p for _, p in polls]
+    assert polls[-1] == ("completed", 100) and len(polls) >= 50, (polls[-3:], len(polls))
+    assert progress == sorted(progress), progress
+    assert all(p < 100 for status, p in polls if status != "completed"), polls
+
+
 def test_video_bad_fields_are_400s_naming_the_field(server: dict) -> None:
     import openai
 

@@ -208,3 +208,24 @@ def test_schemathesis_on_the_video_routes(video_schema) -> None:
         except Exception as exc:  # every operation runs; all failures are reported together
             failures[f"{operation.method.upper()} {operation.path}"] = str(exc)[:1500]
     assert not failures, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
+
+
+def test_a_cosmos3_folders_video_is_made_and_stored_at_its_own_24_fps(tmp_path) -> None:
+    """Cosmos3 conditions on its frame rate (24 by default): the Videos API passes the rate on as an input, the
+    frames for `seconds` are counted at it, and the MP4 plays at it (it once held 24 fps content at 16 fps)."""
+    import imageio.v3 as iio
+
+    from phyai_ray.models.diffusers_pipeline.entry import DiffusersPipelineEntry
+    from tests.cosmos3_folders import build_cosmos3
+
+    entry = DiffusersPipelineEntry({"model": str(build_cosmos3(tmp_path / "cosmos3"))})
+    assert (entry.video_fps, entry.video_fps_input) == (24.0, True)
+    request, _, seconds, fps = job_request({"prompt": "a", "seconds": "1"}, None, entry.video_fps,
+                                           entry.limits.temporal, entry.video_fps_input)
+    assert fps == 24.0 and request["fps"] == 24.0 and request["num_frames"] == frames_of("1", 24.0,
+                                                                                          entry.limits.temporal)
+    assert entry.validate_request(request).fps == 24.0
+    video = np.zeros((9, 32, 32, 3), dtype=np.uint8)
+    assert iio.immeta(mp4_bytes(video, fps=fps), extension=".mp4")["fps"] == pytest.approx(24.0)
+    wan = job_request({"prompt": "a", "seconds": "1", "fps": 24}, None, 16.0, 4)[0]  # Wan: the file's rate only
+    assert "fps" not in wan and wan["num_frames"] == frames_of("1", 24.0, 4)

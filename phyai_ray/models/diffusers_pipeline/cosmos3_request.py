@@ -50,8 +50,9 @@ from typing import Any
 import numpy as np
 
 from phyai_ray.models.diffusers_pipeline.folder import PipelineFolderError
-from phyai_ray.models.diffusers_pipeline.request import VideoRequestError
+from phyai_ray.models.diffusers_pipeline.request import VideoRequestError, check_steps
 
+DEFAULT_FPS = 24.0  # Cosmos3's frame rate: a model input, and the rate of the clips it makes
 FIELDS = ("prompt", "negative_prompt", "num_frames", "height", "width", "fps", "num_inference_steps",
           "guidance_scale", "seed", "enable_sound", "output_type", "image", "video", "action")
 ACTION_FIELDS = ("mode", "chunk_size", "domain_name", "resolution_tier", "view_point", "raw_actions")
@@ -93,7 +94,7 @@ class Cosmos3Request:
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
-    fps: float = 24.0
+    fps: float = DEFAULT_FPS
     num_inference_steps: int = 35
     guidance_scale: float = 6.0
     seed: int = 0
@@ -151,10 +152,11 @@ def parse(request: Any, folder: Any, caps: Any = None, policy: "Policy | None" =
     values["num_inference_steps"] = _integer(values.get("num_inference_steps", 35), "num_inference_steps")
     values["seed"] = _integer(values.get("seed", 0), "seed")
     values["guidance_scale"] = float(values.get("guidance_scale", 6.0))
-    values["fps"] = float(values.get("fps", 24.0))
+    values["fps"] = float(values.get("fps", DEFAULT_FPS))
     if values["num_inference_steps"] < 1 or not 0 <= values["seed"] < 2 ** 63 or values["fps"] <= 0:
         raise VideoRequestError(f"num_inference_steps={values['num_inference_steps']} must be >= 1, seed="
                                 f"{values['seed']} in [0, 2**63) and fps={values['fps']} > 0")
+    check_steps(values["num_inference_steps"], caps)
     if values.get("output_type", "uint8") not in ("uint8", "float", "latent"):
         raise VideoRequestError(f"output_type={values['output_type']!r} is not one of ['uint8', 'float', 'latent']")
     if caps is not None:

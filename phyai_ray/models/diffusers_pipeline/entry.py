@@ -38,7 +38,7 @@ from phyai_ray.plugins.signature import TensorSpec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KNOWN = ("model", "dtype", "vae_dtype", "text_encoder_dtype", "max_latent_tokens_per_step", "max_frames",
          "max_pixels", "max_sequence_length", "safety_checker", "safety_checker_args", "safety_checker_download",
-         "vae_tile_pixels", "policy")
+         "vae_tile_pixels", "policy", "max_inference_steps")
 PIXEL_MARGIN, FRAME_MARGIN = 4, 2  # default limits: the recommended shape's pixels x 4 (2x a side), frames x 2
 BUDGET_REQUESTS = 2  # the default per-step budget holds this many requests of the recommended shape
 # The Open Inference Protocol's view: the prompt a BYTES tensor of shape [1], every other field a request
@@ -58,7 +58,8 @@ class DiffusersPipelineEntry(Entry):
     inputs = (PROMPT, *CONDITIONING)  # a configured Wan folder lists the prompt only (configure)
     outputs = (TensorSpec("video", "UINT8", (-1, -1, -1, 3)), TensorSpec("steps", "INT64", ()))
     generates_video = True  # the HTTP app serves OpenAI's Videos API for it (serve/protocols/openai/videos.py)
-    video_fps = 16.0  # the MP4's frame rate when a request names none (Wan's and Cosmos-Predict2.5's output rate)
+    video_fps = 16.0  # the MP4's frame rate when a request names none (Wan's and Cosmos-Predict2.5's; Cosmos3's 24)
+    video_fps_input = False  # whether the model takes the fps as an input (Cosmos3): the Videos API passes it on
 
     def __init__(self, plugin_args: dict[str, Any] | None = None) -> None:
         self.folder: Folder | None = None
@@ -88,11 +89,13 @@ class DiffusersPipelineEntry(Entry):
 
     def use(self, folder: Folder, args: dict[str, Any]) -> None:
         """Serve `folder` (already opened and checked) with plugin_args `args`: its limits and inputs."""
-        from phyai_ray.models.diffusers_pipeline.cosmos3_request import Policy
+        from phyai_ray.models.diffusers_pipeline.cosmos3_request import DEFAULT_FPS, Policy
 
         self.folder, self.args = folder, args
         self.limits = limits_of(folder, args)
         self.policy = Policy.of(args.get("policy"), folder, self.limits)
+        cosmos3 = folder.class_name == "Cosmos3OmniPipeline"  # conditioned on its frame rate (24 by default)
+        self.video_fps, self.video_fps_input = (DEFAULT_FPS, True) if cosmos3 else (16.0, False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "guard": None}  # the ranks never check prompts; the output rank loads its own
@@ -231,7 +234,9 @@ def limits_of(folder: Folder, args: dict[str, Any]) -> Limits:
                   conditioning=folder.class_name in ("Cosmos2_5_PredictBasePipeline", "WanImageToVideoPipeline"),
                   last_image=folder.class_name == "WanImageToVideoPipeline", max_frames=min(max_frames, frames_reach),
                   max_pixels=max_pixels, max_side=(height_reach, width_reach),
-                  max_sequence_length=_limit(args, "max_sequence_length", text_reach, text_reach, "text tokens"))
+                  max_sequence_length=_limit(args, "max_sequence_length", text_reach, text_reach, "text tokens"),
+                  max_steps=_limit(args, "max_inference_steps", folder.step_range(), folder.step_range(),
+                                   "denoising steps (the scheduler's num_train_timesteps)"))
 
 
 def _limit(args: dict[str, Any], key: str, default: int, reach: int, what: str) -> int:

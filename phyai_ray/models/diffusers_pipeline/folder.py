@@ -177,6 +177,11 @@ class Folder:
             t, h, w = n * patch[0], n * patch[1], n * patch[2]
         return temporal * (t - 1) + 1, h * spatial, w * spatial
 
+    def step_range(self) -> int:
+        """Denoising steps the scheduler was trained over (its num_train_timesteps), else 1000: more steps than
+        that only repeat timesteps, and a request asking for 10**9 is refused rather than run."""
+        return int(self.configs.get("scheduler", {}).get("num_train_timesteps") or 1000)
+
     def text_range(self) -> int:
         """The text tokens the text encoder's positions reach (max_position_embeddings), else 512 (diffusers'
         default, what Wan's UMT5 relative positions were trained at)."""

@@ -58,11 +58,21 @@ class Limits:
     max_pixels: int | None = None  # height x width per frame (plugin_args max_pixels)
     max_side: tuple[int, int] | None = None  # (height, width) the transformer's positions reach
     max_sequence_length: int | None = None  # text tokens (plugin_args max_sequence_length)
+    max_steps: int | None = None  # denoising steps (plugin_args max_inference_steps; the scheduler's timesteps)
 
     @property
     def size_multiple(self) -> tuple[int, int]:
         h, w = self.spatial * self.patch[1], self.spatial * self.patch[2]
         return (h * 16 // _gcd(h, 16), w * 16 // _gcd(w, 16))
+
+
+def check_steps(steps: int, limits: Any) -> None:
+    """A VideoRequestError when `steps` is over the serving limit (`Limits.max_steps`), before any rank."""
+    cap = getattr(limits, "max_steps", None)
+    if cap is not None and steps > cap:
+        raise VideoRequestError(f"num_inference_steps={steps} is over the limit max_inference_steps={cap} (the "
+                                "scheduler's num_train_timesteps unless plugin_args['max_inference_steps'] sets "
+                                "fewer); ask for fewer steps")
 
 
 def _gcd(a: int, b: int) -> int:
@@ -128,6 +138,7 @@ class VideoRequest:
         self._check_bounds(limits)
         if self.num_inference_steps < 1:
             raise VideoRequestError(f"num_inference_steps={self.num_inference_steps} must be at least 1")
+        check_steps(self.num_inference_steps, limits)
         if self.max_sequence_length < 1:
             raise VideoRequestError(f"max_sequence_length={self.max_sequence_length} must be at least 1")
         if self.guidance_scale_2 is not None and not limits.two_experts:

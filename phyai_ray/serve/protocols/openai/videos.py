@@ -19,7 +19,8 @@
                                           extra_body={"num_inference_steps": 30, "seed": 7})
     client.videos.download_content(video.id).write_to_file("robot.mp4")
 
-`seconds` becomes frames at the job's fps (the `fps` field, else the plugin's `video_fps`), rounded to
+`seconds` becomes frames at the job's fps (the `fps` field, else the plugin's `video_fps`: the rate its
+content is made at, 24 for Cosmos3, which also takes the fps as an input), rounded to
 the VAE's temporal stride (frames = stride x k + 1). The job runs as a stream on the group whose
 ingress took the POST; its progress, its MP4 and its thumbnail go into the job store
 (video_jobs.py), which every group reads, so a poll, download or DELETE may land on any group. A
@@ -65,9 +66,10 @@ CREATE_SCHEMA = {  # the create call's body as the OpenAPI document shows it (va
 
 
 def job_request(fields: dict[str, Any], image: np.ndarray | None, fps: float,
-                stride: int) -> tuple[dict, str, str, float]:
+                stride: int, fps_input: bool = False) -> tuple[dict, str, str, float]:
     """The plugin's request of a create call's fields (form values are strings), its size and seconds as
-    the job shows them, and the MP4's frame rate (`fps` is the file's, not a model input)."""
+    the job shows them, and the MP4's frame rate: `fps` is the file's, and a model input too where the
+    plugin says so (`fps_input`: Cosmos3 conditions on it), so the file plays the content at its rate."""
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise OpenAIError(400, "prompt is required: a non-empty string", param="prompt")
@@ -84,6 +86,8 @@ def job_request(fields: dict[str, Any], image: np.ndarray | None, fps: float,
     fps = float(request.pop("fps", fps))
     if not math.isfinite(fps) or fps <= 0:
         raise OpenAIError(400, f"fps must be a positive number; got {fps}", param="fps")
+    if fps_input:
+        request["fps"] = fps
     seconds = fields.get("seconds")
     if seconds is not None and "num_frames" not in request:
         request["num_frames"] = frames_of(seconds, fps, stride)
@@ -162,7 +166,8 @@ class VideoJobs:
         self.store = JobStore(directory, ttl_s=options.video_ttl_s, max_bytes=options.video_max_bytes,
                               stale_s=options.video_stale_s)
         self.crf, self.overload_status = options.video_crf, options.overload_status
-        self.fps = float(getattr(self.entry, "video_fps", 16.0))
+        self.fps = float(getattr(self.entry, "video_fps", 16.0))  # the model's own rate (Cosmos3: 24)
+        self.fps_input = bool(getattr(self.entry, "video_fps_input", False))
         self.tasks: dict[str, asyncio.Task] = {}
 
     def stride(self) -> int:
@@ -175,7 +180,7 @@ class VideoJobs:
         if model not in (None, "", self.name):
             raise OpenAIError(404, f"model {model!r} is not served here; GET /v1/models lists {self.name!r}",
                               param="model")
-        request, size, seconds, fps = job_request(fields, image, self.fps, self.stride())
+        request, size, seconds, fps = job_request(fields, image, self.fps, self.stride(), self.fps_input)
         try:
             checked = await asyncio.to_thread(validate, self.entry, request)
         except Exception as exc:  # the plugin's refusal: a 400 naming its field
@@ -188,12 +193,12 @@ class VideoJobs:
     async def _run(self, ident: str, request: Any, fps: float) -> None:
         beat = asyncio.create_task(self._heartbeat(ident))
         try:
-            result = None
+            result, progress = None, 0
             async for items in self.runner.stream(request):
                 for kind, value in items:
-                    if kind == "chunk":
-                        await asyncio.to_thread(self.store.update, ident, status="in_progress",
-                                                progress=_progress(value))
+                    if kind == "chunk":  # a chunk that names no step (the decode's) keeps the progress
+                        progress = max(progress, _progress(value, progress))
+                        await asyncio.to_thread(self.store.update, ident, status="in_progress", progress=progress)
                     elif kind == "end":
                         result = value
                     elif kind == "error":
@@ -236,12 +241,13 @@ class VideoJobs:
         return JSONResponse({"id": ident, "object": "video.deleted", "deleted": True})
 
 
-def _progress(chunk: Any) -> int:
-    """0-99 while denoising ({"step": i, "of": n} after step i); 100 only once the video is stored."""
+def _progress(chunk: Any, last: int) -> int:
+    """0-99 while denoising ({"step": i, "of": n} after step i); 100 only once the video is stored; `last`
+    for a chunk that names no step, so a poll never reads less than the one before."""
     try:
         return max(0, min(99, int(99 * int(chunk["step"]) / max(int(chunk["of"]), 1))))
     except (TypeError, KeyError, ValueError):
-        return 0
+        return last
 
 
 async def _fields(http: Request) -> tuple[dict[str, Any], np.ndarray | None]:
