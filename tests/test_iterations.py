@@ -329,3 +329,20 @@ def test_a_plugins_own_admission_policy_and_value_results_with_their_weight_vers
         assert all(len(set(g)) == 1 for g in ran), ran  # one group per iteration
         assert all(len(g) == 1 or sum(g) <= 6 for g in ran), ran  # the cost budget, every iteration
         assert ran[0] == [2, 2, 2] and [3] in ran, ran  # two requests' sequences of one group shared an iteration
+
+
+def test_each_iteration_reports_its_host_work_apart_from_its_forward(probe):
+    """Inline and on a Ray TP=2 group: the forward (iter_probe's iterate(), which sleeps 10 ms here) is apart
+    from the host parts, and the Ray group's round trip has a transport part (executors/loop_timing.py)."""
+    def slow_forwards() -> int:  # iterations whose forward took over 10 ms (the histogram's le=0.01 bucket)
+        snap = probe.batch_stats()[0]["iteration_forward_seconds"]
+        return snap["count"] - next(count for bound, count in snap["buckets"] if bound == 0.01)
+
+    before = slow_forwards()
+    probe.step({"prompts": [[1, 2]], "max_tokens": 5, "sleep": 0.01})
+    assert slow_forwards() >= before + 5  # each of its 5 iterations: the sleep counted as the forward
+    stats = probe.batch_stats()[0]
+    assert set(stats["iteration_parts_ms"]) == {"loop", "transport", "rank_plan", "rank_host", "forward"}
+    assert 0 < stats["iteration_host_share"] < 1
+    if probe.mode == "local":
+        assert stats["iteration_parts_ms"]["transport"] > 0.0  # the plan to the ranks and the deltas back
