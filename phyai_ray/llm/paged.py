@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from phyai_ray.llm.blocks import BlockPool, blocks_for, chain_hash
 from phyai_ray.llm.sequence import Running
@@ -63,9 +63,9 @@ class PagedSeq(Running):
         self.cached, self.pending, self.hashes = 0, self.history, []
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """`n` of `seq.pending`'s tokens, fed at columns seq.cached ..; `samples` when they end the pending run."""
+class Chunk(NamedTuple):
+    """`n` of `seq.pending`'s tokens, fed at columns seq.cached ..; `samples` when they end the pending run.
+    (A named tuple: one is made per running sequence per iteration.)"""
 
     seq: PagedSeq
     n: int
@@ -144,7 +144,7 @@ class PagedSequences:
         for seq in decodes + prefills:
             if left == 0:
                 break
-            if seq not in self.running:  # preempted by an older one this round
+            if self.preemptions != preempted and seq not in self.running:  # preempted by an older one this round
                 continue
             n = self._grow(seq, min(left, len(seq.pending)), scheduled)
             if n:
@@ -204,6 +204,8 @@ class PagedSequences:
         """Blocks for n more tokens of a running sequence, preempting newer ones when none is free;
         the tokens it got (fewer when a prefill's blocks ran out; 0: it preempted itself or waits)."""
         need = blocks_for(seq.cached + n, self.pool.block_size) - len(seq.blocks)
+        if need <= 0:  # its blocks hold them (a decode, 15 of every 16 tokens at block size 16)
+            return n
         while need > self.pool.free_count:
             victim = next((s for s in reversed(self.running) if s is not seq and s.seq_id not in scheduled), None)
             if victim is None:

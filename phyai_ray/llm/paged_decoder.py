@@ -139,9 +139,9 @@ class PagedDecoder:
         whether any chunk ran)."""
         seqs.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
         chunks = seqs.schedule()
-        deltas = {s.seq_id: Delta(preempted=s.reported()) for s in seqs.by_id.values()}
+        preempted = {s.seq_id: s.reported() for s in seqs.by_id.values()}  # every held sequence gets a Delta
         if not chunks:
-            return deltas, False
+            return {seq_id: Delta(preempted=n) for seq_id, n in preempted.items()}, False
         try:
             batch = RaggedBatch.build(chunks, seqs.pool.block_size, self.ctx.device)
             started = time.perf_counter()
@@ -154,10 +154,10 @@ class PagedDecoder:
             raise
         sampling = [c.seq for c in chunks if c.samples]
         chosen, log_probs, tops = draw(logits, sampling) if sampling else ([], [], None)  # one copy to the host
-        for seq_id, delta in seqs.finish(chunks, chosen, log_probs, tops).items():
-            delta.preempted = deltas[seq_id].preempted  # preempted before (by a whole request), started now
-            deltas[seq_id] = delta
-        return deltas, True
+        ran = seqs.finish(chunks, chosen, log_probs, tops)
+        for seq_id, delta in ran.items():
+            delta.preempted = preempted[seq_id]  # preempted before (by a whole request), started now
+        return {seq_id: ran[seq_id] if seq_id in ran else Delta(preempted=n) for seq_id, n in preempted.items()}, True
 
     # -- the cache -------------------------------------------------------------------------------
     def cache_bytes(self) -> int:

@@ -85,17 +85,22 @@ class RaggedBatch:
     @classmethod
     def build(cls, chunks: list[Chunk], block_size: int, device: Any) -> "RaggedBatch":
         """The batch of `chunks`: one-token chunks first; `last` follows the order of `chunks`."""
-        ordered = [c for c in chunks if c.n == 1] + [c for c in chunks if c.n > 1]
-        tokens, positions, ends = [], [], {}
-        for c in ordered:
+        ones = [c for c in chunks if c.n == 1]
+        ordered = ones + [c for c in chunks if c.n > 1]
+        tokens = [c.seq.pending[0] for c in ones]  # a decode row: one token at its cached column
+        positions = [c.seq.cached for c in ones]
+        blocks = [c.seq.blocks[p // block_size] for c, p in zip(ones, positions)]
+        ends = {id(c): i for i, c in enumerate(ones)}
+        for c in ordered[len(ones):]:
             tokens += c.seq.pending[:c.n]
-            positions += range(c.seq.cached, c.seq.cached + c.n)
+            span = range(c.seq.cached, c.seq.cached + c.n)
+            positions += span
+            blocks += [c.seq.blocks[p // block_size] for p in span]
             ends[id(c)] = len(tokens) - 1
         last = [ends[id(c)] for c in chunks if c.samples]
-        blocks = [c.seq.blocks[p // block_size] for c in ordered for p in range(c.seq.cached, c.seq.cached + c.n)]
         parts = [tokens, positions, blocks, [p % block_size for p in positions], last]
         packed = _tensor("q", [v for part in parts for v in part]).to(device).split([len(p) for p in parts])
-        decodes = sum(1 for c in chunks if c.n == 1)
+        decodes = len(ones)
         skip, shared = _shared_prefixes(ordered[:decodes], block_size, device)
         reads = _decode_reads(ordered[:decodes], skip, block_size, device)
         prefills, start = [], decodes
@@ -185,29 +190,28 @@ def _decode_reads(chunks: list[Chunk], skip: list[int], block_size: int, device:
     only as many blocks as each row's length needs, its columns past that length not valid."""
     if not chunks:
         return None
-    blocks, rows, lengths = [], [], []
-    for i, (c, n) in enumerate(zip(chunks, skip)):
-        length = c.seq.cached + 1 - n * block_size  # its own columns, the new token's included
-        own = c.seq.blocks[n:n + -(-length // block_size)]
-        blocks += own
-        rows += [i] * len(own)
-        lengths += [length - j * block_size for j in range(len(own))]  # its columns from this block on
-    width = max(-(-(c.seq.cached + 1 - n * block_size) // block_size) for c, n in zip(chunks, skip))
-    if len(chunks) * width <= PADDED_WASTE * max(len(blocks), len(chunks) * SHORT_ROW):
-        return _padded(chunks, skip, width, block_size, device)
-    valid = torch.arange(block_size)[None, :] < _tensor("q", lengths)[:, None]
+    lengths = [c.seq.cached + 1 - n * block_size for c, n in zip(chunks, skip)]  # own columns, the new token's in
+    counts = [-(-length // block_size) for length in lengths]  # own blocks of each row
+    width, total = max(counts), sum(counts)
+    if len(chunks) * width <= PADDED_WASTE * max(total, len(chunks) * SHORT_ROW):
+        return _padded(chunks, skip, lengths, counts, width, block_size, device)
+    blocks, rows, valid = [], [], []
+    for i, (c, n, length, count) in enumerate(zip(chunks, skip, lengths, counts)):
+        blocks += c.seq.blocks[n:n + count]
+        rows += [i] * count
+        valid += [length - j * block_size for j in range(count)]  # its columns from this block on
+    valid = torch.arange(block_size)[None, :] < _tensor("q", valid)[:, None]
     return _tensor("q", blocks).to(device), _tensor("q", rows).to(device), valid.to(device)
 
 
-def _padded(chunks: list[Chunk], skip: list[int], width: int, block_size: int, device: Any) -> tuple:
+def _padded(chunks: list[Chunk], skip: list[int], lengths: list[int], counts: list[int], width: int, block_size: int,
+            device: Any) -> tuple:
     """(table [D, width], visible [D, 1, 1, width * bs]): each row's own blocks padded with block 0,
     and which columns lie within its length."""
-    table, lengths = [], []
-    for c, n in zip(chunks, skip):
-        length = c.seq.cached + 1 - n * block_size
-        own = c.seq.blocks[n:n + -(-length // block_size)]
-        table += own + [0] * (width - len(own))
-        lengths.append(length)
+    table: list[int] = []
+    for c, n, count in zip(chunks, skip, counts):
+        table += c.seq.blocks[n:n + count]
+        table += [0] * (width - count)
     visible = torch.arange(width * block_size)[None, :] < _tensor("q", lengths)[:, None]
     return _tensor("q", table).view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
 
