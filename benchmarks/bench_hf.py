@@ -110,6 +110,21 @@ def transformers_batch(model: Any, batch: list[list[int]], tokens: int) -> tuple
     return time.perf_counter() - start, out[:, width:].tolist()
 
 
+def alternated(engine: Engine, reference: Any, batch: list[list[int]], tokens: int,
+               repeats: int = REPEATS) -> tuple[float, float, int]:
+    """The engine's and transformers' tokens/s on `batch` (runs alternated, the median of `repeats` each),
+    and how many prompts got equal tokens."""
+    ours, theirs = [], []
+    for _ in range(repeats):
+        seconds, our_tokens = engine_many(engine, batch, tokens)
+        ours.append(seconds)
+        seconds, their_tokens = transformers_batch(reference, batch, tokens)
+        theirs.append(seconds)
+    n = len(batch)
+    same = sum(a == b for a, b in zip(our_tokens, their_tokens))
+    return n * tokens / sorted(ours)[repeats // 2], n * tokens / sorted(theirs)[repeats // 2], same
+
+
 def streamed(engine: Engine, batch: list[list[int]], tokens: int) -> tuple[list[float], list[float]]:
     ttft, gaps, lock, go = [], [], threading.Lock(), threading.Event()
 
@@ -330,15 +345,7 @@ def part_throughput(folder: Path, reference: Any, params: int, sizes: list[int],
         for n in sizes:
             batch = prompts(n)
             engine_many(engine, batch, 2)  # the KV cache grows to N rows once, outside the timed runs
-            ours_runs, theirs_runs = [], []
-            for _ in range(REPEATS):
-                seconds, our_tokens = engine_many(engine, batch, tokens)
-                ours_runs.append(seconds)
-                seconds, their_tokens = transformers_batch(reference, batch, tokens)
-                theirs_runs.append(seconds)
-            ours, theirs = sorted(ours_runs)[REPEATS // 2], sorted(theirs_runs)[REPEATS // 2]
-            same = sum(a == b for a, b in zip(our_tokens, their_tokens))
-            rate, ref_rate = n * tokens / ours, n * tokens / theirs
+            rate, ref_rate, same = alternated(engine, reference, batch, tokens)
             ttft, gaps = streamed(engine, batch, tokens)
             print(f"N={n:4d}: hf_causal_lm {rate:7.0f} tok/s  transformers one padded batch {ref_rate:7.0f} tok/s  "
                   f"ratio {rate / ref_rate:.2f}x  equal tokens {same}/{n} | streamed TTFT p50 "

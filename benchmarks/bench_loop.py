@@ -81,7 +81,7 @@ def vs_transformers(sizes: list[int], tokens: int = 32, repeats: int = 3) -> lis
     """N one-prompt greedy requests at once through an inline engine against transformers' ONE left-padded
     `generate` of the same prompts, alternated, medians of `repeats` (the tiny Qwen2: the forward is short,
     so the engine's host work decides)."""
-    from benchmarks.bench_hf import engine_many, transformers_batch
+    from benchmarks.bench_hf import alternated, engine_many
     from tests.hf_checkpoints import load_reference, write_checkpoint
 
     folder = write_checkpoint(Path(tempfile.mkdtemp(prefix="bench-loop-")) / "qwen2", "qwen2")
@@ -92,14 +92,7 @@ def vs_transformers(sizes: list[int], tokens: int = 32, repeats: int = 3) -> lis
         batch = [[(7 * i + j) % 200 + 3 for j in range(8 + i % 16)] for i in range(n)]
         with Engine(args, DeploymentConfig(mode="inline", batching=batching(n))) as engine:
             engine_many(engine, batch, 2)  # the KV cache's rows, outside the timed runs
-            ours, theirs = [], []
-            for _ in range(repeats):
-                seconds, our_tokens = engine_many(engine, batch, tokens)
-                ours.append(seconds)
-                seconds, their_tokens = transformers_batch(reference, batch, tokens)
-                theirs.append(seconds)
-        rate, ref = n * tokens / sorted(ours)[repeats // 2], n * tokens / sorted(theirs)[repeats // 2]
-        same = sum(a == b for a, b in zip(our_tokens, their_tokens))
+            rate, ref, same = alternated(engine, reference, batch, tokens, repeats)
         results.record("vs_transformers", requests=n, ours_tok_s=rate, transformers_tok_s=ref, ratio=rate / ref,
                        equal_tokens=same)
         lines.append(f"  N={n:4d}: hf_causal_lm {rate:7.0f} tok/s, transformers one padded batch {ref:7.0f} tok/s, "
