@@ -161,9 +161,11 @@ class IterationLoop:
             return self.control.refusal is None and (self.max_queued is None or self._queued < self.max_queued)
 
     def snapshot(self) -> dict[str, Any]:
-        with self._cond:
-            return {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting, "iterations":
-                    self.iterations, "iteration_ms": quantiles_ms(self._durations), **self.times.snapshot()}
+        with self._cond:  # counts and a copy here; sorting outside, so a scrape never holds up the loop
+            running, waiting, iterations, durations = len(self._running), self._n_waiting, self.iterations, \
+                list(self._durations)
+        return {"running_sequences": running, "waiting_sequences": waiting, "iterations": iterations,
+                "iteration_ms": quantiles_ms(durations), **self.times.snapshot()}
 
     def durations(self, last: int) -> list[float]:
         """Seconds of each of the latest `last` iterations (plan sent to deltas back), oldest first."""

@@ -58,7 +58,7 @@ class IterationTimes:
     def snapshot(self) -> dict[str, Any]:
         """{iteration_host_ms: {p50, p99}, iteration_forward_ms: {p50, p99}, iteration_parts_ms: {part: p50},
         iteration_host_share: median host / (host + forward)} over the latest iterations; None when none ran."""
-        with self._lock:
+        with self._lock:  # a copy under the lock (record() takes it every iteration); the sorting after
             parts = list(self._parts)
             histograms = {"iteration_host_seconds": self.host.snapshot(),
                           "iteration_forward_seconds": self.forward.snapshot()}
