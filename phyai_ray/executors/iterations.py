@@ -94,8 +94,7 @@ class IterationLoop:
         self.tally = Tally()
         self.iterations = 0
         self._durations: deque[float] = deque(maxlen=2048)  # seconds of the latest iterations, plan to deltas
-        self.service, self._last_end = ServiceTime(), None  # recent median pace (finish-by); last deltas' time
-        self.times = IterationTimes()  # host work apart from the forward, per iteration (loop_timing.py)
+        self.service, self._last_end, self.times = ServiceTime(), None, IterationTimes()  # pace; loop_timing.py
         logger.info("replica %d: continuous batching, admission %r", index, self.policy)
 
     # -- requests ------------------------------------------------------------------------------
@@ -162,10 +161,9 @@ class IterationLoop:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:  # counts and a copy here; sorting outside, so a scrape never holds up the loop
-            running, waiting, iterations, durations = len(self._running), self._n_waiting, self.iterations, \
-                list(self._durations)
-        return {"running_sequences": running, "waiting_sequences": waiting, "iterations": iterations,
-                "iteration_ms": quantiles_ms(durations), **self.times.snapshot()}
+            out = {"running_sequences": len(self._running), "waiting_sequences": self._n_waiting,
+                   "iterations": self.iterations, "iteration_ms": list(self._durations)}
+        return {**out, "iteration_ms": quantiles_ms(out["iteration_ms"]), **self.times.snapshot()}
 
     def durations(self, last: int) -> list[float]:
         """Seconds of each of the latest `last` iterations (plan sent to deltas back), oldest first."""
