@@ -195,12 +195,12 @@ def _decode_reads(chunks: list[Chunk], skip: list[int], block_size: int, device:
     width, total = max(counts), sum(counts)
     if len(chunks) * width <= PADDED_WASTE * max(total, len(chunks) * SHORT_ROW):
         return _padded(chunks, skip, lengths, counts, width, block_size, device)
-    blocks, rows, valid = [], [], []
+    blocks, rows, columns = [], [], []
     for i, (c, n, length, count) in enumerate(zip(chunks, skip, lengths, counts)):
         blocks += c.seq.blocks[n:n + count]
         rows += [i] * count
-        valid += [length - j * block_size for j in range(count)]  # its columns from this block on
-    valid = torch.arange(block_size)[None, :] < _tensor("q", valid)[:, None]
+        columns += [length - j * block_size for j in range(count)]  # its columns from this block on
+    valid = torch.arange(block_size)[None, :] < _tensor("q", columns)[:, None]
     return _tensor("q", blocks).to(device), _tensor("q", rows).to(device), valid.to(device)
 
 

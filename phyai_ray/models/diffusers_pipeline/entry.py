@@ -95,7 +95,7 @@ class DiffusersPipelineEntry(Entry):
         self.limits = limits_of(folder, args)
         self.policy = Policy.of(args.get("policy"), folder, self.limits)
         cosmos3 = folder.class_name == "Cosmos3OmniPipeline"  # conditioned on its frame rate (24 by default)
-        self.video_fps, self.video_fps_input = (DEFAULT_FPS, True) if cosmos3 else (16.0, False)
+        self.video_fps, self.video_fps_input = (DEFAULT_FPS, True) if cosmos3 else (type(self).video_fps, False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "guard": None}  # the ranks never check prompts; the output rank loads its own
