@@ -22,6 +22,7 @@ from phyai_ray.executors.replica import ReplicaLink, rank_args
 from phyai_ray.executors.serial import SerialWorker
 from phyai_ray.streams import ChunkSink, LocalReader
 from phyai_ray.work import BATCH, CALL, STEP, STREAM, Work
+from phyai_ray.rank import heap
 from phyai_ray.rank.runner import RankRunner
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class InlineExecutor:
 
     def __init__(self, build_runner: Callable[[], RankRunner], *, startup_timeout_s: float,
                  shutdown_timeout_s: float = 10.0, thread_name: str = "phyai-inline-0") -> None:
-        self._shutdown_s = shutdown_timeout_s
+        self._shutdown_s, self._closed = shutdown_timeout_s, False
         self._link: ReplicaLink | None = None
         self._worker = SerialWorker(name=thread_name, idle_exit_s=self.worker_idle_exit_s)
         started = self._worker.call(build_runner)
@@ -146,6 +147,9 @@ class InlineExecutor:
         self._worker.stop()
         if drain and not self._worker.current:
             self._worker.join(self._shutdown_s)
+        if not self._closed:
+            self._closed = True
+            heap.release()  # the frozen objects, collectable again once no replica holds them
 
     def nodes(self) -> tuple[str, ...]:
         return ()

@@ -20,14 +20,15 @@ Cascade (decode rows that share cached prefix blocks, e.g. the n samples of one 
 the shared blocks are gathered ONCE for the group and every row's queries attend to them
 together; each row's own table starts after them. The two partial softmaxes are merged by
 their log-sum-exp (out = w_p * o_prefix + w_s * o_suffix), so a group of n rows reads its
-prompt's keys once instead of n times. Rows that share nothing take the plain path. Every longer chunk
-(a prompt, part of one, or a rebuild) attends alone: its n queries see its cached columns and
-the causal part of its own, an [n, cached + n] mask. Nothing is B x S x T.
+prompt's keys once instead of n times. Rows that share nothing take the plain path. The longer chunks
+(a prompt, part of one, or a rebuild) attend in groups of similar sizes, one attention call a group:
+chunk p's n queries see its cached columns and the causal part of its own, padded to the group's
+longest (`Prefills`; 256 fresh prompts of 8-23 tokens: a few calls a layer instead of 256).
 
 Grouped-query attention: the G = heads / kv_heads queries that read one key/value head are
 stacked, so the blocks hold kv heads only. This module prepares the tables, masks and gathers;
 the kernels are `phyai_ray.nn.attention`'s `paged_decode_attention`, `paged_attention_lse` with
-`cascade_merge`, and `chunk_attention` (the attention entry's backends, boolean masks: True may attend).
+`cascade_merge`, and `attention` (the attention entry's backends, boolean masks: True may attend).
 """
 
 from __future__ import annotations
@@ -39,24 +40,29 @@ import torch
 
 from phyai_ray.llm.paged import Chunk
 from phyai_ray.llm.sequence import tensor_of as _tensor
-from phyai_ray.nn.attention import (cascade_attention, cascade_merge, chunk_attention, decode_attention,
+from phyai_ray.nn.attention import (attention, cascade_attention, cascade_merge, decode_attention,
                                     paged_attention_lse, paged_decode_attention)
 
 PADDED_WASTE = 1.2  # decode rows' keys are copied padded to the longest row while that copy is at most this
 # many times the blocks they read (SDPA over the copy is faster on a CPU); past it, read over blocks
+SHORT_CHUNK = 32  # prefill chunks of up to this many tokens group whatever padding they add (see _prefill_groups)
 SHORT_ROW = 8  # ... or at most PADDED_WASTE x this many blocks a row: short rows are copied padded whatever
 # they read (PADDED_WASTE = 0 reads every decode over blocks)
 
 
 @dataclass(frozen=True)
-class Prefill:
-    """A chunk of more than one token: its place in the batch, its blocks, and its causal mask."""
+class Prefills:
+    """Chunks of more than one token attended together: P chunks padded to the longest, Q queries and K keys.
 
-    start: int  # index of its first token in the batch
-    n: int
-    blocks: torch.Tensor  # [nb]: the blocks of columns 0 .. cached + n - 1
-    length: int  # cached + n
-    mask: torch.Tensor  # [n, length] bool
+    Query i of chunk p is batch row index[p, i] at position cached[p] + i; it sees columns
+    0 .. cached[p] + i. A padding query (i >= n[p]) repeats the chunk's last one and is not written back."""
+
+    index: torch.Tensor  # [P, Q]: the batch row of each query
+    valid: torch.Tensor  # [P, Q] bool: a real query
+    table: torch.Tensor  # [P, W] block tables (padded with block 0)
+    fresh: bool  # every chunk is a fresh prompt (nothing cached before it): given the new keys, it attends
+    # to those (K = Q columns), no gather
+    mask: torch.Tensor  # [P, 1, Q, W * block size] bool: True may attend (its first K columns are used)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class RaggedBatch:
     decodes: int  # D: tokens 0 .. D-1 are decode rows
     reads: tuple | None  # decode rows' own blocks (after a shared prefix): (blocks [B], rows [B], valid [B, bs]),
     # or padded (table [D, W], visible [D, 1, 1, W * bs]) when that copies little more (PADDED_WASTE)
-    prefills: tuple[Prefill, ...]
+    prefills: tuple[Prefills, ...]  # the longer chunks, in groups of similar sizes
     shared: tuple[Shared, ...] = ()  # decode rows whose leading blocks are the same blocks (cascade)
 
     @classmethod
@@ -103,11 +109,8 @@ class RaggedBatch:
         decodes = len(ones)
         skip, shared = _shared_prefixes(ordered[:decodes], block_size, device)
         reads = _decode_reads(ordered[:decodes], skip, block_size, device)
-        prefills, start = [], decodes
-        for c in ordered[decodes:]:
-            prefills.append(_prefill(c, start, block_size, device))
-            start += c.n
-        return cls(*packed, decodes, reads, tuple(prefills), shared)
+        prefills = _prefill_groups(ordered[decodes:], decodes, block_size, device)
+        return cls(*packed, decodes, reads, prefills, shared)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k / v [N, kv, d] in their blocks' rows."""
@@ -124,14 +127,14 @@ class RaggedBatch:
         out = q.new_empty(q.shape)
         if self.decodes:
             out[:self.decodes] = self._decode(q[:self.decodes], keys, values)
-        for p in self.prefills:
-            rows = slice(p.start, p.start + p.n)
-            if k is not None and v is not None and p.length == p.n:
-                pk, pv = k[rows][None].transpose(1, 2), v[rows][None].transpose(1, 2)
+        for g in self.prefills:
+            if g.fresh and k is not None and v is not None:  # their own new keys, as `write` stored them
+                pk, pv = k[g.index].transpose(1, 2), v[g.index].transpose(1, 2)
             else:
-                pk = _gather(keys, p.blocks[None])[:, :, :p.length]
-                pv = _gather(values, p.blocks[None])[:, :, :p.length]
-            out[rows] = chunk_attention(q[rows], pk, pv, p.mask)
+                pk, pv = _gather(keys, g.table), _gather(values, g.table)
+            rows = q[g.index].transpose(1, 2)  # [P, H, Q, D]
+            attended = attention(rows, pk, pv, g.mask[..., :pk.shape[2]]).transpose(1, 2)
+            out[g.index[g.valid]] = attended[g.valid]
         return out
 
 
@@ -216,9 +219,45 @@ def _padded(chunks: list[Chunk], skip: list[int], lengths: list[int], counts: li
     return _tensor("q", table).view(len(chunks), width).to(device), visible.view(len(chunks), 1, 1, -1).to(device)
 
 
-def _prefill(c: Chunk, start: int, block_size: int, device: Any) -> Prefill:
-    length = c.seq.cached + c.n
-    used = c.seq.blocks[:-(-length // block_size)]
-    sees = torch.arange(c.seq.cached, length)[:, None]  # query i's position: it sees keys 0 .. its position
-    mask = torch.arange(length)[None, :] <= sees
-    return Prefill(start, c.n, torch.tensor(used, device=device), length, mask.to(device))
+def _prefill_groups(chunks: list[Chunk], start: int, block_size: int, device: Any) -> tuple[Prefills, ...]:
+    """The longer chunks (batch rows from `start` on, in order) in groups attended together: by length, a
+    group takes the next chunk while its padded queries x keys stay within PADDED_WASTE times its own
+    (or SHORT_CHUNK squared a chunk: short prompts cost little padded). Fresh prompts group apart from
+    chunks with cached columns (those read the cache through their tables)."""
+    firsts, at = [], start
+    for c in chunks:
+        firsts.append(at)
+        at += c.n
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].seq.cached > 0, chunks[i].seq.cached + chunks[i].n))
+    groups, group = [], []
+    for i in order:
+        c = chunks[i]
+        if group:
+            head = chunks[group[0]]
+            members = [chunks[j] for j in group] + [c]
+            padded = len(members) * max(m.n for m in members) * (c.seq.cached + c.n)
+            own = sum(m.n * (m.seq.cached + m.n) for m in members)
+            if (head.seq.cached > 0) != (c.seq.cached > 0) or padded > max(PADDED_WASTE * own,
+                                                                             len(members) * SHORT_CHUNK ** 2):
+                groups.append(group)
+                group = []
+        group.append(i)
+    if group:
+        groups.append(group)
+    return tuple(_prefills([chunks[i] for i in g], [firsts[i] for i in g], block_size, device) for g in groups)
+
+
+def _prefills(chunks: list[Chunk], firsts: list[int], block_size: int, device: Any) -> Prefills:
+    counts = _tensor("q", [c.n for c in chunks])
+    cached = _tensor("q", [c.seq.cached for c in chunks])
+    width = int(counts.max())
+    query = torch.arange(width)
+    valid = query[None, :] < counts[:, None]
+    index = _tensor("q", firsts)[:, None] + torch.minimum(query[None, :], counts[:, None] - 1)
+    sees = cached[:, None] + torch.minimum(query[None, :], counts[:, None] - 1)  # [P, Q]: the last column seen
+    used = [-(-(c.seq.cached + c.n) // block_size) for c in chunks]
+    w = max(used)
+    table = _tensor("q", [b for c, u in zip(chunks, used) for b in c.seq.blocks[:u] + [0] * (w - u)])
+    mask = torch.arange(w * block_size)[None, None, :] <= sees[:, :, None]
+    return Prefills(index.to(device), valid.to(device), table.view(len(chunks), w).to(device),
+                    not any(c.seq.cached for c in chunks), mask[:, None].to(device))

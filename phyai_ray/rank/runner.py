@@ -17,6 +17,7 @@ from phyai_ray.process_groups import GroupSet, activate_groups, deactivate_group
 from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import RankTiming
+from phyai_ray.rank import heap
 from phyai_ray.rank.failures import admit_each, answer, iterate_once
 from phyai_ray.work import BATCH, CALL, ITERATE, STEP, STREAM, Kind
 from placement.topology import Topology
@@ -69,6 +70,7 @@ class RankRunner:
         if not callable(getattr(self.model, "step", None)):
             raise TypeError(f"plugin {entry.display_name()}: create() returned {type(self.model).__name__}, "
                             "which has no step(request) method")
+        heap.hold()  # the imports and the model: later collections skip them (heap.py)
 
     def execute(self, kind: Any, payload: Any, sink: Any = None) -> Any:
         """Run one unit of work of `kind` (phyai_ray.work.Kind): the one entry every executor's ranks
