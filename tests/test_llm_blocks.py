@@ -192,7 +192,7 @@ def test_decode_rows_sharing_prefix_blocks_read_them_once_and_equal_dense_attent
             "d": ([3, 6], 6),  # block 3 only: the group a, b, c, d shares one block
             "e": ([10, 11], 5), "f": ([13, 14], 8), "g": ([13, 14], 8)}  # e alone; f, g share only block 13:
     # block 14 is where their new token goes (column 7), not yet written for both
-    chunks = [Chunk(SimpleNamespace(pending=[1], cached=length - 1, blocks=blocks, seq_id=i), 1)
+    chunks = [Chunk(SimpleNamespace(pending=[1], cached=length - 1, blocks=blocks, seq_id=i), 1, True)
               for i, (blocks, length) in enumerate(rows.values())]
     batch = RaggedBatch.build(chunks, size, "cpu")
     assert sorted((s.rows.tolist(), s.blocks.tolist()) for s in batch.shared) == [([0, 1, 2, 3], [3]), ([5, 6], [13])]

@@ -110,8 +110,12 @@ class LoopSequence:
         if delta.token_ids:
             self.tokens += delta.token_ids
             self.log_probs += delta.log_probs
-            self.versions += [version] * len(delta.token_ids)
-            self.tops += delta.top_logprobs
+            if len(delta.token_ids) == 1:
+                self.versions.append(version)
+            else:
+                self.versions += [version] * len(delta.token_ids)
+            if delta.top_logprobs:
+                self.tops += delta.top_logprobs
             self.version = version
         if delta.value is not None:
             self.value, self.version = delta.value, version
@@ -145,6 +149,10 @@ class Candidates(Sequence):
 
     def __iter__(self) -> Iterator[Candidate]:
         return (_candidate(Candidate, (s.cost, s.group, len(s.tokens), s.stale)) for s in self._seqs)
+
+    def rebuilding(self) -> bool:
+        """Whether any of them rebuilds its state this iteration (`any(c.rebuild for c in self)`, no Candidate made)."""
+        return any(s.stale for s in self._seqs)
 
 
 def stream_chunk(req: LoopRequest, changed: list[tuple[LoopSequence, Delta]]) -> None:

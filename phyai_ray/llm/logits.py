@@ -26,7 +26,10 @@ from phyai_ray.llm.sequence import tensor_of
 
 
 def changes(seq: Any) -> bool:
-    """Whether `seq` asks for any of the processors above."""
+    """Whether `seq` asks for any of the processors above (a `Running` knows: its `processors`)."""
+    known = getattr(seq, "processors", None)
+    if known is not None:
+        return known
     return bool(getattr(seq, "logit_bias", None)) or getattr(seq, "repetition_penalty", 1.0) != 1.0 or \
         getattr(seq, "frequency_penalty", 0.0) != 0.0 or getattr(seq, "presence_penalty", 0.0) != 0.0
 

@@ -69,10 +69,7 @@ class Chunk(NamedTuple):
 
     seq: PagedSeq
     n: int
-
-    @property
-    def samples(self) -> bool:
-        return self.n == len(self.seq.pending)
+    samples: bool
 
 
 class PagedSequences:
@@ -94,6 +91,7 @@ class PagedSequences:
         self.preemptions = 0  # running sequences preempted so far
         self.waits = 0  # iterations in which the waiting head found too few free blocks
         self.held = 0  # admitted sequences left waiting, never started, after an iteration's schedule (summed)
+        self.unreported: dict[int, PagedSeq] = {}  # sequences preempted since their last Delta
 
     def __bool__(self) -> bool:
         return bool(self.by_id)
@@ -139,16 +137,31 @@ class PagedSequences:
         chunks: list[Chunk] = []
         left, preempted = self.budget, self.preemptions
         scheduled: set[int] = set()
-        decodes = [s for s in self.running if len(s.pending) == 1]
-        prefills = [s for s in self.running if len(s.pending) > 1]
-        for seq in decodes + prefills:
+        size, naming = self.pool.block_size, self.pool.prefix_caching
+        prefills = []
+        for seq in tuple(self.running):  # the decodes: one token each, the hot path (no call per sequence
+            if len(seq.pending) != 1:  # unless it needs a block or fills one)
+                prefills.append(seq)
+                continue
             if left == 0:
                 break
             if self.preemptions != preempted and seq not in self.running:  # preempted by an older one this round
                 continue
+            if seq.cached >= len(seq.blocks) * size and not self._grow(seq, 1, scheduled):
+                continue
+            chunks.append(Chunk(seq, 1, True))
+            scheduled.add(seq.seq_id)
+            if naming and (seq.cached + 1) // size > len(seq.hashes):
+                self._name_full_blocks(seq, seq.cached + 1)
+            left -= 1
+        for seq in prefills:
+            if left == 0:
+                break
+            if self.preemptions != preempted and seq not in self.running:
+                continue
             n = self._grow(seq, min(left, len(seq.pending)), scheduled)
             if n:
-                chunks.append(Chunk(seq, n))
+                chunks.append(Chunk(seq, n, n == len(seq.pending)))
                 scheduled.add(seq.seq_id)
                 self._name_full_blocks(seq, seq.cached + n)
                 left -= n
@@ -159,7 +172,7 @@ class PagedSequences:
                 break
             seq = self.waiting.pop(0)
             seq.started = True
-            chunks.append(Chunk(seq, n))
+            chunks.append(Chunk(seq, n, n == len(seq.pending)))
             self._name_full_blocks(seq, seq.cached + n)
             self._run(seq)
             left -= n
@@ -171,8 +184,9 @@ class PagedSequences:
         sequences need for their pending tokens (a preempted one: its whole history), and those tokens."""
         size, need, tokens = self.pool.block_size, 0, 0
         for seq in self.running:
-            need += max(blocks_for(seq.cached + len(seq.pending), size) - len(seq.blocks), 0)
-            tokens += len(seq.pending)
+            pending = len(seq.pending)
+            need += max(-(-(seq.cached + pending) // size) - len(seq.blocks), 0)
+            tokens += pending
         for seq in self.waiting:
             need += blocks_for(seq.cached + len(seq.pending), size)
             tokens += len(seq.pending)
@@ -182,21 +196,38 @@ class PagedSequences:
     def finish(self, chunks: list[Chunk], chosen: list[int], log_probs: list[float],
                tops: list[dict[int, float] | None] | None = None) -> dict[int, Delta]:
         """After the forward: the sampling chunks take chosen[i] (in order), the others advance; the
-        sequences that ended free their blocks."""
+        sequences that ended free their blocks. Every sequence held gets a Delta (an empty one when it
+        ran no chunk), carrying the preemptions it has not reported yet."""
         sampled = iter(zip(chosen, log_probs, tops or [None] * len(chosen)))
         deltas: dict[int, Delta] = {}
-        for chunk in chunks:
-            seq = chunk.seq
-            if chunk.samples:
+        ended = []
+        for seq, n, samples in chunks:
+            if samples:
                 deltas[seq.seq_id] = seq.take(*next(sampled))
+                if seq.stop_reason is not None:
+                    ended.append(seq)
             else:
-                seq.cached += chunk.n
-                seq.pending = seq.pending[chunk.n:]
+                seq.cached += n
+                seq.pending = seq.pending[n:]
                 deltas[seq.seq_id] = Delta()
-            if seq.stop_reason is not None:
-                self.running.remove(seq)
+        if ended:
+            gone = {id(seq) for seq in ended}
+            self.running = [s for s in self.running if id(s) not in gone]
+            for seq in ended:
                 del self.by_id[seq.seq_id]
                 self._release(seq)
+        return self.report(deltas, ended)
+
+    def report(self, deltas: dict[int, Delta], ended: list[PagedSeq] = ()) -> dict[int, Delta]:
+        """`deltas` with an empty Delta for every other sequence held, and each one's unreported preemptions."""
+        if len(deltas) != len(self.by_id) + len(ended):
+            for seq_id in self.by_id.keys() - deltas.keys():
+                deltas[seq_id] = Delta()
+        if self.unreported:
+            for seq_id, seq in self.unreported.items():
+                if seq_id in deltas:  # (not a dropped one)
+                    deltas[seq_id].preempted += seq.reported()
+            self.unreported = {}
         return deltas
 
     # -- blocks ----------------------------------------------------------------------------------
@@ -284,6 +315,8 @@ class PagedSequences:
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
         self.preemptions += count
         seq.preempted += count
+        if count:
+            self.unreported[seq.seq_id] = seq
 
     def _release(self, seq: PagedSeq) -> None:
         self.pool.free(reversed(seq.blocks))

@@ -139,9 +139,8 @@ class PagedDecoder:
         whether any chunk ran)."""
         seqs.pool.restore()  # after a sleep whose wake_up did not name "kv_cache"
         chunks = seqs.schedule()
-        preempted = {s.seq_id: s.reported() for s in seqs.by_id.values()}  # every held sequence gets a Delta
         if not chunks:
-            return {seq_id: Delta(preempted=n) for seq_id, n in preempted.items()}, False
+            return seqs.report({}), False
         try:
             batch = RaggedBatch.build(chunks, seqs.pool.block_size, self.ctx.device)
             started = time.perf_counter()
@@ -154,10 +153,7 @@ class PagedDecoder:
             raise
         sampling = [c.seq for c in chunks if c.samples]
         chosen, log_probs, tops = draw(logits, sampling) if sampling else ([], [], None)  # one copy to the host
-        ran = seqs.finish(chunks, chosen, log_probs, tops)
-        for seq_id, delta in ran.items():
-            delta.preempted = preempted[seq_id]  # preempted before (by a whole request), started now
-        return {seq_id: ran[seq_id] if seq_id in ran else Delta(preempted=n) for seq_id, n in preempted.items()}, True
+        return seqs.finish(chunks, chosen, log_probs, tops), True
 
     # -- the cache -------------------------------------------------------------------------------
     def cache_bytes(self) -> int:

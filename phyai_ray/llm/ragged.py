@@ -92,18 +92,23 @@ class RaggedBatch:
     def build(cls, chunks: list[Chunk], block_size: int, device: Any) -> "RaggedBatch":
         """The batch of `chunks`: one-token chunks first; `last` follows the order of `chunks`."""
         ones = [c for c in chunks if c.n == 1]
-        ordered = ones + [c for c in chunks if c.n > 1]
-        tokens = [c.seq.pending[0] for c in ones]  # a decode row: one token at its cached column
-        positions = [c.seq.cached for c in ones]
-        blocks = [c.seq.blocks[p // block_size] for c, p in zip(ones, positions)]
-        ends = {id(c): i for i, c in enumerate(ones)}
-        for c in ordered[len(ones):]:
-            tokens += c.seq.pending[:c.n]
-            span = range(c.seq.cached, c.seq.cached + c.n)
-            positions += span
-            blocks += [c.seq.blocks[p // block_size] for p in span]
-            ends[id(c)] = len(tokens) - 1
-        last = [ends[id(c)] for c in chunks if c.samples]
+        longer = [c for c in chunks if c.n > 1] if len(ones) < len(chunks) else []
+        ordered = ones + longer
+        seqs = [c.seq for c in ones]
+        tokens = [s.pending[0] for s in seqs]  # a decode row: one token at its cached column
+        positions = [s.cached for s in seqs]
+        blocks = [s.blocks[p // block_size] for s, p in zip(seqs, positions)]
+        if longer:
+            ends = {id(c): i for i, c in enumerate(ones)}
+            for c in longer:
+                tokens += c.seq.pending[:c.n]
+                span = range(c.seq.cached, c.seq.cached + c.n)
+                positions += span
+                blocks += [c.seq.blocks[p // block_size] for p in span]
+                ends[id(c)] = len(tokens) - 1
+            last = [ends[id(c)] for c in chunks if c.samples]
+        else:  # one-token chunks only: the batch's rows are the chunks, in order
+            last = [i for i, c in enumerate(ones) if c.samples]
         parts = [tokens, positions, blocks, [p % block_size for p in positions], last]
         packed = _tensor("q", [v for part in parts for v in part]).to(device).split([len(p) for p in parts])
         decodes = len(ones)
@@ -169,9 +174,12 @@ def _shared_prefixes(chunks: list[Chunk], block_size: int, device: Any) -> tuple
     for it. A group's prefix ends where its rows' tables first differ, and never past a block some
     row has not finished writing (every shared block is full and already written)."""
     skip, by_first = [0] * len(chunks), {}
-    for i, c in enumerate(chunks):
-        if c.seq.blocks:
-            by_first.setdefault(c.seq.blocks[0], []).append(i)
+    firsts = [c.seq.blocks[0] if c.seq.blocks else -1 - i for i, c in enumerate(chunks)]
+    if len(set(firsts)) == len(firsts):  # no two rows start with the same block: nothing is shared
+        return skip, ()
+    for i, first in enumerate(firsts):
+        if first >= 0:
+            by_first.setdefault(first, []).append(i)
     shared = []
     for rows in by_first.values():
         if len(rows) < 2:

@@ -56,13 +56,14 @@ def draw(logits: torch.Tensor, seqs: list[Any]) -> tuple[list[int], list[float],
                  "floor": any(getattr(seqs[i], "min_p", 0.0) > 0.0 for i in drawn)}
         chosen = chosen.index_copy(0, index, _draw_rows(x.index_select(0, index), params, **knobs))
     parts = [chosen.double(), log_probs.gather(1, chosen[:, None]).squeeze(1).double()]
-    wanted = [min(int(s.top_logprobs or 0), vocab) for s in seqs]
-    k = max(wanted)
+    asked = [s.top_logprobs for s in seqs]
+    wanted = [min(int(n or 0), vocab) for n in asked] if any(asked) else None
+    k = max(wanted) if wanted else 0
     if k:
         values, ids = log_probs.topk(k, dim=-1)
         parts += [ids.double().flatten(), values.double().flatten()]
     host = torch.cat(parts).cpu().tolist()  # the one copy to the host
-    tokens, lps = [int(t) for t in host[:rows]], host[rows:2 * rows]
+    tokens, lps = list(map(int, host[:rows])), host[rows:2 * rows]
     if not k:
         return tokens, lps, None
     ids, values = host[2 * rows:2 * rows + rows * k], host[2 * rows + rows * k:]

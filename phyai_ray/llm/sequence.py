@@ -48,6 +48,11 @@ class Running:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    processors: bool = False  # any of logit_bias and the penalties given (`phyai_ray.llm.logits.changes`)
+
+    def __post_init__(self) -> None:
+        self.processors = bool(self.logit_bias) or self.repetition_penalty != 1.0 or \
+            self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @classmethod
     def from_payload(cls, seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> "Running":
@@ -90,7 +95,7 @@ class Running:
             self.stop_reason = "completed"
         elif len(self.tokens) >= self.max_tokens:
             self.stop_reason = "length"
-        return Delta([token], [log_prob], self.stop_reason, [top] if top is not None else [])
+        return Delta([token], [log_prob], self.stop_reason, [] if top is None else [top])
 
 
 def _check_payload(seq_id: int, payload: dict[str, Any], max_seq: int, vocab: int) -> None:

@@ -162,7 +162,9 @@ class KVBlocks:
         self.capacity, self._blocks, self._tokens = capacity, 0, 0
 
     def begin(self, running: Sequence[Candidate]) -> None:
-        self._running, self._rebuild = len(running), any(c.rebuild for c in running)
+        rebuilding = getattr(running, "rebuilding", None)  # the loop's Candidates answer without a Candidate each
+        self._running = len(running)
+        self._rebuild = rebuilding() if rebuilding is not None else any(c.rebuild for c in running)
         self.policy.begin(running)
 
     def admit(self, candidate: Candidate) -> bool:
