@@ -116,6 +116,18 @@ class P:
         return out
 
     @staticmethod
+    def agreed(value: int, op: str = "min", group: str = "world") -> int:
+        """The one integer every rank of `group` ends with: the min (max, sum) of the values the ranks
+        passed. For what must be decided once for a replica, e.g. its KV pool's blocks: the fewest any
+        rank holds, so no rank schedules what another cannot (their collectives would mismatch)."""
+        groups = active()
+        if groups.size(group) == 1:
+            return int(value)
+        nccl = _dist().get_backend(groups.handle(group)) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        return int(P.all_reduce(torch.tensor([int(value)], dtype=torch.int64, device=device), group, op).item())
+
+    @staticmethod
     def barrier(group: str = "world") -> None:
         """Wait until every rank of `group` arrives."""
         groups = active()

@@ -75,6 +75,12 @@ def test_all_reduce(two_rank_outputs):
 
 
 @pytest.mark.torchrun
+def test_agreed_is_one_integer_on_every_rank(two_rank_outputs):
+    """Rank r passes 10 + 5r: both ranks end with the min (10) over the world and the max (15) over dense_tp."""
+    assert [o["agreed"] for o in two_rank_outputs] == [[10, 15], [10, 15]]
+
+
+@pytest.mark.torchrun
 def test_all_gather(two_rank_outputs):
     xs = [rank_input(r) for r in range(2)]
     for o in two_rank_outputs:

@@ -301,6 +301,29 @@ def test_video_bad_fields_are_400s_naming_the_field(server: dict) -> None:
         client.videos.retrieve("video_" + "0" * 32)
 
 
+def test_remix_and_an_oversized_image_are_400s_that_say_why(server: dict) -> None:
+    """The openai client's `remix` on a finished job: a 400 saying remix is not offered (an unknown id: 404);
+    an input_reference of 5000 x 4000 pixels: a 400 naming it and the limit, before it is decoded."""
+    import io
+
+    import openai
+    from PIL import Image
+
+    client = video_client(server)
+    video = client.videos.create_and_poll(prompt=PROMPT, size="32x32", seconds="0.5", extra_body=VIDEO_EXTRA,
+                                          poll_interval_ms=50)
+    with pytest.raises(openai.BadRequestError, match="remix is not offered by this server"):
+        client.videos.remix(video.id, prompt="the same, at night")
+    with pytest.raises(openai.NotFoundError):
+        client.videos.remix("video_" + "0" * 32, prompt="anything")
+    assert client.videos.retrieve(video.id).status == "completed"
+    picture = io.BytesIO()
+    Image.new("L", (5000, 4000)).save(picture, format="PNG")
+    with pytest.raises(openai.BadRequestError, match="input_reference is 5000 x 4000 = 20000000 pixels, past"):
+        client.videos.create(prompt=PROMPT, size="32x32", seconds="0.5", extra_body=VIDEO_EXTRA,
+                             input_reference=("big.png", picture.getvalue(), "image/png"))
+
+
 def test_a_video_job_on_a_killed_group_ends_failed_with_its_reason(server: dict) -> None:
     """The last test of the module: it kills the group's rank. One rank runs in the group's Serve replica,
     so the ingress running the job dies with it: the next reader fails the job once no report came for

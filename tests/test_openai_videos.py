@@ -146,6 +146,25 @@ def test_input_reference_as_a_data_url() -> None:
             reference_image(bad)
 
 
+def test_an_image_past_the_pixel_limit_is_a_400_before_it_is_decoded() -> None:
+    """A 5000 x 4000 PNG (20 M pixels, past 4096 x 4096) and a decompression bomb past PIL's own bound
+    (a 1-bit 20000 x 20000 PNG of 50 kB) are 400s naming input_reference and the limit."""
+    from PIL import Image
+
+    from phyai_ray.serve.protocols.openai.videos import MAX_IMAGE_PIXELS, image_of
+
+    for size, mode in (((5000, 4000), "L"), ((20000, 20000), "1")):
+        buffer = io.BytesIO()
+        Image.new(mode, size).save(buffer, format="PNG")
+        with pytest.raises(OpenAIError, match=f"input_reference is .*past this server's limit of {MAX_IMAGE_PIXELS}") \
+                as caught:
+            image_of(buffer.getvalue())
+        assert caught.value.status == 400 and caught.value.param == "input_reference"
+    small = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(small, format="PNG")
+    assert image_of(small.getvalue()).shape == (48, 64, 3)
+
+
 def test_mp4_round_trip_within_the_codec_loss_and_the_thumbnail_is_exact() -> None:
     from PIL import Image
 
@@ -194,7 +213,7 @@ def test_schemathesis_on_the_video_routes(video_schema) -> None:
     operations = [op.ok() for op in video_schema.get_all_operations() if op.ok().path.startswith("/v1/videos")]
     assert sorted(f"{op.method.upper()} {op.path}" for op in operations) == [
         "DELETE /v1/videos/{video_id}", "GET /v1/videos", "GET /v1/videos/{video_id}",
-        "GET /v1/videos/{video_id}/content", "POST /v1/videos"]
+        "GET /v1/videos/{video_id}/content", "POST /v1/videos", "POST /v1/videos/{video_id}/remix"]
     failures = {}
     for operation in operations:
         @given(operation.as_strategy())

@@ -72,6 +72,27 @@ def test_three_marked_requests_of_64_fail_alone_and_the_same_ranks_serve_on(engi
         assert (failure.status, failure.kind, failure.retry_after) == (503, "out_of_memory", True)
 
 
+def test_a_sequence_refused_on_one_rank_only_fails_alone_on_every_rank(ray_group):
+    """Rank 1 alone refuses 3 of 64 sequences in `admit` (rank 0 admits them). The ranks exchange their
+    verdicts before the iteration's all-reduce over the running ids (`agree_admissions`), so both drop
+    the 3, each of those requests fails alone with an error naming the rank, the other 61 finish on the
+    same rank processes, and every iteration's all-reduce saw the same sequences on both ranks."""
+    pids = ray_group.replica_status()[0].pids
+    requests = [{"prompts": [[1 + i % 4]], "max_tokens": 3, **({"fail": "admit_rank1"} if i in MARKED else {})}
+                for i in range(64)]
+    futures = [ray_group.submit(r) for r in requests]
+    for i, future in enumerate(futures):
+        if i in MARKED:
+            with pytest.raises(RuntimeError, match=r"sequence \d+ was failed on rank\(s\) \[1\] of 2 while it "
+                                                   r"was admitted; every rank of the replica dropped it"):
+                future.result(timeout=30)
+        else:
+            assert future.result(timeout=30)[0].token_ids == tokens([1 + i % 4], 3)
+    status = ray_group.replica_status()[0]
+    assert status.healthy and status.pids == pids
+    assert ray_group.collective_rpc("agreed", all_ranks=True, timeout=30)[0] == [True, True]
+
+
 def test_a_delta_error_fails_its_request_alone(engine):
     beside = [engine.submit({"prompts": [[2]], "max_tokens": 6}) for _ in range(4)]
     marked = engine.submit({"prompts": [[3]], "max_tokens": 6, "fail": "delta"})

@@ -1,6 +1,7 @@
 """A sequence's failure on a rank stays that sequence's: what `RankRunner.iterate` catches, and how.
 
     failed = admit_each(model, plan.admit)                  # {seq_id: error} of admits that raised
+    agree_admissions(model, plan.admit, failed, device)     # several ranks: one verdict for all of them
     deltas = iterate_once(model, admitted, failed, alone)   # SequenceError / out of memory: retried once
     reply = answer(deltas, failed, is_output_rank)          # a RankIteration (or None: nothing to say)
 
@@ -13,15 +14,24 @@ rank (`alone`): the sequences admitted in this iteration are dropped and failed,
 iteration runs once more. On several ranks an iteration that runs out of memory may have left the
 other ranks inside a collective, so it raises and the replica fails (docs/concepts/replicas.md).
 Anything else `iterate()` raises is the shared forward's failure: it propagates.
+
+Ranks agree before the iteration: on a replica of several ranks, `agree_admissions` exchanges which
+admits raised (one all-reduce of a [ranks, admitted] table of failure codes over the world group), so
+a sequence refused on SOME rank is dropped on every rank before any collective of the iteration, and
+every rank reports it failed with the same class (what the refusing rank raised is in its log). A
+sequence refused by every rank alike keeps each rank's own error.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
-from phyai_ray.errors import OutOfMemoryRequestError
+from phyai_ray.errors import OutOfMemoryRequestError, RequestRejectedError
 from phyai_ray.plugins.iteration import Delta, RankIteration, SequenceError
+
+logger = logging.getLogger(__name__)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -65,8 +75,48 @@ def admit_each(model: Any, admit: tuple) -> dict[int, BaseException]:
         try:
             model.admit(ident, payload)
         except Exception as exc:  # that sequence's own failure: the model holds nothing of it
+            logger.warning("sequence %d: admit raised %s", ident, type(exc).__name__, exc_info=exc)
             failed[ident] = request_error(ident, exc, "while it was admitted")
     return failed
+
+
+_KINDS = {1: "refused", 2: "out of memory", 3: "failed"}  # a rank's failure code, as the all-reduce carries it
+
+
+def agree_admissions(model: Any, admit: tuple, failed: dict[int, BaseException], device: Any) -> None:
+    """One verdict per admitted sequence on every rank of the replica (see the module docstring):
+    `failed` gains the sequences that failed on another rank (dropped here), with errors alike on every rank."""
+    from phyai_ray.collectives import P
+
+    world = P.size("world")
+    if world == 1 or not admit:
+        return
+    import torch
+
+    idents = [ident for ident, _ in admit]
+    table = torch.zeros(world, len(idents), dtype=torch.int32, device=device)
+    me = P.rank("world")
+    for j, ident in enumerate(idents):
+        if ident in failed:
+            table[me, j] = _code(failed[ident])
+    codes = P.all_reduce(table, group="world").cpu().tolist()  # every rank wrote its own row only
+    for j, ident in enumerate(idents):
+        ranks = [r for r in range(world) if codes[r][j]]
+        if not ranks or (len(ranks) == world and len({codes[r][j] for r in ranks}) == 1):
+            continue  # admitted everywhere, or refused everywhere alike (each rank keeps its own error)
+        if ident not in failed:
+            model.drop(ident)
+        kind = codes[ranks[0]][j]
+        failed[ident] = _AGREED[kind](
+            f"sequence {ident} was {_KINDS[kind]} on rank(s) {ranks} of {world} while it was admitted; every rank "
+            f"of the replica dropped it and ran the others (rank {ranks[0]}'s log has its error)")
+
+
+def _code(error: BaseException) -> int:
+    return 2 if isinstance(error, OutOfMemoryRequestError) else 1 if isinstance(error, RequestRejectedError) else 3
+
+
+_AGREED: dict[int, type[BaseException]] = {1: RequestRejectedError, 2: OutOfMemoryRequestError, 3: RuntimeError}
 
 
 def iterate_once(model: Any, admitted: list[int], failed: dict[int, BaseException], alone: bool) -> Any:

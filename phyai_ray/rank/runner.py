@@ -18,7 +18,7 @@ from phyai_ray.plugins.context import RankContext
 from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import RankTiming
 from phyai_ray.rank import heap
-from phyai_ray.rank.failures import admit_each, answer, iterate_once
+from phyai_ray.rank.failures import admit_each, agree_admissions, answer, iterate_once
 from phyai_ray.work import BATCH, CALL, ITERATE, STEP, STREAM, Kind
 from placement.topology import Topology
 
@@ -149,6 +149,7 @@ class RankRunner:
             for ident in plan.recompute:
                 model.recompute(ident)
             failed = admit_each(model, plan.admit)  # a sequence whose admit raised fails alone (rank/failures.py)
+            agree_admissions(model, plan.admit, failed, self.ctx.device)  # ... on every rank alike
             if plan.pause or plan.resume:
                 self._take_turns(plan)
             planned = time.perf_counter()

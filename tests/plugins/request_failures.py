@@ -1,6 +1,7 @@
 """`fail_probe`: iter_probe whose requests can ask to fail alone, in each of the ways a plugin reports it.
 
     {"prompts": [[3, 4]], "max_tokens": 4, "fail": "admit"}    admit() raises MarkedError on every rank
+    ... "fail": "admit_rank1"  admit() raises MarkedError on rank 1 only (rank 0 admits it)
     ... "fail": "oom"          admit() raises torch.OutOfMemoryError on every rank
     ... "fail": "delta"        its second iteration ends it with Delta(stop_reason="error", error=MarkedError)
     ... "fail": "sequence"     its second iteration raises SequenceError({its id: MarkedError}) on every rank
@@ -31,8 +32,12 @@ class OwnPluginError(ValueError):
 
 
 class FailProbe(IterProbe):
+    def __init__(self, plugin_args: dict[str, Any], ctx: Any) -> None:
+        super().__init__(plugin_args, ctx)
+        self.rank = ctx.rank
+
     def admit(self, ident: int, payload: dict[str, Any]) -> None:
-        if payload.get("fail") == "admit":
+        if payload.get("fail") == "admit" or (payload.get("fail") == "admit_rank1" and self.rank == 1):
             raise MarkedError(f"sequence {ident} was marked to fail in admit")
         if payload.get("fail") == "oom":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (a stand-in)")

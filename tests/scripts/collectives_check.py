@@ -49,6 +49,7 @@ def run_ops(rank: int) -> dict:
     out["all_to_all_uneven"] = P.all_to_all(x, "dense_tp", output_split_sizes=splits_out(rank),
                                             input_split_sizes=SPLITS_IN[rank]).tolist()
     out["barrier"] = _barrier(rank)
+    out["agreed"] = [P.agreed(10 + 5 * rank), P.agreed(10 + 5 * rank, "max", "dense_tp")]
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phyai_ray.collectives import P
 from phyai_ray.models.hf_causal_lm.checkpoint import Checkpoint
 from phyai_ray.models.hf_causal_lm.config import CudaMemory, HFCausalLMConfig
 from phyai_ray.models.hf_causal_lm.request import Parsed, TextRequest
@@ -108,7 +109,9 @@ class HFCausalLM(PagedDecoder):
         per_block = block_bytes(**shape, block_size=cfg.block_size, dtype=self.dtype)
         budget = cfg.kv_cache_budget(device=self.ctx.device, per_token=-(-per_block // cfg.block_size),
                                      max_len=self.max_len, memory=memory)
-        num_blocks = budget // per_block
+        # every rank the same pool: the fewest blocks any rank of the replica holds (ranks that hold more
+        # would schedule chunks the others cannot, and their collectives would mismatch)
+        num_blocks = P.agreed(budget // per_block, "min", "world")
         if num_blocks < blocks_for(self.max_len, cfg.block_size):
             raise ValueError(f"hf_causal_lm: a KV cache of {budget} bytes holds {num_blocks} blocks of "
                              f"{cfg.block_size} tokens ({per_block} bytes each), fewer than one sequence of "

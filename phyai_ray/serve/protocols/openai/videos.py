@@ -13,6 +13,9 @@
     DELETE /v1/videos/{id}            a queued job is removed, a running one cancelled (its slot frees at
                                       the next iteration), a finished one's files deleted
     GET    /v1/videos                 newest first; limit, after, order
+    POST   /v1/videos/{id}/remix      not offered: a 400 saying so (404 for an unknown id)
+
+An input_reference past MAX_IMAGE_PIXELS (4096 x 4096) is a 400 before it is decoded.
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
     video = client.videos.create_and_poll(prompt="a robot arm stacks cubes", size="832x480", seconds="2",
@@ -52,6 +55,7 @@ INTEGERS = ("num_frames", "num_inference_steps", "seed", "max_sequence_length", 
 FLOATS = ("guidance_scale", "guidance_scale_2", "fps")
 TEXTS = ("negative_prompt",)
 HEARTBEATS = 5  # the running group touches its job this often per stale_s (the store fails it after that)
+MAX_IMAGE_PIXELS = 4096 * 4096  # an input_reference past this is a 400 (decoded, 4096^2 RGB is 48 MiB)
 POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between polls
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 CREATE_SCHEMA = {  # the create call's body as the OpenAPI document shows it (validated by job_request, then the plugin)
@@ -129,15 +133,29 @@ def _typed(name: str, value: Any) -> Any:
 
 
 def image_of(data: bytes, param: str = "input_reference") -> np.ndarray:
-    """An uploaded image (PNG, JPEG, WebP) as uint8 [H, W, 3]."""
+    """An uploaded image (PNG, JPEG, WebP) as uint8 [H, W, 3]; one of more than MAX_IMAGE_PIXELS pixels
+    (its header says, before anything is decoded) is a 400."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as picture:
+            width, height = picture.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise OpenAIError(400, _too_large(param, width, height), param=param)
             return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
+    except Image.DecompressionBombError as exc:  # PIL's own bound, met while it opens the file
+        size = re.search(r"\((\d+) pixels\)", str(exc))
+        raise OpenAIError(400, _too_large(param, None, None, int(size.group(1)) if size else None),
+                          param=param) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise OpenAIError(400, f"{param} is not an image this server can read (PNG, JPEG, WebP): {exc}",
                           param=param) from None
+
+
+def _too_large(param: str, width: int | None, height: int | None, pixels: int | None = None) -> str:
+    shape = f"{width} x {height} = {width * height} pixels" if width and height else f"{pixels or 'too many'} pixels"
+    return (f"{param} is {shape}, past this server's limit of {MAX_IMAGE_PIXELS} pixels (4096 x 4096); send a "
+            "smaller image (the pipeline resizes it to the video's size anyway)")
 
 
 def reference_image(value: Any) -> np.ndarray | None:
@@ -312,6 +330,14 @@ def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
         except OpenAIError as error:
             return error.response()
 
+    async def remix_video(video_id: str) -> Response:
+        job = await asyncio.to_thread(jobs.store.get, video_id)
+        if job is None:
+            return _not_found(video_id).response()
+        return OpenAIError(400, f"remix is not offered by this server: the plugin makes a video from a prompt "
+                           f"(and an input_reference image), not from another video; create a new video with the "
+                           f"prompt you want (video {video_id!r} is left as it is)", param="video_id").response()
+
     async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc") -> Response:
         if not 1 <= limit <= 100 or order not in ("asc", "desc"):
             return OpenAIError(400, f"limit must lie in [1, 100] and order be 'asc' or 'desc'; got {limit}, "
@@ -340,4 +366,6 @@ def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
                       responses={**errors, 409: {"description": "the video is not completed"},
                                  200: {"content": {"video/mp4": {}, "image/png": {}}}},
                       summary="The MP4 (or variant=thumbnail: a PNG of the first frame)")
+    api.add_api_route("/v1/videos/{video_id}/remix", remix_video, methods=["POST"], tags=tags, responses=errors,
+                      summary="Not offered: always a 400 naming why (404 for an unknown video)")
     return jobs
