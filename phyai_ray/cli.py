@@ -26,7 +26,7 @@ from phyai_ray.config.engine import EngineArgs
 from phyai_ray.config.parallel import ParallelConfig
 from phyai_ray.errors import PhyAIError
 from phyai_ray.flags import ConfigFlagError, add_config_flags, build_configs
-from phyai_ray.serve.runtime.options import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
+from phyai_ray.serve.runtime.options import API_KEY_ENV, API_KEYS_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -36,6 +36,20 @@ def _json_object(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}); e.g. '{{\"hidden\": 64}}'") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}; e.g. '{{\"hidden\": 64}}'")
+    return value
+
+
+def _keys_file(path: str) -> dict[str, str]:
+    """--api-keys-file: a JSON object {tenant: key} (the file, so keys stay out of the process list)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r} as JSON ({exc}); it holds "
+                                         "{\"tenant\": \"key\", ...}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise argparse.ArgumentTypeError(f"{path!r} must hold a JSON object of tenant names to keys, e.g. "
+                                         "{\"lab-a\": \"key-a\", \"lab-b\": \"key-b\"}")
     return value
 
 
@@ -66,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_bounded_int(1, 65535), default=8000, help="TCP port (default: 8000)")
     serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, else no key)")
+    serve.add_argument("--api-keys-file", type=_keys_file, default=None, metavar="PATH",
+                       help=f"a JSON file {{tenant: key}}: several callers, each a tenant that sees only its own "
+                       f"video jobs (default: ${API_KEYS_ENV} as JSON, else none); --api-key is tenant 'default'")
     serve.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --host without an API key (anyone who reaches it may use it)")
     serve.add_argument("--max-body-bytes", type=_bounded_int(1, 2**40), default=DEFAULT_MAX_BODY_BYTES,
@@ -152,7 +169,20 @@ def _group_lines(parallel: ParallelConfig) -> list[str]:
     return lines
 
 
-def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+def tenant_keys(ns: argparse.Namespace) -> dict[str, str] | None:
+    """{tenant: key} from --api-keys-file, else from $PHYAI_RAY_API_KEYS (a JSON object), else None."""
+    if ns.api_keys_file is not None:
+        return ns.api_keys_file
+    text = os.environ.get(API_KEYS_ENV)
+    if not text:
+        return None
+    try:
+        return _json_object(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigFlagError(f"${API_KEYS_ENV} {exc}; it holds {{\"tenant\": \"key\", ...}}") from None
+
+
+def check_exposure(host: str, api_key: Any, insecure: bool) -> None:
     """Refuse to serve without a key on an address other machines can reach, unless told `insecure`."""
     if api_key or insecure or _is_loopback(host):
         return
@@ -172,7 +202,9 @@ def _is_loopback(host: str) -> bool:
 
 def _serve(ns: argparse.Namespace, engine: EngineArgs, deployment: DeploymentConfig) -> int:
     from phyai_ray.serve.runtime.server import run_server  # Ray and the HTTP stack load only when serving
+    keys = tenant_keys(ns)
     run_server(engine, deployment, host=ns.host, port=ns.port, api_key=ns.api_key,
+               **({"api_keys": keys} if keys else {}),
                max_body_bytes=ns.max_body_bytes, overload_status=ns.overload_status,
                **({"direct_ingress": True} if ns.direct_ingress else {}),
                **{switch: False for switch in ("oip_http", "openpi") if not getattr(ns, switch)},
@@ -195,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         engine, deployment = build_configs(ns)
         deployment.resolve_mode(engine.config.parallel.infer_replica_world_size())
-        check_exposure(ns.host, ns.api_key, ns.insecure)
+        check_exposure(ns.host, ns.api_key or tenant_keys(ns), ns.insecure)
     except (PhyAIError, ValueError) as exc:  # configuration problems only; serving errors propagate
         print(f"phyai-ray {ns.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -134,6 +134,7 @@ def run_server_calls(monkeypatch) -> list:
     fake_server.run_server = lambda engine, deployment, **kw: calls.append((engine, deployment, kw))
     monkeypatch.setitem(sys.modules, "phyai_ray.serve.runtime.server", fake_server)
     monkeypatch.delenv("PHYAI_RAY_API_KEY", raising=False)
+    monkeypatch.delenv("PHYAI_RAY_API_KEYS", raising=False)
     return calls
 
 
@@ -172,6 +173,21 @@ def test_serve_refuses_a_reachable_host_without_a_key_unless_insecure(run_server
     assert main(["serve", "tiny_tp", "--host", host, "--insecure"]) == 0
     assert main(["serve", "tiny_tp", "--host", host, "--api-key", "k"]) == 0
     assert [kw["host"] for _, _, kw in run_server_calls] == [host, host]
+
+
+def test_tenant_keys_from_a_file_or_the_environment_reach_run_server(run_server_calls, monkeypatch, tmp_path,
+                                                                   capsys) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"lab-a": "k-a", "lab-b": "k-b"}')
+    assert main(["serve", "tiny_tp", "--host", "0.0.0.0", "--api-keys-file", str(keys)]) == 0  # keys: not exposed
+    assert run_server_calls[0][2]["api_keys"] == {"lab-a": "k-a", "lab-b": "k-b"}
+    monkeypatch.setenv("PHYAI_RAY_API_KEYS", '{"lab-c": "k-c"}')
+    assert main(["serve", "tiny_tp"]) == 0 and run_server_calls[1][2]["api_keys"] == {"lab-c": "k-c"}
+    keys.write_text('["k-a"]')
+    assert main(["serve", "tiny_tp", "--api-keys-file", str(keys)]) == 2
+    assert "must hold a JSON object of tenant names to keys" in capsys.readouterr().err
+    monkeypatch.setenv("PHYAI_RAY_API_KEYS", "k-a")
+    assert main(["serve", "tiny_tp"]) == 2 and "$PHYAI_RAY_API_KEYS not valid JSON" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, fragment", [

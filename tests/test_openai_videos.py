@@ -205,6 +205,44 @@ def video_schema(tmp_path_factory):
         yield schemathesis.openapi.from_asgi("/openapi.json", api, headers={"Authorization": "Bearer k-videos"})
 
 
+def test_two_tenants_list_read_and_delete_only_their_own_jobs(tmp_path) -> None:
+    """Two API keys, two tenants, through the real openai client (over Starlette's TestClient, which runs
+    the app and its job tasks): lab-a's job is listed for lab-a only; lab-b gets 404 on its retrieve,
+    content, remix and delete, and the job is still lab-a's, completed, afterwards."""
+    pytest.importorskip("diffusers")
+    import openai
+    from starlette.testclient import TestClient
+
+    from phyai_ray import Engine, EngineArgs
+    from phyai_ray.serve.protocols.http import create_api
+    from phyai_ray.serve.runtime.holder import EngineHolder
+    from phyai_ray.serve.runtime.options import ServeOptions
+    from phyai_ray.serve.runtime.runner import GroupRunner
+    from tests.diffusers_folders import build_wan
+
+    folder = build_wan(tmp_path / "wan")
+    args = EngineArgs(plugin="diffusers_pipeline", config={"device": {"target": "cpu"}},
+                      plugin_args={"model": str(folder), "max_frames": 9, "max_pixels": 32 * 32})
+    with Engine(args) as engine:
+        options = ServeOptions(api_keys={"lab-a": "k-a", "lab-b": "k-b"}, video_dir=str(tmp_path / "jobs"))
+        with TestClient(create_api(GroupRunner(EngineHolder(lambda: engine)), options)) as http:
+            a, b = (openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+                    for key in ("k-a", "k-b"))
+            job = a.videos.create_and_poll(prompt="a cube", size="32x32", seconds="0.5", poll_interval_ms=20,
+                                           extra_body={"num_inference_steps": 2, "seed": 1})
+            assert job.status == "completed", job
+            assert [v.id for v in a.videos.list()] == [job.id] and [v.id for v in b.videos.list()] == []
+            for call in (lambda: b.videos.retrieve(job.id), lambda: b.videos.download_content(job.id),
+                         lambda: b.videos.remix(job.id, prompt="x"), lambda: b.videos.delete(job.id)):
+                with pytest.raises(openai.NotFoundError):
+                    call()
+            assert a.videos.retrieve(job.id).status == "completed"
+            assert len(a.videos.download_content(job.id).read()) > 0
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url="http://testserver/v1", api_key="k-c", http_client=http,
+                              max_retries=0).videos.list()
+
+
 def test_schemathesis_on_the_video_routes(video_schema) -> None:
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import CHECKS

@@ -34,11 +34,25 @@ def test_an_empty_tensor_with_a_huge_dimension_is_a_codec_error(shape):
 
 def test_a_non_ascii_api_key_matches_the_header_a_client_sends():
     key = "clé-ключ-鍵"
-    guard = EdgeGuard(None, api_key=key, max_body_bytes=1024)
+    guard = EdgeGuard(None, keys={key: "default"}, max_body_bytes=1024)
     sent = f"Bearer {key}".encode()  # what an HTTP client writes (UTF-8 bytes)
-    guard._check_key(sent.decode("latin-1"))  # what the guard reads from the ASGI scope
+    assert guard._check_key(sent.decode("latin-1")) == "default"  # what the guard reads from the ASGI scope
     with pytest.raises(HttpError):
         guard._check_key("Bearer " + "clé-ключ-鍶".encode().decode("latin-1"))
+
+
+def test_several_keys_name_their_tenants_and_api_key_is_tenant_default():
+    from phyai_ray.serve.runtime.options import ServeOptions
+
+    options = ServeOptions(api_key="k-ops", api_keys={"lab-a": "k-a", "lab-b": "k-b"})
+    guard = EdgeGuard(None, keys=options.key_table(), max_body_bytes=1024)
+    assert [guard._check_key(f"Bearer {k}") for k in ("k-a", "k-b", "k-ops")] == ["lab-a", "lab-b", "default"]
+    for wrong in ("Bearer k-c", "Basic k-a", ""):
+        with pytest.raises(HttpError):
+            guard._check_key(wrong)
+    assert ServeOptions().key_table() is None and EdgeGuard(None, keys=None, max_body_bytes=1)._check_key("") is None
+    with pytest.raises(ValueError, match="two tenants share a key"):
+        ServeOptions(api_keys={"a": "same", "b": "same"})
 
 
 def test_non_finite_floats_in_a_result_travel_as_scalar_tensors():

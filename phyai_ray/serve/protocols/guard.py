@@ -1,6 +1,7 @@
 """`EdgeGuard`: the checks every HTTP request passes before any route sees it.
 
-In order: the bearer key (all paths but the health probes), then for requests with a body the
+In order: the bearer key (all paths but the health probes; the tenant whose key it is goes into the
+request's state, `request.state.tenant`, for the routes that scope what they list per caller), then for requests with a body the
 size limit (the declared Content-Length first; a chunked or lying body is counted while it is
 read) and the content type (JSON only; `FORM_PATHS` take a multipart form too, as OpenAI's
 clients send it there). A pure ASGI middleware, so the limit holds no matter
@@ -25,22 +26,33 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 FORM_PATHS = frozenset({"/v1/videos"})  # OpenAI's create call: its clients send multipart/form-data
 
 
-def key_matches(authorization: str | None, key: str | None, schemes: tuple[str, ...] = ("bearer",)) -> bool:
-    """Whether an Authorization value (`<scheme> <key>`) carries `key` under one of `schemes`; True without a key.
+def key_matches(authorization: str | None, key: str | dict[str, str] | None,
+                schemes: tuple[str, ...] = ("bearer",)) -> bool:
+    """Whether an Authorization value (`<scheme> <key>`) carries `key` (or any key of a {key: tenant} table)
+    under one of `schemes`; True without a key.
 
     The one API-key check of every protocol: this guard (HTTP), OIP's gRPC methods, openpi's WebSocket."""
     if key is None:
         return True
+    return tenant_of(authorization, key if isinstance(key, dict) else {key: "default"}, schemes) is not None
+
+
+def tenant_of(authorization: str | None, keys: dict[str, str], schemes: tuple[str, ...] = ("bearer",)) -> str | None:
+    """The tenant whose key the Authorization value carries ({key: tenant}); None when it carries none of them.
+    Every key is compared, each in constant time, so how long it takes says nothing about which one is close."""
     scheme, _, token = str(authorization or "").partition(" ")
-    return scheme.lower() in schemes and hmac.compare_digest(token.strip().encode("latin-1", "replace"),
-                                                             key.encode("utf-8"))
+    given, found = token.strip().encode("latin-1", "replace"), None
+    for key, tenant in keys.items():
+        if hmac.compare_digest(given, key.encode("utf-8")) and found is None:
+            found = tenant
+    return found if scheme.lower() in schemes else None
 
 
 class EdgeGuard:
     """Bearer key, body limit and content type, answered with the JSON error shape."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app: ASGIApp, *, keys: dict[str, str] | None, max_body_bytes: int) -> None:
+        self.app, self.keys, self.max_body_bytes = app, keys, max_body_bytes  # keys: {key: tenant}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,16 +72,21 @@ class EdgeGuard:
     def _check(self, scope: Scope) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
         if _route_path(scope) not in OPEN_PATHS:
-            self._check_key(headers.get("authorization", ""))
+            scope.setdefault("state", {})["tenant"] = self._check_key(headers.get("authorization", ""))
         if scope.get("method") in BODY_METHODS and _method_routed(scope):
             _check_length(headers.get("content-length"), self.max_body_bytes)
             path = _route_path(scope)
             if not _is_oip(path):
                 _check_json(headers.get("content-type"), form=path in FORM_PATHS)
 
-    def _check_key(self, authorization: str) -> None:
-        if not key_matches(authorization, self.api_key):
-            raise HttpError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+    def _check_key(self, authorization: str) -> str | None:
+        """The caller's tenant (None on a server without keys), else a 401."""
+        if self.keys is None:
+            return None
+        tenant = tenant_of(authorization, self.keys)
+        if tenant is not None:
+            return tenant
+        raise HttpError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -76,7 +76,7 @@ def create_api(runner: GroupRunner, options: ServeOptions) -> FastAPI:
         add_video_routes(api, runner, options)
     _add_protocol_routes(api, runner, options)
     declare_errors(api)
-    api.add_middleware(EdgeGuard, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    api.add_middleware(EdgeGuard, keys=options.key_table(), max_body_bytes=options.max_body_bytes)
     api.add_middleware(_Measured, metrics=metrics)  # outermost: counts what the guard rejects too
     api.state.metrics = metrics
     return api
@@ -121,7 +121,7 @@ def _add_protocol_routes(api: FastAPI, runner: GroupRunner, options: ServeOption
 
 
 def _auth_note(options: ServeOptions) -> str:
-    if options.api_key is None:
+    if options.key_table() is None:
         return ""
     return " Every route but /healthz and /readyz needs the header `Authorization: Bearer <key>`."
 

@@ -132,7 +132,7 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, default=default)
 
 
-def authorized(websocket: WebSocket, api_key: str | None) -> bool:
+def authorized(websocket: WebSocket, api_key: str | dict[str, str] | None) -> bool:
     """`Authorization: Api-Key <key>` (openpi's form) or `Bearer <key>`; always True without a key."""
     return key_matches(websocket.headers.get("authorization"), api_key, ("api-key", "bearer"))
 
@@ -142,7 +142,7 @@ def add_openpi_route(api: FastAPI, runner: GroupRunner, options: ServeOptions) -
 
     @api.websocket(ROUTE)
     async def openpi(websocket: WebSocket) -> None:
-        if not authorized(websocket, options.api_key):
+        if not authorized(websocket, options.key_table()):
             await websocket.close(code=1008, reason="missing or wrong API key; Authorization: Api-Key <key>")
             return
         try:

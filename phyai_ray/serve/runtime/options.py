@@ -24,6 +24,7 @@ from phyai_ray.config.engine import EngineArgs
 from phyai_ray.flags import build_configs, config_flags
 
 API_KEY_ENV = "PHYAI_RAY_API_KEY"
+API_KEYS_ENV = "PHYAI_RAY_API_KEYS"  # a JSON object {tenant: key}: several callers, each its own tenant
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_TENSORS = 1024  # the codec's defaults (protocols/codec.py imports torch; this module must not)
 DEFAULT_MAX_TOTAL_BYTES = 1024 * 1024 * 1024
@@ -36,6 +37,10 @@ class ServeOptions(ConfigModel):
     api_key: str | None = Field(
         None, min_length=1, description="Require 'Authorization: Bearer <key>' on every route but /healthz and "
         "/readyz. None: no key (bind to 127.0.0.1 then).")
+    api_keys: dict[str, str] | None = Field(
+        None, description="Several callers, each a tenant: {tenant name: key}. Each key is accepted like api_key; "
+        "what is listed per caller (video jobs) is scoped to the tenant whose key came with the request (another "
+        "tenant's job id is a 404). api_key, when also given, is tenant 'default'.")
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1, le=2**40, description="Largest accepted request body; larger ones get 413.")
     max_tensors: int = Field(
@@ -101,6 +106,25 @@ class ServeOptions(ConfigModel):
             return None
         return {**(self.autoscaling_config or {}), **given}
 
+    def key_table(self) -> dict[str, str] | None:
+        """{key: tenant} of every accepted key (api_key is tenant 'default'); None: no key, every caller is let in."""
+        table = {key: tenant for tenant, key in (self.api_keys or {}).items()}
+        if self.api_key is not None:
+            table.setdefault(self.api_key, "default")
+        return table or None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _distinct_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        empty = [tenant for tenant, key in value.items() if not tenant or not key]
+        if empty:
+            raise ValueError(f"api_keys: every tenant needs a non-empty name and key; empty for {empty}")
+        if len(set(value.values())) != len(value):
+            raise ValueError("api_keys: two tenants share a key; each tenant needs a key of its own")
+        return value
+
     @model_validator(mode="after")
     def _check_scaling(self) -> "ServeOptions":
         low, high = self.min_replicas, self.max_replicas
@@ -139,8 +163,11 @@ def parse_app_args(args: Mapping[str, Any]) -> tuple[EngineArgs, DeploymentConfi
         value = values.get(key)
         setattr(ns, f"{section}.{field}", _int_tuple(value, field) if field in _INT_TUPLES else value)
     engine, deployment = build_configs(ns)
-    given = {k: _json_value(v) if k == "autoscaling_config" else v for k, v in values.items() if k in option_names}
+    given = {k: _json_value(v) if k in ("autoscaling_config", "api_keys") else v
+             for k, v in values.items() if k in option_names}
     given.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+    if os.environ.get(API_KEYS_ENV) and "api_keys" not in given:
+        given["api_keys"] = _json_value(os.environ[API_KEYS_ENV])
     return engine, deployment, ServeOptions(**given)
 
 

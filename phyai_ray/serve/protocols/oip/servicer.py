@@ -124,10 +124,11 @@ class OipGrpcMethods:
         return model_name(self.options, self.runner.entry)
 
     def _allowed(self, context: Any) -> bool:
-        if self.options.api_key is None:
+        keys = self.options.key_table()
+        if keys is None:
             return True
         metadata = dict(context.invocation_metadata()) if context is not None else {}
-        if key_matches(metadata.get("authorization"), self.options.api_key):
+        if key_matches(metadata.get("authorization"), keys):
             return True
         fail(context, 401, "missing or wrong API key; send the metadata 'authorization: Bearer <key>'")
         return False

@@ -1,12 +1,12 @@
 """Video jobs that outlive the connection: one store that every replica group's ingress reads.
 
     store = JobStore("/var/lib/phyai-videos", ttl_s=3600, max_bytes=10 << 30)
-    job = store.create(model="wan", prompt="...", size="832x480", seconds="5", owner="group-a")
+    job = store.create(model="wan", prompt="...", size="832x480", seconds="5", owner="group-a", tenant="lab-a")
     store.update(job["id"], status="in_progress", progress=40)     # the group running it, only
     store.finish(job["id"], mp4, png)                                # or store.fail(job["id"], code, message)
     store.get(job["id"])                                             # any group: the job, or None
     store.request_cancel(job["id"]); store.cancel_requested(job["id"])   # DELETE from any group
-    page, more = store.list(limit=20, after=None, order="desc")
+    page, more = store.list(limit=20, after=None, order="desc", tenant="lab-a")   # that tenant's only
 
 A job lands on one group (the one whose ingress took the POST), but its id may be polled, downloaded
 or deleted through any group, so the jobs live in a directory every group reads: on one node the
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 FINISHED = ("completed", "failed")
-_PRIVATE = ("owner", "heartbeat_at", "finished_s", "request")  # store fields the API's Video object does not show
+_PRIVATE = ("owner", "tenant", "heartbeat_at", "finished_s", "request")  # store fields the API's Video object does not show
 
 
 def default_directory(app: str = "default") -> Path:
@@ -80,12 +80,12 @@ class JobStore:
 
     # -- the running group's side ----------------------------------------------------------------
     def create(self, *, model: str, prompt: str, size: str, seconds: str, owner: str,
-               request: dict[str, Any] | None = None) -> dict[str, Any]:
+               request: dict[str, Any] | None = None, tenant: str | None = None) -> dict[str, Any]:
         now = time.time()
         job = {"id": f"video_{secrets.token_hex(16)}", "object": "video", "status": "queued", "progress": 0,
                "created_at": int(now), "completed_at": None, "expires_at": None, "error": None, "model": model,
                "prompt": prompt, "size": size, "seconds": seconds, "remixed_from_video_id": None,
-               "owner": owner, "heartbeat_at": now, "request": request or {}}
+               "owner": owner, "tenant": tenant, "heartbeat_at": now, "request": request or {}}
         self._save(job)
         return job
 
@@ -160,9 +160,11 @@ class JobStore:
         self._remove(ident)
         return job
 
-    def list(self, *, limit: int = 20, after: str | None = None, order: str = "desc") -> tuple[list[dict], bool]:
-        """A page of jobs, newest first (order "desc") or oldest first, after the job `after`."""
-        jobs = [job for job in (self.get(p.stem) for p in self.directory.glob("video_*.json")) if job is not None]
+    def list(self, *, limit: int = 20, after: str | None = None, order: str = "desc",
+             tenant: str | None = None) -> tuple[list[dict], bool]:
+        """A page of `tenant`'s jobs, newest first (order "desc") or oldest first, after the job `after`."""
+        jobs = [job for job in (self.get(p.stem) for p in self.directory.glob("video_*.json"))
+                if job is not None and job.get("tenant") == tenant]
         jobs.sort(key=lambda j: (j["created_at"], j["id"]), reverse=order == "desc")
         if after is not None:
             ids = [j["id"] for j in jobs]

@@ -15,7 +15,9 @@
     GET    /v1/videos                 newest first; limit, after, order
     POST   /v1/videos/{id}/remix      not offered: a 400 saying so (404 for an unknown id)
 
-An input_reference past MAX_IMAGE_PIXELS (4096 x 4096) is a 400 before it is decoded.
+An input_reference past MAX_IMAGE_PIXELS (4096 x 4096) is a 400 before it is decoded. With several
+API keys (`ServeOptions.api_keys`, each key a tenant) a job belongs to the tenant whose key created it:
+the list shows only the caller's jobs, and another tenant's id is a 404 on every route.
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY)
     video = client.videos.create_and_poll(prompt="a robot arm stacks cubes", size="832x480", seconds="2",
@@ -204,7 +206,7 @@ class VideoJobs:
         except Exception as exc:  # the plugin's refusal: a 400 naming its field
             raise openai_error(exc, overload_status=self.overload_status) from None
         job = await asyncio.to_thread(self.store.create, model=self.name, prompt=request["prompt"], size=size,
-                                      seconds=seconds, owner=self.runner.group)
+                                      seconds=seconds, owner=self.runner.group, tenant=tenant(http))
         self.tasks[job["id"]] = asyncio.create_task(self._run(job["id"], checked, fps))
         return JSONResponse(public(job))
 
@@ -249,7 +251,15 @@ class VideoJobs:
                 return
             await asyncio.to_thread(self.store.update, ident)
 
-    async def delete(self, ident: str) -> JSONResponse:
+    async def find(self, ident: str, http: Request) -> dict[str, Any]:
+        """The caller's job `ident` (another tenant's is not found: a 404, as if it never existed)."""
+        job = await asyncio.to_thread(self.store.get, ident)
+        if job is None or job.get("tenant") != tenant(http):
+            raise _not_found(ident)
+        return job
+
+    async def delete(self, ident: str, http: Request) -> JSONResponse:
+        await self.find(ident, http)
         job = await asyncio.to_thread(self.store.request_cancel, ident)
         if job is None:
             raise _not_found(ident)
@@ -290,6 +300,11 @@ async def _fields(http: Request) -> tuple[dict[str, Any], np.ndarray | None]:
     return body, reference_image(body.get("input_reference"))
 
 
+def tenant(http: Request) -> str | None:
+    """The caller's tenant, as the edge guard found it from the API key (None on a server without keys)."""
+    return getattr(http.state, "tenant", None)
+
+
 def _not_found(ident: str) -> OpenAIError:
     return OpenAIError(404, f"no video {ident!r} here (never created, deleted, or expired)", param="video_id")
 
@@ -305,44 +320,48 @@ def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
         except OpenAIError as error:
             return error.response()
 
-    async def retrieve_video(video_id: str) -> Response:
-        job = await asyncio.to_thread(jobs.store.get, video_id)
-        if job is None:
-            return _not_found(video_id).response()
+    async def retrieve_video(video_id: str, http: Request) -> Response:
+        try:
+            job = await jobs.find(video_id, http)
+        except OpenAIError as error:
+            return error.response()
         return JSONResponse(public(job), headers=None if job["status"] in FINISHED else wait)
 
-    async def video_content(video_id: str, variant: str = "video") -> Response:
+    async def video_content(video_id: str, http: Request, variant: str = "video") -> Response:
         if variant not in ("video", "thumbnail"):
             return OpenAIError(400, f"variant {variant!r} is not served; use 'video' or 'thumbnail'",
                                param="variant").response()
-        job = await asyncio.to_thread(jobs.store.get, video_id)
-        if job is None:
-            return _not_found(video_id).response()
+        try:
+            job = await jobs.find(video_id, http)
+        except OpenAIError as error:
+            return error.response()
         data = await asyncio.to_thread(jobs.store.content, video_id, variant)
         if job["status"] != "completed" or data is None:
             return OpenAIError(409, f"video {video_id!r} is {job['status']}; its content exists once it is "
                                "completed", param="video_id").response()
         return Response(data, media_type="video/mp4" if variant == "video" else "image/png")
 
-    async def delete_video(video_id: str) -> Response:
+    async def delete_video(video_id: str, http: Request) -> Response:
         try:
-            return await jobs.delete(video_id)
+            return await jobs.delete(video_id, http)
         except OpenAIError as error:
             return error.response()
 
-    async def remix_video(video_id: str) -> Response:
-        job = await asyncio.to_thread(jobs.store.get, video_id)
-        if job is None:
-            return _not_found(video_id).response()
+    async def remix_video(video_id: str, http: Request) -> Response:
+        try:
+            await jobs.find(video_id, http)
+        except OpenAIError as error:
+            return error.response()
         return OpenAIError(400, f"remix is not offered by this server: the plugin makes a video from a prompt "
                            f"(and an input_reference image), not from another video; create a new video with the "
                            f"prompt you want (video {video_id!r} is left as it is)", param="video_id").response()
 
-    async def list_videos(limit: int = 20, after: str | None = None, order: str = "desc") -> Response:
+    async def list_videos(http: Request, limit: int = 20, after: str | None = None, order: str = "desc") -> Response:
         if not 1 <= limit <= 100 or order not in ("asc", "desc"):
             return OpenAIError(400, f"limit must lie in [1, 100] and order be 'asc' or 'desc'; got {limit}, "
                                f"{order!r}", param="limit" if not 1 <= limit <= 100 else "order").response()
-        page, more = await asyncio.to_thread(jobs.store.list, limit=limit, after=after, order=order)
+        page, more = await asyncio.to_thread(jobs.store.list, limit=limit, after=after, order=order,
+                                             tenant=tenant(http))
         data = [public(job) for job in page]
         return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None, "has_more": more})
