@@ -93,6 +93,24 @@ def test_finished_jobs_expire_and_the_size_cap_drops_the_oldest(tmp_path) -> Non
     assert store.get(second["id"]) is None and store.content(second["id"], "video") is None
 
 
+def test_the_sweep_holds_the_disk_budget_over_50_jobs_and_expires_them_without_a_read(tmp_path) -> None:
+    """50 jobs of 1,500 bytes each finish into a 20,000-byte budget; after each finish a sweep (what the
+    routes' sweeper runs, no job read) leaves the store within the budget, newest kept; past the ttl
+    one sweep removes every job's files, and nothing was read through get() by a caller."""
+    store = JobStore(tmp_path, ttl_s=0.5, max_bytes=20_000)
+    ids = []
+    for i in range(50):
+        job = make(store, f"p{i}")
+        store.finish(job["id"], b"v" * 1000, b"t" * 500)
+        ids.append(job["id"])
+        store.sweep()
+        held = sum(p.stat().st_size for p in tmp_path.glob("video_*") if p.suffix in (".mp4", ".png"))
+        assert held <= 20_000, (i, held)
+    assert {p.stem for p in tmp_path.glob("video_*.mp4")} == set(ids[-13:])  # 13 x 1,500 = 19,500
+    time.sleep(0.6)
+    assert store.sweep() == 0 and not list(tmp_path.glob("video_*"))
+
+
 def test_list_pages_newest_first(tmp_path) -> None:
     store = JobStore(tmp_path)
     ids = []
@@ -151,7 +169,7 @@ def test_an_image_past_the_pixel_limit_is_a_400_before_it_is_decoded() -> None:
     (a 1-bit 20000 x 20000 PNG of 50 kB) are 400s naming input_reference and the limit."""
     from PIL import Image
 
-    from phyai_ray.serve.protocols.openai.videos import MAX_IMAGE_PIXELS, image_of
+    from phyai_ray.serve.protocols.openai.video_images import MAX_IMAGE_PIXELS, image_of
 
     for size, mode in (((5000, 4000), "L"), ((20000, 20000), "1")):
         buffer = io.BytesIO()
@@ -208,7 +226,8 @@ def video_schema(tmp_path_factory):
 def test_two_tenants_list_read_and_delete_only_their_own_jobs(tmp_path) -> None:
     """Two API keys, two tenants, through the real openai client (over Starlette's TestClient, which runs
     the app and its job tasks): lab-a's job is listed for lab-a only; lab-b gets 404 on its retrieve,
-    content, remix and delete, and the job is still lab-a's, completed, afterwards."""
+    content, remix and delete, and the job is still lab-a's, completed, afterwards. With a 3 s ttl the
+    job's files then go with no request at all (the sweeper the first request started)."""
     pytest.importorskip("diffusers")
     import openai
     from starlette.testclient import TestClient
@@ -224,7 +243,8 @@ def test_two_tenants_list_read_and_delete_only_their_own_jobs(tmp_path) -> None:
     args = EngineArgs(plugin="diffusers_pipeline", config={"device": {"target": "cpu"}},
                       plugin_args={"model": str(folder), "max_frames": 9, "max_pixels": 32 * 32})
     with Engine(args) as engine:
-        options = ServeOptions(api_keys={"lab-a": "k-a", "lab-b": "k-b"}, video_dir=str(tmp_path / "jobs"))
+        options = ServeOptions(api_keys={"lab-a": "k-a", "lab-b": "k-b"}, video_dir=str(tmp_path / "jobs"),
+                               video_ttl_s=3.0)
         with TestClient(create_api(GroupRunner(EngineHolder(lambda: engine)), options)) as http:
             a, b = (openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
                     for key in ("k-a", "k-b"))
@@ -238,6 +258,10 @@ def test_two_tenants_list_read_and_delete_only_their_own_jobs(tmp_path) -> None:
                     call()
             assert a.videos.retrieve(job.id).status == "completed"
             assert len(a.videos.download_content(job.id).read()) > 0
+            finished = time.monotonic()
+            while list((tmp_path / "jobs").glob("video_*")):  # the routes' sweeper, with no read in between
+                assert time.monotonic() - finished < 10, list((tmp_path / "jobs").glob("video_*"))
+                time.sleep(0.05)
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url="http://testserver/v1", api_key="k-c", http_client=http,
                               max_retries=0).videos.list()

@@ -16,7 +16,8 @@ flag a DELETE through another group leaves for the one running it. Every write g
 file first and is renamed into place, so a reader never sees half a job.
 
 Lifetimes: a finished job (completed or failed) expires `ttl_s` after it finished (`expires_at`);
-past `max_bytes` of videos the oldest finished ones go first. A queued or running job whose group
+past `max_bytes` of videos the oldest finished ones go first. Both hold without any read: the routes
+run `sweep()` every `sweep_interval(ttl_s)` (at most a minute) from their first request on. A queued or running job whose group
 has not touched it (`heartbeat_at`) for `stale_s` is failed by whoever reads it ("its replica group
 stopped"): a group killed with a job in it leaves nothing that polls forever. Ids are
 `video_` + 32 random hex digits (`secrets`), so one caller cannot guess another's.
@@ -34,6 +35,11 @@ from typing import Any
 
 FINISHED = ("completed", "failed")
 _PRIVATE = ("owner", "tenant", "heartbeat_at", "finished_s", "request")  # store fields the API's Video object does not show
+
+
+def sweep_interval(ttl_s: float) -> float:
+    """How often the routes sweep the store: a quarter of the ttl, between 50 ms and a minute."""
+    return min(max(ttl_s / 4, 0.05), 60.0)
 
 
 def default_directory(app: str = "default") -> Path:
@@ -170,6 +176,13 @@ class JobStore:
             ids = [j["id"] for j in jobs]
             jobs = jobs[ids.index(after) + 1:] if after in ids else []
         return jobs[:limit], len(jobs) > limit
+
+    def sweep(self) -> int:
+        """Expire the finished jobs past their ttl, fail the stale ones and hold the disk budget, without
+        any caller reading them (the routes' sweeper runs this); how many jobs are left."""
+        left = sum(self.get(path.stem) is not None for path in self.directory.glob("video_*.json"))
+        self._trim()
+        return left
 
     def _trim(self) -> None:
         """Past max_bytes of results, the oldest finished jobs go (and stale cancel flags)."""

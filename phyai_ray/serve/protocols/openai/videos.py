@@ -37,8 +37,6 @@ Errors have OpenAI's shape; a bad field is a 400 naming it (`param`).
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import math
 import re
 from typing import Any
@@ -50,14 +48,15 @@ from starlette.responses import JSONResponse, Response
 from phyai_ray.serve.protocols.error_map import classify
 from phyai_ray.serve.protocols.openai.common import OpenAIError, openai_error
 from phyai_ray.serve.protocols.openai.mp4 import mp4_bytes, thumbnail_png
-from phyai_ray.serve.protocols.openai.video_jobs import FINISHED, JobStore, default_directory, public
+from phyai_ray.serve.protocols.openai.video_images import image_of, reference_image
+from phyai_ray.serve.protocols.openai.video_jobs import (FINISHED, JobStore, default_directory, public,
+                                                        sweep_interval)
 from phyai_ray.validation import validate
 
 INTEGERS = ("num_frames", "num_inference_steps", "seed", "max_sequence_length", "height", "width")
 FLOATS = ("guidance_scale", "guidance_scale_2", "fps")
 TEXTS = ("negative_prompt",)
 HEARTBEATS = 5  # the running group touches its job this often per stale_s (the store fails it after that)
-MAX_IMAGE_PIXELS = 4096 * 4096  # an input_reference past this is a 400 (decoded, 4096^2 RGB is 48 MiB)
 POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between polls
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 CREATE_SCHEMA = {  # the create call's body as the OpenAPI document shows it (validated by job_request, then the plugin)
@@ -134,48 +133,6 @@ def _typed(name: str, value: Any) -> Any:
         raise OpenAIError(400, f"{name} must be {kind}; got {value!r}", param=name) from None
 
 
-def image_of(data: bytes, param: str = "input_reference") -> np.ndarray:
-    """An uploaded image (PNG, JPEG, WebP) as uint8 [H, W, 3]; one of more than MAX_IMAGE_PIXELS pixels
-    (its header says, before anything is decoded) is a 400."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as picture:
-            width, height = picture.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise OpenAIError(400, _too_large(param, width, height), param=param)
-            return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
-    except Image.DecompressionBombError as exc:  # PIL's own bound, met while it opens the file
-        size = re.search(r"\((\d+) pixels\)", str(exc))
-        raise OpenAIError(400, _too_large(param, None, None, int(size.group(1)) if size else None),
-                          param=param) from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise OpenAIError(400, f"{param} is not an image this server can read (PNG, JPEG, WebP): {exc}",
-                          param=param) from None
-
-
-def _too_large(param: str, width: int | None, height: int | None, pixels: int | None = None) -> str:
-    shape = f"{width} x {height} = {width * height} pixels" if width and height else f"{pixels or 'too many'} pixels"
-    return (f"{param} is {shape}, past this server's limit of {MAX_IMAGE_PIXELS} pixels (4096 x 4096); send a "
-            "smaller image (the pipeline resizes it to the video's size anyway)")
-
-
-def reference_image(value: Any) -> np.ndarray | None:
-    """input_reference of a JSON body: {"image_url": "data:image/...;base64,..."} (file ids are OpenAI's own)."""
-    if value is None:
-        return None
-    url = value.get("image_url") if isinstance(value, dict) else None
-    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
-        raise OpenAIError(400, "input_reference must be an uploaded file (multipart form) or "
-                          "{'image_url': 'data:image/png;base64,...'}; file ids and remote URLs are not fetched",
-                          param="input_reference")
-    try:
-        data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
-    except ValueError:
-        raise OpenAIError(400, "input_reference's data URL is not valid base64", param="input_reference") from None
-    return image_of(data)
-
-
 class VideoJobs:
     """The routes' state on one group: the store every group shares, and the jobs this group runs."""
 
@@ -189,12 +146,27 @@ class VideoJobs:
         self.fps = float(getattr(self.entry, "video_fps", 16.0))  # the model's own rate (Cosmos3: 24)
         self.fps_input = bool(getattr(self.entry, "video_fps_input", False))
         self.tasks: dict[str, asyncio.Task] = {}
+        self.sweeper: asyncio.Task | None = None  # started by the first request (the ingress's event loop)
+
+    def sweep_from_now(self) -> None:
+        """Start the store's sweeper on this event loop, once: expiry and the disk budget hold without reads."""
+        if self.sweeper is None or self.sweeper.done():
+            self.sweeper = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.store.sweep)
+            except OSError:  # a shared directory that hiccuped: the next sweep tries again
+                pass
+            await asyncio.sleep(sweep_interval(self.store.ttl_s))
 
     def stride(self) -> int:
         limits = getattr(self.entry, "limits", None)
         return int(getattr(limits, "temporal", 4) or 4)
 
     async def create(self, http: Request) -> JSONResponse:
+        self.sweep_from_now()
         fields, image = await _fields(http)
         model = fields.get("model")
         if model not in (None, "", self.name):
@@ -253,6 +225,7 @@ class VideoJobs:
 
     async def find(self, ident: str, http: Request) -> dict[str, Any]:
         """The caller's job `ident` (another tenant's is not found: a 404, as if it never existed)."""
+        self.sweep_from_now()
         job = await asyncio.to_thread(self.store.get, ident)
         if job is None or job.get("tenant") != tenant(http):
             raise _not_found(ident)
@@ -360,6 +333,7 @@ def add_video_routes(api: FastAPI, runner: Any, options: Any) -> VideoJobs:
         if not 1 <= limit <= 100 or order not in ("asc", "desc"):
             return OpenAIError(400, f"limit must lie in [1, 100] and order be 'asc' or 'desc'; got {limit}, "
                                f"{order!r}", param="limit" if not 1 <= limit <= 100 else "order").response()
+        jobs.sweep_from_now()
         page, more = await asyncio.to_thread(jobs.store.list, limit=limit, after=after, order=order,
                                              tenant=tenant(http))
         data = [public(job) for job in page]
