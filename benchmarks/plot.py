@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
 
 One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, fleet_deadline.png,
-load.png, world.png, loop.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
+load.png, world.png, loop.png, goodput_robots.png, goodput_wan.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
 display needed.
 """
 
@@ -158,7 +158,28 @@ def plot_loop(tables: dict, fig: Any) -> None:
     ax.legend(fontsize=6)
 
 
-PLOTS: dict[str, Callable[[dict, Any], None]] = {"batching": plot_batching, "generation": plot_generation,
+def plot_goodput(tables: dict, fig: Any) -> None:
+    """benchmarks/loadgen.py: each request's latency against its arrival time, per class, its SLO drawn;
+    errors at the top. Beside it, each class's goodput and attainment."""
+    ax, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for k, (cls, rows) in enumerate(_by(tables["requests"], "cls").items()):
+        answered = [r for r in rows if r["latency_s"] is not None]
+        color = f"C{k}"
+        ax.scatter([r["at_s"] for r in answered], [1e3 * r["latency_s"] for r in answered], s=6, color=color,
+                   label=f"{cls} ({sum(r['met'] for r in rows)}/{len(rows)} met)")
+        if rows[0]["slo_s"]:
+            ax.axhline(1e3 * rows[0]["slo_s"], color=color, linestyle="--", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival (s into the trace)")
+    ax.set_ylabel("latency (ms); dashed: the class's SLO")
+    ax.legend(fontsize=8)
+    classes = tables["classes"]
+    bars.bar(range(len(classes)), [r["goodput"] for r in classes], color=[f"C{k}" for k in range(len(classes))])
+    bars.set_xticks(range(len(classes)), [f"{r['cls']}\n{100 * (r['attainment'] or 0):.0f}% met" for r in classes])
+    bars.set_ylabel("goodput (requests/s within their SLO)")
+
+
+PLOTS: dict[str, Callable[[dict, Any], None]] = {"goodput_robots": plot_goodput, "goodput_wan": plot_goodput,"batching": plot_batching, "generation": plot_generation,
                                                  "fleet": plot_fleet, "fleet_deadline": plot_fleet_deadline,
                                                  "load": plot_load, "world": plot_world, "loop": plot_loop}
 
