@@ -23,8 +23,9 @@ seed and arguments replay the same requests at the same offsets (`fingerprint` s
 
 Presets: `robots`: `reference_flow_policy` (8 state dims), N robots at f Hz with jitter, SLO one period.
 `wan`: a tiny random Wan folder (tests/diffusers_folders.py), Poisson at `--load` x the capacity measured
-first (standalone times of each class), 80% 4-step requests with an SLO of 3x their standalone time and
-20% 40-step requests (throughput only).
+first (standalone times of each class; `--rate` fixes the rate instead, which a replay needs, as the
+measured capacity varies), 80% 4-step requests with an SLO of 3x their standalone time and 20% 40-step
+requests (throughput only).
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def report(outcomes: list[Outcome], classes: list[RequestClass], seconds: float)
         met = sum(o.met for o in mine)
         out[cls.name] = {"sent": len(mine), "answered": len(latencies), "errors": errors, "met": met,
                          "goodput": met / seconds, "attainment": met / len(mine) if mine else None,
-                         "slo_s": cls.slo_s, **{f"p{int(q * 100)}_s": quantile(latencies, q) for q in (0.5, 0.95, 0.99)}}
+                         "slo_s": cls.slo_s,
+                         **{f"p{int(q * 100)}_s": quantile(latencies, q) for q in (0.5, 0.95, 0.99)}}
     return out
 
 
@@ -236,9 +238,10 @@ def wan_preset(opts: argparse.Namespace) -> tuple[list[Arrival], list[RequestCla
             alone[steps] = time.perf_counter() - started
     classes = [RequestClass("short", 0.8, job(4), slo_s=3 * alone[4]), RequestClass("long", 0.2, job(40))]
     capacity = 1.0 / (0.8 * alone[4] + 0.2 * alone[40])
+    rate = opts.rate or opts.load * capacity
     print(f"standalone: 4 steps {1e3 * alone[4]:.0f} ms, 40 steps {1e3 * alone[40]:.0f} ms; capacity "
-          f"{capacity:.2f} requests/s; offered {opts.load:g}x = {opts.load * capacity:.2f}/s")
-    return poisson(opts.load * capacity, opts.seconds, classes, opts.seed), classes, make
+          f"{capacity:.2f} requests/s; offered {rate:.2f}/s = {rate / capacity:.2f}x")
+    return poisson(rate, opts.seconds, classes, opts.seed), classes, make
 
 
 def _engine(plugin: str, plugin_args: dict[str, Any]) -> Any:
@@ -260,6 +263,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--hz", type=float, default=10.0)
     parser.add_argument("--jitter-ms", type=float, default=10.0)
     parser.add_argument("--load", type=float, default=0.7, help="wan: offered load as a fraction of capacity")
+    parser.add_argument("--rate", type=float, help="wan: offered requests/s (instead of --load; the measured "
+                        "capacity varies, so give it to replay a trace exactly)")
     parser.add_argument("--deadlines", action="store_true", help="send each class's SLO as the request's deadline")
     parser.add_argument("--url", help="a running server (its /v1/step) instead of an inline engine")
     parser.add_argument("--key", help="the server's API key")

@@ -26,7 +26,8 @@ from phyai_ray.config.engine import EngineArgs
 from phyai_ray.config.parallel import ParallelConfig
 from phyai_ray.errors import PhyAIError
 from phyai_ray.flags import ConfigFlagError, add_config_flags, build_configs
-from phyai_ray.serve.runtime.options import API_KEY_ENV, API_KEYS_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES, ServeOptions
+from phyai_ray.serve.runtime.options import (API_KEY_ENV, API_KEYS_ENV, DEFAULT_MAX_BODY_BYTES, OVERLOAD_STATUSES,
+                                             ServeOptions)
 
 
 def _json_object(text: str) -> dict[str, Any]:

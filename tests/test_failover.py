@@ -130,6 +130,14 @@ def groups(base: str) -> list[dict]:
     return requests.get(f"{base}/v1/replicas", timeout=30).json()["replicas"]
 
 
+def two_groups(base: str, names: set[str] = frozenset(), state: str | None = None) -> list[dict] | None:
+    """One /v1/replicas answer when it lists two groups (with `state`: `names` all in it), else None."""
+    listed = groups(base)
+    if len(listed) != 2 or (state is not None and not {g["group"] for g in listed if g["state"] == state} >= names):
+        return None
+    return listed
+
+
 def in_state(base: str, names: set[str], state: str) -> bool:
     return {g["group"] for g in groups(base) if g["state"] == state} >= names
 
@@ -178,9 +186,11 @@ def test_a_killed_rank_costs_no_request_more_than_2s_and_a_deadline_bounds_the_w
     serve.run(create_app(args, deployment, health_check_period_s=60), name="failover", route_prefix="/failover")
     base = f"http://127.0.0.1:{port}/failover"
     try:
-        names = {g["group"] for g in wait_until(lambda: len(groups(base)) == 2 and groups(base), 60, "2 groups")}
-        wait_until(lambda: in_state(base, names, "serving"), 60, "both groups serving")
-        victim, other = sorted(groups(base), key=lambda g: g["group"])
+        # each check reads ONE answer: each group's view of the other refreshes on its own clock, so a second
+        # request may land on a group whose view does not list the other yet
+        names = {g["group"] for g in wait_until(lambda: two_groups(base), 60, "2 groups")}
+        listed = wait_until(lambda: two_groups(base, names, "serving"), 60, "both groups serving")
+        victim, other = sorted(listed, key=lambda g: g["group"])
         clients = Clients(base, 4)
         time.sleep(1.0)  # traffic on both groups
         killed = time.monotonic()

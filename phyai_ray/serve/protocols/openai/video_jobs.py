@@ -15,12 +15,12 @@ OpenAI `Video` object plus the store's own fields), `<id>.mp4`, `<id>.png`, and 
 flag a DELETE through another group leaves for the one running it. Every write goes to a temporary
 file first and is renamed into place, so a reader never sees half a job.
 
-Lifetimes: a finished job (completed or failed) expires `ttl_s` after it finished (`expires_at`);
-past `max_bytes` of videos the oldest finished ones go first. Both hold without any read: the routes
-run `sweep()` every `sweep_interval(ttl_s)` (at most a minute) from their first request on. A queued or running job whose group
-has not touched it (`heartbeat_at`) for `stale_s` is failed by whoever reads it ("its replica group
-stopped"): a group killed with a job in it leaves nothing that polls forever. Ids are
-`video_` + 32 random hex digits (`secrets`), so one caller cannot guess another's.
+Lifetimes: a finished job (completed or failed) expires `ttl_s` after it finished (`expires_at`); past
+`max_bytes` of videos the oldest finished ones go first. Both hold without any read: the routes run
+`sweep()` every `sweep_interval(ttl_s)` (at most a minute) from their first request on. A queued or
+running job whose group has not touched it (`heartbeat_at`) for `stale_s` is failed by whoever reads it
+("its replica group stopped"): a group killed with a job in it leaves nothing that polls forever. Ids
+are `video_` + 32 random hex digits (`secrets`), so one caller cannot guess another's.
 """
 
 from __future__ import annotations
