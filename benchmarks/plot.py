@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plot.py docs/benchmarks/data/*.json --out docs/benchmarks
 
 One PNG per file, named after its benchmark (batching.png, generation.png, fleet.png, fleet_deadline.png,
-load.png, world.png, loop.png, goodput_robots.png, goodput_wan.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
+load.png, world.png, loop.png, goodput_robots.png, goodput_wan.png, affinity.png), titled with the machine the file names. matplotlib only (the `docs` extra); no
 display needed.
 """
 
@@ -179,7 +179,18 @@ def plot_goodput(tables: dict, fig: Any) -> None:
     bars.set_ylabel("goodput (requests/s within their SLO)")
 
 
-PLOTS: dict[str, Callable[[dict, Any], None]] = {"goodput_robots": plot_goodput, "goodput_wan": plot_goodput,"batching": plot_batching, "generation": plot_generation,
+def plot_affinity(tables: dict, fig: Any) -> None:
+    """bench_affinity.py: tokens/s and p99 latency per routing on GRPO traffic."""
+    rows = tables["affinity"]
+    rate, tail = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    names = [r["routing"] for r in rows]
+    rate.bar(names, [r["tokens_s"] for r in rows], color=["C0", "C1"][:len(rows)])
+    rate.set_ylabel("tokens/s")
+    tail.bar(names, [1e3 * r["p99_s"] for r in rows], color=["C0", "C1"][:len(rows)])
+    tail.set_ylabel("p99 request latency (ms)")
+
+
+PLOTS: dict[str, Callable[[dict, Any], None]] = {"affinity": plot_affinity,"goodput_robots": plot_goodput, "goodput_wan": plot_goodput,"batching": plot_batching, "generation": plot_generation,
                                                  "fleet": plot_fleet, "fleet_deadline": plot_fleet_deadline,
                                                  "load": plot_load, "world": plot_world, "loop": plot_loop}
 

@@ -32,10 +32,10 @@ from phyai_ray.executors.ledger import Counts
 class RequestDispatcher:
     """Least-in-flight routing over replicas."""
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    def __init__(self, replicas: Sequence[Replica], affinity_slack: int = 4) -> None:
         if not replicas:
             raise ValueError("a dispatcher needs at least one replica")
-        self.replicas = list(replicas)
+        self.replicas, self.affinity_slack = list(replicas), affinity_slack
         n = len(self.replicas)
         self._lock = threading.Lock()
         self._routed = [0] * n  # routed here and not finished: what the pick compares, under the lock
@@ -44,27 +44,34 @@ class RequestDispatcher:
         self.max_sessions = 65536
 
     def submit(self, request: Any, session: Any = None, *, caller_runs: bool = False, key: Any = None,
-               size: int = 1, deadline: float | None = None, late: str = "finish") -> Future:
+               size: int = 1, deadline: float | None = None, late: str = "finish", affinity: Any = None) -> Future:
         """Route `request`; raises EngineOverloadedError / EngineUnavailableError at once.
 
         With a `session` key, the request goes to the replica the session last used while that
         replica is SERVING with room (multi-turn caches stay warm); else it is routed as usual and
         the session follows it. The map is a bounded LRU of `max_sessions` keys. `caller_runs` is
         passed on to the chosen replica (see `ScheduledReplica.submit`), and so are the batch `key`
-        and `size` of the request, its own `deadline` (monotonic seconds) and `late`.
+        and `size` of the request, its own `deadline` (monotonic seconds) and `late`. With an `affinity`
+        key instead of a session (routing="affinity": the samples of one prompt), the request goes
+        where the key last went while that replica holds at most `affinity_slack` more routed,
+        unfinished requests than the least loaded one; else it is routed as usual and the key follows.
         """
         if len(self.replicas) == 1 and session is None:
             return self._submit_single(request, caller_runs, key, size, deadline, late)
-        return self.route(lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size, deadline=deadline,
-                                             late=late), session)
+        send = lambda e: e.submit(request, caller_runs=caller_runs, key=key, size=size,  # noqa: E731
+                                  deadline=deadline, late=late)
+        if session is None and affinity is not None:
+            return self.route(send, ("affinity", affinity), self.affinity_slack)
+        return self.route(send, session)
 
-    def route(self, send: Any, session: Any = None) -> Any:
+    def route(self, send: Any, session: Any = None, slack: int | None = None) -> Any:
         """`send(replica)` on the replica `submit` would choose (retrying refusals); its return value: the
-        request's future (or caller-run result), or a tuple whose first item is it."""
+        request's future (or caller-run result), or a tuple whose first item is it. `slack`: the session's
+        replica is kept only while it holds at most this many more routed requests than the least loaded."""
         refused: set[int] = set()
         overloaded: list[EngineOverloadedError] = []
         while True:
-            index = self._sticky(session, refused)
+            index = self._sticky(session, refused, slack)
             if index is None:
                 index = self._choose(refused, overloaded)
             if session is not None:
@@ -99,7 +106,7 @@ class RequestDispatcher:
         with self._lock:
             self._routed[index] -= 1
 
-    def _sticky(self, session: Any, refused: set[int]) -> int | None:
+    def _sticky(self, session: Any, refused: set[int], slack: int | None = None) -> int | None:
         if session is None:
             return None
         with self._lock:
@@ -109,7 +116,10 @@ class RequestDispatcher:
         e = self.replicas[index]
         if not (e.healthy and e.serving and e.has_room()):
             return None
+        others = [i for i, r in enumerate(self.replicas) if i not in refused and r.healthy and r.serving]
         with self._lock:
+            if slack is not None and self._routed[index] > min(self._routed[i] for i in others) + slack:
+                return None  # the key's replica is loaded past the slack: route as usual, the key follows
             if session in self._sessions:
                 self._sessions.move_to_end(session)
             self._routed[index] += 1
@@ -174,3 +184,9 @@ class RequestDispatcher:
         return EngineUnavailableError(
             f"no healthy replica among {len(self.replicas)}: {causes or 'all refused the request'}",
             reason="no_healthy_replica")
+
+
+def affinity_of(entry: Any, request: Any) -> Any:
+    """The request's affinity key (`Entry.affinity_key`; None for an entry without one)."""
+    key = getattr(entry, "affinity_key", None)
+    return key(request) if callable(key) else None

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 
 from phyai_ray.config.deployment import DeploymentConfig
 from phyai_ray.config.engine import EngineArgs
-from phyai_ray.dispatcher import RequestDispatcher
+from phyai_ray.dispatcher import RequestDispatcher, affinity_of
 from phyai_ray.engine_control import WAIT_GRACE_S, EngineControl
 from phyai_ray.executors.control import ControlReport
 from phyai_ray.errors import DeploymentConfigError, EngineUnavailableError
@@ -51,7 +51,8 @@ class Engine:
         self.mode: str = self.deployment.resolve_mode(self.topology.world_size)
         logger.info("phyai-ray engine: plugin=%s mode=%s replicas=%d topology: %s", self.entry.display_name(),
                     self.mode, self.deployment.replica_count, parallel.describe())
-        self._dispatcher = RequestDispatcher(create_replicas(self.mode, self.entry, args, self.deployment))
+        self._dispatcher = RequestDispatcher(create_replicas(self.mode, self.entry, args, self.deployment),
+                                             affinity_slack=self.deployment.affinity_slack)
         self._executors = self._dispatcher.replicas  # one list of `Replica`s, shared with the dispatcher
         self._close_lock, self._restart_lock = threading.Lock(), threading.Lock()
         self._closed = False
@@ -86,8 +87,9 @@ class Engine:
         self._check_open()
         request = checked(self.entry, request)
         key, size = self._batch_tags(request)
+        affinity = affinity_of(self.entry, request) if self.deployment.routing == "affinity" else None
         return self._dispatcher.submit(request, session, key=key, size=size, deadline=_deadline(deadline_s),
-                                       late=self._late(late))
+                                       late=self._late(late), affinity=affinity)
 
     def step(self, request: Any, timeout: float | None = None, session: Any = None, *,
              deadline_s: float | None = None, late: str | None = None) -> Any:

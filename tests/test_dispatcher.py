@@ -520,3 +520,29 @@ def test_a_session_sticks_to_its_replica_while_it_serves():
     for key in ("s2", "s3"):
         d.submit("x", session=key)
     assert "episode-1" not in d._sessions and list(d._sessions) == ["s2", "s3"]  # bounded LRU
+
+
+def test_an_affinity_key_keeps_its_replica_within_the_slack_and_moves_past_it():
+    """routing="affinity" (stand-in replicas): the 8 samples of a prompt go where its first went while that
+    replica holds at most `affinity_slack` more unfinished requests than the least loaded; past it the key
+    moves to the least loaded one (and stays there). Keys of other prompts spread by load as usual."""
+    replicas = [FlappingReplica(i) for i in range(3)]
+    d = RequestDispatcher(replicas, affinity_slack=2)
+    first = d.submit("p0", affinity=(1, 2, 3))
+    home = next(i for i, r in enumerate(replicas) if r.accepted)
+    for k in range(2):  # two more of the same prompt: home holds 3, the others 0 -> 3 > 0 + 2 on the next
+        d.submit(f"p0-{k}", affinity=(1, 2, 3))
+    assert [len(r.accepted) for r in replicas][home] == 3
+    moved = d.submit("p0-3", affinity=(1, 2, 3))
+    new_home = next(i for i, r in enumerate(replicas) if moved in r.accepted)
+    assert new_home != home and d.load(new_home) == 1
+    d.submit("p0-4", affinity=(1, 2, 3))
+    assert len(replicas[new_home].accepted) == 2  # the key followed the move
+    for r in replicas:  # everything finishes: loads back to 0; the key's replica is the newest home
+        for f in r.accepted:
+            f.set_result(None)
+    assert [d.load(i) for i in range(3)] == [0, 0, 0] and first.done()
+    others = [d.submit(f"q{k}", affinity=("other", k)) for k in range(3)]  # distinct keys: one per replica
+    assert sorted(sum(f in r.accepted for f in others) for r in replicas) == [1, 1, 1]
+    with pytest.raises(TypeError):
+        d.submit("x", affinity=["unhashable"])

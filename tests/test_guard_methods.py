@@ -18,7 +18,7 @@ def _app() -> FastAPI:
     async def step(body: dict) -> dict:
         return {"result": body}
 
-    api.add_middleware(EdgeGuard, api_key="k", max_body_bytes=1 << 20)
+    api.add_middleware(EdgeGuard, keys={"k": "default"}, max_body_bytes=1 << 20)
     return api
 
 

@@ -61,3 +61,25 @@ def test_tp2_follows_an_update_by_transformers_names(ray_session, tmp_path) -> N
         after = engine.step({"prompts": [PROMPTS[0]], "max_tokens": TOKENS})[0]
     assert after.weight_version == 7 and after.token_ids != before.token_ids
     assert_matches(after, reference(model, PROMPTS[0], TOKENS))
+
+
+def test_affinity_routing_keeps_each_prompts_samples_on_one_replica(ray_session, tmp_path) -> None:
+    """GRPO's shape on 2 replicas (Ray, one rank each): 4 prompts x 8 samples sent at once. With
+    routing="affinity" every prompt's 8 samples share a replica (so its prefix is computed there once) and
+    the prompts spread 2 and 2; with the default routing they scatter over both. Tokens equal either way."""
+    folder = write_checkpoint(tmp_path / "qwen2", "qwen2")
+    prompts = [[(11 * i + j) % 200 + 3 for j in range(40)] for i in range(4)]
+    requests = [{"prompts": [p], "max_tokens": 4} for p in prompts for _ in range(8)]
+    placed, tokens = {}, {}
+    for routing in ("affinity", "least_loaded"):
+        deployment = DeploymentConfig(mode="local", replica_count=2, cpus_per_rank=0.5, routing=routing,
+                                      affinity_slack=16)
+        with Engine(EngineArgs(plugin="hf_causal_lm", plugin_args={"model": str(folder)},
+                               config=EngineConfig(device=DeviceConfig(target="cpu"))), deployment) as engine:
+            futures = [engine.submit(r) for r in requests]
+            tokens[routing] = [f.result(timeout=120)[0].token_ids for f in futures]
+            placed[routing] = [{futures[8 * i + k].replica for k in range(8)} for i in range(4)]
+    assert all(len(replicas) == 1 for replicas in placed["affinity"]), placed
+    assert sorted(next(iter(r)) for r in placed["affinity"]) == [0, 0, 1, 1], placed
+    assert any(len(replicas) == 2 for replicas in placed["least_loaded"]), placed
+    assert tokens["affinity"] == tokens["least_loaded"]

@@ -75,7 +75,8 @@ def test_a_session_that_opens_on_a_failed_group_is_answered_by_a_healthy_one() -
     from phyai_ray.serve.protocols.openpi import add_openpi_route, pack, unpack
 
     group, api = FailedGroup(), FastAPI()
-    add_openpi_route(api, group, SimpleNamespace(api_key=None, max_tensor_bytes=1 << 20, overload_status=503))
+    add_openpi_route(api, group, SimpleNamespace(key_table=lambda: None, max_tensor_bytes=1 << 20,
+                                                     overload_status=503))
     with TestClient(api).websocket_connect("/v1/openpi") as ws:
         assert unpack(ws.receive_bytes(), 1 << 20) == {"action_horizon": 4}
         for _ in range(2):  # the session goes on: every frame forwarded

@@ -150,6 +150,13 @@ class DeploymentConfig(ConfigModel):
         "spec for one replica). None reserves a placement group per replica.")
     ray_init_kwargs: dict[str, Any] | None = Field(
         None, description="Extra ray.init() arguments used when the engine starts or joins Ray (local mode).")
+    routing: Literal["least_loaded", "affinity"] = Field(
+        "least_loaded", description="How the engine picks a replica: the fewest routed, unfinished requests; or "
+        "'affinity': requests with the same Entry.affinity_key (e.g. the samples of one prompt) go to the replica "
+        "the key last used while it holds at most affinity_slack more than the least loaded one.")
+    affinity_slack: int = Field(
+        4, ge=0, le=1 << 20, description="routing='affinity': how many more routed, unfinished requests a key's "
+        "replica may hold than the least loaded one before the key moves.")
 
     @field_validator("devices")
     @classmethod

@@ -61,6 +61,12 @@ class Entry:
         """How many samples `request` carries (counted against `max_batch_size`); runs in the dispatcher."""
         return 1
 
+    def affinity_key(self, request: Any) -> Any:
+        """What requests that should share a replica have in common (a prompt's leading tokens: its
+        cached prefix), hashable; None: none. Read by the dispatcher with `DeploymentConfig.routing =
+        "affinity"`, after `validate_request`. Default: None."""
+        return None
+
     def sequences(self, request: Any) -> list[Any]:
         """Plugins with the iteration protocol: the request's sequences (`plugins.iteration.SequenceSpec`),
         batched per iteration with every other request's; runs in the dispatcher. Not overridden: the

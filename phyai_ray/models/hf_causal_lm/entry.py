@@ -25,6 +25,8 @@ from phyai_ray.plugins.entry import Entry
 from phyai_ray.plugins.iteration import SequenceSpec
 from phyai_ray.plugins.registry import register_plugin
 
+AFFINITY_TOKENS = 128  # the prompt's leading ids that name its replica under routing="affinity"
+
 
 @register_plugin
 class HFCausalLMEntry(Entry):
@@ -91,6 +93,12 @@ class HFCausalLMEntry(Entry):
         """The request checked and its text tokenized, once: what `sequences`, `gather` and the ranks
         receive. An unseeded request gets its fresh seed here, so every rank samples alike."""
         return self._parsed(request).seeded()
+
+    def affinity_key(self, request: Any) -> tuple[int, ...]:
+        """The first prompt's leading AFFINITY_TOKENS ids (routing="affinity"): the samples of one prompt, or
+        requests behind one system prompt, go to the replica that holds its cached prefix."""
+        prompts = self._parsed(request).prompts
+        return tuple(prompts[0][:AFFINITY_TOKENS]) if prompts else ()
 
     def admission(self, batching: Any) -> KVBlocks:
         """vLLM's admission: up to max_num_seqs running, and a waiting sequence joins only when its prompt
