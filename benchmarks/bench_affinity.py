@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results  # noqa: E402
-from benchmarks.loadgen import machine, quantile  # noqa: E402
+from benchmarks.results import machine, quantile  # noqa: E402
 
 
 def run(folder: Path, routing: str, requests: list[dict], slack: int) -> dict:

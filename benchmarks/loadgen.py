@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -47,6 +45,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import results  # noqa: E402
+from benchmarks.results import machine, quantile  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -145,13 +144,6 @@ def run(trace: list[Arrival], send: Callable[[Arrival], Future], classes: list[R
         if not done.acquire(timeout=max(ends - time.perf_counter(), 0.001)):
             raise TimeoutError(f"loadgen: answers still missing {timeout_s} s after the trace ended")
     return outcomes
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 def report(outcomes: list[Outcome], classes: list[RequestClass], seconds: float) -> dict[str, dict[str, Any]]:
@@ -288,15 +280,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                        slo_s=next(c.slo_s for c in classes if c.name == o.arrival.cls))
     results.write(opts.json, f"goodput_{opts.preset}", f"{machine()}; preset {opts.preset}, seed {opts.seed}")
     return table
-
-
-def machine() -> str:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return f"{platform.platform()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__} " \
-           f"({torch.get_num_threads()} intra-op threads)"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
+import platform
 from typing import Any
 
 _TABLES: dict[str, list[dict[str, Any]]] = {}
@@ -49,3 +51,24 @@ def write(path: str | None, benchmark: str, machine: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"results written to {target}", flush=True)
+
+
+def machine() -> str:
+    """The machine a benchmark ran on: platform, CPU model, cores, torch and its intra-op threads (the
+    defaults a user gets unless the script set them). Imports no Ray."""
+    import torch
+
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   cpu)
+    return f"{platform.platform()}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__} " \
+           f"({torch.get_num_threads()} intra-op threads)"
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile of `values` (the value at rank q x n of the sorted list); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

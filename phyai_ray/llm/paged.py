@@ -184,9 +184,8 @@ class PagedSequences:
         sequences need for their pending tokens (a preempted one: its whole history), and those tokens."""
         size, need, tokens = self.pool.block_size, 0, 0
         for seq in self.running:
-            pending = len(seq.pending)
-            need += max(-(-(seq.cached + pending) // size) - len(seq.blocks), 0)
-            tokens += pending
+            need += max(blocks_for(seq.cached + len(seq.pending), size) - len(seq.blocks), 0)
+            tokens += len(seq.pending)
         for seq in self.waiting:
             need += blocks_for(seq.cached + len(seq.pending), size)
             tokens += len(seq.pending)

@@ -88,8 +88,8 @@ def agree_admissions(model: Any, admit: tuple, failed: dict[int, BaseException],
     `failed` gains the sequences that failed on another rank (dropped here), with errors alike on every rank."""
     from phyai_ray.collectives import P
 
-    world = P.size("world")
-    if world == 1 or not admit:
+    world = P.size("world") if admit else 1
+    if world == 1:
         return
     import torch
 

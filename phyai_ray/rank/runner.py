@@ -149,7 +149,8 @@ class RankRunner:
             for ident in plan.recompute:
                 model.recompute(ident)
             failed = admit_each(model, plan.admit)  # a sequence whose admit raised fails alone (rank/failures.py)
-            agree_admissions(model, plan.admit, failed, self.ctx.device)  # ... on every rank alike
+            if self.ctx.world_size > 1 and plan.admit:  # ... on every rank alike
+                agree_admissions(model, plan.admit, failed, self.ctx.device)
             if plan.pause or plan.resume:
                 self._take_turns(plan)
             planned = time.perf_counter()
